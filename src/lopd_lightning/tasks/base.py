@@ -1,0 +1,189 @@
+"""The Task protocol: what a new task implements.
+
+A task is a set of examples, the student's first messages for each, an environment that answers the
+student's replies, and a reward in [0, 1]. Single-turn tasks only implement :meth:`Task.score`;
+multi-turn tasks override :meth:`Task.start` and return their own :class:`Episode`.
+
+Messages follow the chat-template convention of transformers: ``{"role": "system" | "user" |
+"assistant" | "tool", "content": str}``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Message = dict[str, Any]
+Split = Literal["train", "val", "all"]
+SPLITS: tuple[str, ...] = ("train", "val", "all")
+
+#: Characters of a tool result kept in an experience's observation-lite trace.
+TRACE_RESULT_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Example:
+    """One task instance.
+
+    Attributes:
+        id: unique, stable identifier (e.g. ``"HumanEval/3"``, ``"live_simple_12-3-1"``).
+        text: the task as a user would state it; what the experience bank embeds and retrieves by.
+        data: task-specific payload (tests, ground truth, tool schemas, initial environment config).
+    """
+
+    id: str
+    text: str
+    data: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass
+class StepResult:
+    """What the environment answers to one assistant reply.
+
+    Attributes:
+        messages: new messages to append after the reply (tool results, the user's next turn);
+            empty when the episode is done.
+        done: True when the episode has ended; :meth:`Episode.reward` is then final.
+        info: free-form diagnostics (e.g. ``{"error": "..."}`` for a failed tool call).
+    """
+
+    messages: list[Message]
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Episode(abc.ABC):
+    """A live environment for one example. Created by :meth:`Task.start`."""
+
+    @abc.abstractmethod
+    def step(self, reply: str) -> StepResult:
+        """Feed one assistant reply (decoded text, no special tokens); return the observation."""
+
+    @abc.abstractmethod
+    def reward(self) -> float:
+        """The trajectory's reward in [0, 1]; callable at any time, final once ``done``."""
+
+
+class SingleTurnEpisode(Episode):
+    """One reply, scored by :meth:`Task.score`; done after the first step."""
+
+    def __init__(self, task: Task, example: Example):
+        self.task, self.example = task, example
+        self._reward: float | None = None
+
+    def step(self, reply: str) -> StepResult:
+        if self._reward is not None:
+            raise RuntimeError(f"episode of {self.example.id!r} is done; start a new one")
+        self._reward = float(self.task.score(self.example, reply))
+        return StepResult(messages=[], done=True)
+
+    def reward(self) -> float:
+        return 0.0 if self._reward is None else self._reward
+
+
+class Task(abc.ABC):
+    """Base class of every task. Subclass it and implement the abstract methods.
+
+    ``examples(split)`` must be deterministic: the same list in the same order on every call and
+    machine (splits are fixed by a seeded permutation of the ids, documented by each task).
+    """
+
+    #: registry name (``get_task(name)``).
+    name: str = "task"
+    #: True when the environment answers with tool results or further user turns.
+    multi_turn: bool = False
+
+    @abc.abstractmethod
+    def examples(self, split: Split = "train") -> list[Example]:
+        """The examples of ``split`` ("train", "val" or "all"), deterministic.
+
+        Raises:
+            ValueError: unknown split.
+        """
+
+    @abc.abstractmethod
+    def initial_messages(self, example: Example) -> list[Message]:
+        """The student's first messages (system and/or user) for ``example``."""
+
+    def tools(self, example: Example) -> list[dict[str, Any]] | None:
+        """JSON schemas of the tools the chat template should show, or None (no tools)."""
+        return None
+
+    @abc.abstractmethod
+    def reference_solution(self, example: Example) -> str:
+        """The ground truth written as the assistant would write it (OPSD's privileged context).
+
+        For multi-turn tasks this is the replies of :meth:`reference_replies` joined by blank lines.
+        """
+
+    def reference_replies(self, example: Example) -> list[str]:
+        """The assistant replies that replay the ground truth through :meth:`start`'s episode.
+
+        Single-turn tasks: ``[reference_solution(example)]``. Multi-turn tasks override this.
+        """
+        return [self.reference_solution(example)]
+
+    def score(self, example: Example, completion: str) -> float:
+        """Reward in [0, 1] of one assistant reply (single-turn tasks). Never raises on bad text."""
+        raise NotImplementedError(f"{type(self).__name__} is multi-turn: use start(example).step(...)")
+
+    def start(self, example: Example) -> Episode:
+        """A fresh environment for ``example``. Single-turn tasks get a :class:`SingleTurnEpisode`."""
+        return SingleTurnEpisode(self, example)
+
+    def experience_text(self, example: Example, messages: list[Message]) -> str:
+        """The text of an experience for the bank: the task and an observation-lite trace.
+
+        The trace keeps every assistant action whole and the first ``TRACE_RESULT_CHARS`` characters of
+        each tool result; system and initial user messages are left out (the task text stands for
+        them). Source: METHOD.md section 2 ("observation-lite" trajectories).
+        """
+        n_initial = len(self.initial_messages(example))
+        lines = []
+        for message in messages[n_initial:]:
+            role, content = message["role"], str(message.get("content") or "")
+            if role == "tool":
+                short = content if len(content) <= TRACE_RESULT_CHARS else content[:TRACE_RESULT_CHARS] + "..."
+                lines.append(f"[result] {short}")
+            elif role == "user":
+                lines.append(f"[user] {content}")
+            elif role == "assistant":
+                lines.append(f"[action] {content}")
+        return f"Task:\n{example.text}\n\nTrajectory:\n" + "\n".join(lines)
+
+    def check_split(self, split: str) -> None:
+        """Raise ValueError unless ``split`` is one of ``SPLITS``."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r} for task {self.name!r}; use one of {SPLITS}")
+
+
+def split_examples(examples: list[Example], split: str, *, val_fraction: float, seed: int = 0) -> list[Example]:
+    """Deterministic train/val split by a seeded permutation of the examples' order.
+
+    Args:
+        examples: all examples, in a fixed order (e.g. the dataset's file order).
+        split: "train", "val" or "all".
+        val_fraction: fraction in (0, 1) of the examples that go to "val" (rounded up, at least 1).
+        seed: seed of the permutation; the same seed gives the same split on every machine.
+
+    Returns:
+        The split's examples, in the original order.
+
+    Raises:
+        ValueError: unknown split or val_fraction outside (0, 1).
+    """
+    import math
+    import random
+
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+    if split == "all":
+        return list(examples)
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_val = min(len(examples), max(1, math.ceil(val_fraction * len(examples))))
+    val = set(order[:n_val])
+    return [ex for i, ex in enumerate(examples) if (i in val) == (split == "val")]
