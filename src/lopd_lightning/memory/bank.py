@@ -1,0 +1,561 @@
+"""The experience bank: past (task, trace, reward) records and exact cosine retrieval with FAISS.
+
+METHOD.md section 2: entries are (task text x_i, observation-lite trace tau_i, reward); retrieval is a
+text embedder with unit-normalised vectors and a FAISS ``IndexFlatIP`` (exact cosine), top-J (J = 3);
+a task does not retrieve its own records unless asked (the paper's code allows it: a switch, default
+off). The paper freezes the bank after building it offline; the project may also refresh it online
+(``add`` with a ``capacity`` and an eviction rule, driven by a callback).
+
+Choices (documented once here, repeated where they act):
+
+* What is embedded: ``embed_field="task"`` (default) embeds ``task_text`` only, so retrieval is by
+  task similarity, matching queries that are task texts. ``"task_and_trace"`` embeds
+  ``task_text + "\\n\\n" + trace``. Queries are always embedded as given.
+* De-duplication: a record whose (task_id, trace) equals one in the bank or earlier in the same call is
+  skipped. An evicted record may be added again later.
+* Eviction (when ``len > capacity`` after an ``add``): ``"lowest_reward"`` drops the lowest rewards
+  first, ties broken oldest first; ``"oldest"`` drops the oldest first. Age is ``(step, insertion
+  order)``: a smaller ``Experience.step`` is older, equal steps fall back to the order of insertion.
+  New records can be evicted by the same rule as old ones.
+* Missing results: index -1, id -1, score -1.0 (the smallest cosine; use ``num_found`` or
+  ``indices >= 0`` as the mask, never the score). No nan or inf.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import faiss
+import numpy as np
+import torch
+
+from lopd_lightning.memory.embed import TextEmbedder, embed_texts
+
+__all__ = ["Experience", "ExperienceBank", "SearchResult"]
+
+log = logging.getLogger(__name__)
+
+EvictionRule = Literal["oldest", "lowest_reward"]
+EmbedField = Literal["task", "task_and_trace"]
+
+#: Missing entries of ``SearchResult.scores``.
+MISSING_SCORE = -1.0
+#: Largest k that FAISS GPU indexes accept in one search; larger over-fetches are done in NumPy (exact).
+_GPU_MAX_K = 2048
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Experience:
+    """One record of the bank (frozen: the bank hands out the same objects in search results).
+
+    Attributes:
+        task_id: identifies the task; records of the querying task are excluded from its retrieval.
+        task_text: the task prompt x_i (what is embedded by default).
+        trace: the observation-lite trajectory tau_i (actions and short results), as text.
+        reward: r(tau_i), usually in [0, 1]; must be finite.
+        step: the training step (or any monotone clock) at which it was added; defines age for eviction.
+    """
+
+    task_id: str
+    task_text: str
+    trace: str
+    reward: float
+    step: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain ``{task_id, task_text, trace, reward, step}`` (str, str, str, float, int)."""
+        return {
+            "task_id": str(self.task_id),
+            "task_text": str(self.task_text),
+            "trace": str(self.trace),
+            "reward": float(self.reward),
+            "step": int(self.step),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Experience:
+        """Inverse of :meth:`to_dict` (extra keys, such as ``id``, are ignored)."""
+        return cls(
+            task_id=str(data["task_id"]),
+            task_text=str(data["task_text"]),
+            trace=str(data["trace"]),
+            reward=float(data["reward"]),
+            step=int(data.get("step", 0)),
+        )
+
+
+@dataclass
+class SearchResult:
+    """Top-k retrieval for a batch of B queries.
+
+    Attributes:
+        indices: (B, k) int64, positions in ``bank.records`` at search time, best first; -1 where missing.
+            Positions change when the bank evicts; use ``ids`` to refer to records across time.
+        ids: (B, k) int64, stable record ids (``bank.ids``), -1 where missing.
+        scores: (B, k) float32 cosine similarities, best first; -1.0 where missing (not a mask: a found
+            record can also score -1.0).
+        experiences: B lists of the found :class:`Experience` records, best first (length ``num_found[b]``).
+        num_found: (B,) int64, how many of the k slots are filled.
+    """
+
+    indices: np.ndarray
+    ids: np.ndarray
+    scores: np.ndarray
+    experiences: list[list[Experience]] = field(default_factory=list)
+    num_found: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+class ExperienceBank:
+    """Records of past experiences with an exact cosine index over their embeddings.
+
+    Args:
+        embedder: a :class:`~lopd_lightning.memory.embed.TextEmbedder` (used for records and queries).
+        capacity: most records kept; None = unbounded (the paper's frozen bank).
+        eviction: ``"lowest_reward"`` (ties -> oldest first) or ``"oldest"``; age is ``(step, insertion
+            order)``.
+        allow_self_retrieval: let a query retrieve records with its own ``task_id`` (the paper's code
+            does; default off, METHOD.md section 2).
+        min_reward: ``add`` skips experiences whose reward is below this (the paper keeps successful
+            rollouts only: set it to the success threshold, e.g. 1.0 for code). Default 0.0 keeps all.
+        embed_field: ``"task"`` embeds ``task_text`` (retrieval by task similarity), ``"task_and_trace"``
+            embeds ``task_text + "\\n\\n" + trace``.
+        use_gpu: put the FAISS index on GPU 0. None: when ``faiss.get_num_gpus() > 0``.
+
+    Raises:
+        ValueError: invalid capacity, eviction or embed_field; ``use_gpu=True`` without a FAISS GPU build.
+
+    The index is a ``faiss.IndexFlatIP`` whose row i is record i. ``add`` appends to it; eviction
+    rebuilds it from the kept embeddings (a flat index has no cheap delete; a rebuild is simple and exact).
+    """
+
+    def __init__(
+        self,
+        embedder: TextEmbedder,
+        *,
+        capacity: int | None = None,
+        eviction: EvictionRule = "lowest_reward",
+        allow_self_retrieval: bool = False,
+        min_reward: float = 0.0,
+        embed_field: EmbedField = "task",
+        use_gpu: bool | None = None,
+    ) -> None:
+        if capacity is not None and int(capacity) < 1:
+            raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+        if eviction not in ("oldest", "lowest_reward"):
+            raise ValueError(f"eviction must be 'oldest' or 'lowest_reward', got {eviction!r}")
+        if embed_field not in ("task", "task_and_trace"):
+            raise ValueError(f"embed_field must be 'task' or 'task_and_trace', got {embed_field!r}")
+        num_gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+        if use_gpu and num_gpus == 0:
+            raise ValueError("use_gpu=True but FAISS sees no GPU (faiss-cpu build or no CUDA device)")
+        self.embedder = embedder
+        self.capacity = None if capacity is None else int(capacity)
+        self.eviction: EvictionRule = eviction
+        self.allow_self_retrieval = bool(allow_self_retrieval)
+        self.min_reward = float(min_reward)
+        self.embed_field: EmbedField = embed_field
+        self.use_gpu = num_gpus > 0 if use_gpu is None else bool(use_gpu)
+        self.dim = int(embedder.dim)
+        self._records: list[Experience] = []
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._embeddings = np.zeros((0, self.dim), dtype=np.float32)
+        self._keys: set[tuple[str, str]] = set()
+        self._task_counts: Counter[str] = Counter()
+        self._next_id = 0
+        self._total_added = 0
+        self._total_evicted = 0
+        self._gpu_resources: Any = None
+        self._last_warning = -math.inf
+        self._suppressed_warnings = 0
+        #: seconds between two "fewer than k" warnings (others go to DEBUG and are counted).
+        self.warning_interval_s = 60.0
+        self._index = self._new_index()
+
+    # ------------------------------------------------------------------ index
+    def _new_index(self) -> Any:
+        index = faiss.IndexFlatIP(self.dim)
+        if self.use_gpu:
+            if self._gpu_resources is None:
+                self._gpu_resources = faiss.StandardGpuResources()
+            index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
+        return index
+
+    def _rebuild_index(self) -> None:
+        self._index = self._new_index()
+        if len(self._records):
+            self._index.add(self._embeddings)
+
+    def _text_of(self, experience: Experience) -> str:
+        if self.embed_field == "task":
+            return experience.task_text
+        return f"{experience.task_text}\n\n{experience.trace}"
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        return embed_texts(self.embedder, texts)
+
+    # ------------------------------------------------------------------ accessors
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def records(self) -> list[Experience]:
+        """The stored experiences in insertion order (a new list; the records themselves are frozen)."""
+        return list(self._records)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """(N,) int64 stable ids of ``records`` (assigned in insertion order, never reused)."""
+        return self._ids.copy()
+
+    @property
+    def embeddings(self) -> np.ndarray:
+        """(N, dim) float32 unit rows, row i embeds ``records[i]`` (a copy)."""
+        return self._embeddings.copy()
+
+    @property
+    def embedder_name(self) -> str:
+        return str(self.embedder.name)
+
+    # ------------------------------------------------------------------ add / evict
+    def add(self, experiences: list[Experience]) -> int:
+        """Add experiences, then enforce ``capacity``.
+
+        Skipped: rewards below ``min_reward``, and exact duplicates on (task_id, trace) of a stored
+        record or of an earlier experience in the same call. The kept ones are embedded in one
+        ``embed`` call and appended; if the bank then exceeds ``capacity``, records are evicted by
+        the eviction rule (new ones included) and the index is rebuilt.
+
+        Args:
+            experiences: records to add (a single :class:`Experience` is accepted too).
+
+        Returns:
+            How many of ``experiences`` are in the bank after the call (not skipped, not evicted).
+
+        Raises:
+            ValueError: a reward is not finite.
+            EmbedderError: the embedder failed (the bank is left unchanged).
+        """
+        if isinstance(experiences, Experience):
+            experiences = [experiences]
+        fresh: list[Experience] = []
+        seen = set(self._keys)
+        for exp in experiences:
+            if not math.isfinite(float(exp.reward)):
+                raise ValueError(f"experience of task {exp.task_id!r} has a non-finite reward {exp.reward!r}")
+            if exp.reward < self.min_reward:
+                continue
+            key = (exp.task_id, exp.trace)
+            if key in seen:
+                continue
+            seen.add(key)
+            fresh.append(exp)
+        if not fresh:
+            return 0
+        vectors = self._embed([self._text_of(e) for e in fresh])  # [n, dim]; raises before any change
+        new_ids = np.arange(self._next_id, self._next_id + len(fresh), dtype=np.int64)
+        self._next_id += len(fresh)
+        self._records.extend(fresh)
+        self._ids = np.concatenate([self._ids, new_ids])
+        self._embeddings = np.ascontiguousarray(np.concatenate([self._embeddings, vectors]))
+        self._keys.update((e.task_id, e.trace) for e in fresh)
+        self._task_counts.update(e.task_id for e in fresh)
+        self._total_added += len(fresh)
+        self._index.add(vectors)
+        self._enforce_capacity()
+        return int(np.isin(new_ids, self._ids).sum())
+
+    def _eviction_order(self) -> list[int]:
+        """Positions sorted from first-to-evict to last."""
+        ids = self._ids.tolist()
+        if self.eviction == "oldest":
+            key = lambda i: (self._records[i].step, ids[i])  # noqa: E731
+        else:
+            key = lambda i: (self._records[i].reward, self._records[i].step, ids[i])  # noqa: E731
+        return sorted(range(len(self._records)), key=key)
+
+    def _enforce_capacity(self) -> int:
+        if self.capacity is None or len(self._records) <= self.capacity:
+            return 0
+        excess = len(self._records) - self.capacity
+        drop = set(self._eviction_order()[:excess])
+        keep = np.array([i for i in range(len(self._records)) if i not in drop], dtype=np.int64)
+        self._records = [self._records[i] for i in keep]
+        self._ids = self._ids[keep]
+        self._embeddings = np.ascontiguousarray(self._embeddings[keep])
+        self._keys = {(e.task_id, e.trace) for e in self._records}
+        self._task_counts = Counter(e.task_id for e in self._records)
+        self._total_evicted += excess
+        self._rebuild_index()
+        log.debug("bank evicted %d record(s) (%s); %d kept", excess, self.eviction, len(self._records))
+        return excess
+
+    def reembed(self) -> None:
+        """Recompute every embedding with the current embedder and rebuild the index.
+
+        Use after the embedder's weights changed under the same ``name`` (a trained backbone).
+
+        Raises:
+            EmbedderError: the embedder failed (the bank is left unchanged).
+        """
+        vectors = self._embed([self._text_of(e) for e in self._records])
+        self._embeddings = vectors
+        self._rebuild_index()
+
+    # ------------------------------------------------------------------ search
+    def _top(self, queries: np.ndarray, fetch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(B, dim) unit queries -> (B, fetch) scores and positions, best first (exact)."""
+        if self.use_gpu and fetch > _GPU_MAX_K:
+            sims = queries @ self._embeddings.T  # [B, N]
+            order = np.argsort(-sims, axis=1, kind="stable")[:, :fetch]
+            return np.take_along_axis(sims, order, axis=1).astype(np.float32), order.astype(np.int64)
+        scores, positions = self._index.search(queries, fetch)
+        return scores, positions
+
+    def _warn_missing(self, short: int, batch: int, k: int) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= self.warning_interval_s:
+            extra = f" ({self._suppressed_warnings} similar warnings suppressed)" if self._suppressed_warnings else ""
+            log.warning(
+                "experience bank (%d records) returned fewer than k=%d results for %d of %d queries%s",
+                len(self._records), k, short, batch, extra,
+            )
+            self._last_warning = now
+            self._suppressed_warnings = 0
+        else:
+            self._suppressed_warnings += 1
+            log.debug("bank: fewer than k=%d results for %d of %d queries", k, short, batch)
+
+    def search(self, task_ids: list[str], queries: list[str], k: int) -> SearchResult:
+        """Exact top-k records by cosine similarity of ``embed(query)`` with the stored embeddings.
+
+        Records whose ``task_id`` equals the query's are excluded unless ``allow_self_retrieval``; the
+        search over-fetches ``k + max_b (records of task b)`` and filters, so the result is the exact
+        top-k among the allowed records. When fewer than k are allowed (small or empty bank), the row
+        is padded (index -1, score -1.0), ``num_found`` says how many are real, and one warning is
+        logged for the call (at most one per ``warning_interval_s``; the rest at DEBUG).
+
+        Args:
+            task_ids: B task ids of the queries.
+            queries: B query texts (task texts), embedded with the bank's embedder.
+            k: results per query (J in the paper, 3).
+
+        Returns:
+            :class:`SearchResult` with (B, k) ``indices``/``ids`` int64, (B, k) ``scores`` float32,
+            ``experiences`` and (B,) ``num_found``.
+
+        Raises:
+            ValueError: ``k <= 0`` or ``task_ids`` and ``queries`` differ in length.
+            EmbedderError: the embedder failed on the queries.
+        """
+        k = int(k)
+        if k <= 0:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if len(task_ids) != len(queries):
+            raise ValueError(f"{len(task_ids)} task_ids but {len(queries)} queries")
+        batch = len(queries)
+        indices = np.full((batch, k), -1, dtype=np.int64)
+        ids = np.full((batch, k), -1, dtype=np.int64)
+        scores = np.full((batch, k), MISSING_SCORE, dtype=np.float32)
+        found: list[list[Experience]] = [[] for _ in range(batch)]
+        num_found = np.zeros(batch, dtype=np.int64)
+        if batch == 0:
+            return SearchResult(indices, ids, scores, found, num_found)
+        n = len(self._records)
+        if n > 0:
+            vectors = self._embed(list(queries))  # [B, dim]
+            own = [0 if self.allow_self_retrieval else self._task_counts.get(t, 0) for t in task_ids]
+            fetch = min(n, k + max(own))
+            top_scores, top_pos = self._top(vectors, fetch)  # [B, fetch]
+            for b, task in enumerate(task_ids):
+                j = 0
+                for score, pos in zip(top_scores[b].tolist(), top_pos[b].tolist()):
+                    if j == k:
+                        break
+                    if pos < 0:
+                        continue
+                    record = self._records[pos]
+                    if not self.allow_self_retrieval and record.task_id == task:
+                        continue
+                    indices[b, j] = pos
+                    ids[b, j] = self._ids[pos]
+                    scores[b, j] = score
+                    found[b].append(record)
+                    j += 1
+                num_found[b] = j
+        short = int((num_found < k).sum())
+        if short:
+            self._warn_missing(short, batch, k)
+        return SearchResult(indices, ids, scores, found, num_found)
+
+    # ------------------------------------------------------------------ state
+    def settings(self) -> dict[str, Any]:
+        """The constructor options (except the embedder) as plain Python values."""
+        return {
+            "capacity": self.capacity,
+            "eviction": self.eviction,
+            "allow_self_retrieval": self.allow_self_retrieval,
+            "min_reward": self.min_reward,
+            "embed_field": self.embed_field,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to restore the bank, in types ``torch.load(weights_only=True)`` accepts.
+
+        Returns:
+            ``{"version": 1, "records": [Experience dicts], "ids": (N,) int64 tensor, "embeddings":
+            (N, dim) float32 tensor, "embedder_name": str, "dim": int, "next_id": int, "settings": dict,
+            "counters": {"total_added", "total_evicted"}}``.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "records": [e.to_dict() for e in self._records],
+            "ids": torch.from_numpy(self._ids.copy()),
+            "embeddings": torch.from_numpy(self._embeddings.copy()),
+            "embedder_name": self.embedder_name,
+            "dim": self.dim,
+            "next_id": int(self._next_id),
+            "settings": self.settings(),
+            "counters": {"total_added": int(self._total_added), "total_evicted": int(self._total_evicted)},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore records and embeddings from :meth:`state_dict` (or :meth:`load`'s files).
+
+        The stored vectors are reused when they were made by an embedder of the same ``name``, with the
+        same ``embed_field`` and dimension; otherwise every record is re-embedded with the current
+        embedder (one ``embed`` call). This bank's own settings are kept (the stored ones are not
+        applied, so a config can change them on resume); ``capacity`` is enforced afterwards.
+
+        Args:
+            state: a dict from :meth:`state_dict`; ``embeddings``/``ids`` may be tensors or arrays.
+
+        Raises:
+            KeyError: a required entry is missing.
+            ValueError: lengths of records, ids and embeddings disagree.
+            EmbedderError: re-embedding failed (the bank is left unchanged).
+        """
+        records = [Experience.from_dict(r) for r in state["records"]]
+        n = len(records)
+        ids = state.get("ids")
+        ids = np.arange(n, dtype=np.int64) if ids is None else _as_numpy(ids).astype(np.int64).reshape(-1)
+        if ids.shape != (n,):
+            raise ValueError(f"state has {n} records but {ids.shape[0]} ids")
+        stored = state.get("embeddings")
+        stored = None if stored is None else _as_numpy(stored).astype(np.float32)
+        stored_field = state.get("settings", {}).get("embed_field", "task")
+        reuse = (
+            stored is not None
+            and state.get("embedder_name") == self.embedder_name
+            and stored_field == self.embed_field
+            and stored.shape == (n, self.dim)
+        )
+        if reuse:
+            vectors = np.ascontiguousarray(stored)
+        else:
+            if stored is not None and n:
+                log.info(
+                    "bank: re-embedding %d records (stored embedder %r, field %r; now %r, field %r)",
+                    n, state.get("embedder_name"), stored_field, self.embedder_name, self.embed_field,
+                )
+            vectors = self._embed([self._text_of(e) for e in records])
+        self._records = records
+        self._ids = ids
+        self._embeddings = vectors
+        self._keys = {(e.task_id, e.trace) for e in records}
+        self._task_counts = Counter(e.task_id for e in records)
+        self._next_id = max(int(state.get("next_id", 0)), int(ids.max()) + 1 if n else 0)
+        counters = state.get("counters", {})
+        self._total_added = int(counters.get("total_added", n))
+        self._total_evicted = int(counters.get("total_evicted", 0))
+        self._rebuild_index()
+        self._enforce_capacity()
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``experiences.jsonl`` (one record a line, with its ``id``), ``embeddings.npy`` ((N, dim)
+        float32) and ``meta.json`` (embedder name, dim, settings, counters) into ``folder`` (created).
+
+        Returns:
+            The folder.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "experiences.jsonl", "w", encoding="utf-8") as fh:
+            for rid, exp in zip(self._ids.tolist(), self._records):
+                fh.write(json.dumps({"id": rid, **exp.to_dict()}, ensure_ascii=False) + "\n")
+        np.save(folder / "embeddings.npy", self._embeddings)
+        meta = {
+            "version": _STATE_VERSION,
+            "embedder_name": self.embedder_name,
+            "dim": self.dim,
+            "size": len(self._records),
+            "next_id": int(self._next_id),
+            "settings": self.settings(),
+            "counters": {"total_added": int(self._total_added), "total_evicted": int(self._total_evicted)},
+        }
+        (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path, embedder: TextEmbedder, **settings: Any) -> ExperienceBank:
+        """Read a bank written by :meth:`save`.
+
+        Args:
+            folder: the folder of ``experiences.jsonl``, ``embeddings.npy``, ``meta.json``.
+            embedder: the embedder to use from now on; stored vectors are reused when its ``name``
+                matches the stored one, recomputed otherwise.
+            **settings: constructor options overriding the stored ones (``capacity``, ``eviction``, ...).
+
+        Raises:
+            FileNotFoundError: a file is missing.
+        """
+        folder = Path(folder)
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        with open(folder / "experiences.jsonl", encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        embeddings = np.load(folder / "embeddings.npy")
+        bank = cls(embedder, **{**meta.get("settings", {}), **settings})
+        bank.load_state_dict(
+            {
+                "records": rows,
+                "ids": np.array([r.get("id", i) for i, r in enumerate(rows)], dtype=np.int64),
+                "embeddings": embeddings,
+                "embedder_name": meta.get("embedder_name"),
+                "next_id": meta.get("next_id", 0),
+                "settings": meta.get("settings", {}),
+                "counters": meta.get("counters", {}),
+            }
+        )
+        return bank
+
+    def stats(self) -> dict[str, Any]:
+        """``{"size", "mean_reward" (0.0 when empty), "num_tasks", "capacity", "total_added",
+        "total_evicted"}`` as plain Python numbers (for logging)."""
+        rewards = [e.reward for e in self._records]
+        return {
+            "size": len(self._records),
+            "mean_reward": float(np.mean(rewards)) if rewards else 0.0,
+            "num_tasks": len(self._task_counts),
+            "capacity": self.capacity,
+            "total_added": int(self._total_added),
+            "total_evicted": int(self._total_evicted),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"ExperienceBank(size={len(self)}, embedder={self.embedder_name!r}, capacity={self.capacity}, "
+            f"eviction={self.eviction!r}, embed_field={self.embed_field!r}, gpu={self.use_gpu})"
+        )
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
