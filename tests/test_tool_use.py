@@ -277,7 +277,8 @@ def test_example_prompt_and_tools():
     schemas = json.loads(system["content"].split("<tools>")[1].split("</tools>")[0])
     assert schemas[0]["name"] == "math.factorial"
     assert schemas[0]["parameters"]["type"] == "object"
-    assert task.tools(example) == [{"type": "function", "function": schemas[0]}]
+    assert task.tools(example) is None
+    assert task.tool_schemas(example) == [{"type": "function", "function": schemas[0]}]
     assert task.reference_solution(example) == (
         '<tool_call>[{"name": "math.factorial", "arguments": {"number": 5}}]</tool_call>'
     )

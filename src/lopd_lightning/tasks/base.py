@@ -107,7 +107,11 @@ class Task(abc.ABC):
         """The student's first messages (system and/or user) for ``example``."""
 
     def tools(self, example: Example) -> list[dict[str, Any]] | None:
-        """JSON schemas of the tools the chat template should show, or None (no tools)."""
+        """Tool schemas for the chat template to render (its ``tools=`` argument), or None.
+
+        Return None when the task writes the tools into its own system message (the BFCL tasks do,
+        because SmolLM2's packaged template does not render tools), so they are not shown twice.
+        """
         return None
 
     @abc.abstractmethod

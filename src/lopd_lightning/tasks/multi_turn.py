@@ -288,7 +288,12 @@ class BFCLMultiTurnTask(Task):
         system = tools_system_text(self.system_prompt, example.data["functions"])
         return with_system(system, example.data["question"][0])
 
-    def tools(self, example: Example) -> list[dict[str, Any]]:
+    def tools(self, example: Example) -> None:
+        """None: the schemas are already in the system message, in SmolLM2's ``<tools>`` format (see
+        :meth:`tool_schemas`), so a chat template that renders tools must not show them a second time."""
+        return None
+
+    def tool_schemas(self, example: Example) -> list[dict[str, Any]]:
         """The involved classes' methods as JSON Schema tools (``{"type": "function", "function": ...}``)."""
         return [{"type": "function", "function": to_json_schema(f)} for f in example.data["functions"]]
 
