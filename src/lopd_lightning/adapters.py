@@ -1,0 +1,363 @@
+"""One shared backbone with named LoRA adapters: the student, the composer's encoder and the teacher.
+
+LOPD runs three roles on one causal LM (METHOD.md sections 3 and 4): the student pi_S (weights theta),
+the composer's encoder Enc_psi (the backbone with its own LoRA psi) and the self-teacher pi_theta_bar.
+Nothing is copied: :func:`prepare_backbone` wraps the model once with peft and gives it the adapters
+
+- ``"student"``: the student's LoRA, when the student is trained with LoRA; with a full-parameter student
+  there is no such adapter and the student is the base weights (adapters disabled);
+- ``"composer"``: the encoder's LoRA psi (rank 8, alpha 16, dropout 0 on q, k, v, o, gate, up, down);
+- ``"teacher_ema"``: added later by :class:`lopd_lightning.teacher.SelfTeacher` in ``ema`` mode.
+
+:func:`use_adapter` selects which one a forward pass sees. peft's own ``set_adapter`` /
+``enable_adapter_layers`` flip ``requires_grad`` (the active adapter becomes trainable, all others frozen);
+:func:`use_adapter` calls them and then puts every flag back, so the flags are what the caller set, during
+and after the context. Which parameters a pass may send gradients to is chosen separately with ``grads``:
+
+- ``"keep"`` (the student pass): the flags as they are;
+- ``"adapter"`` (the composer's encoder pass): only the active adapter's parameters keep their flags;
+  every other backbone parameter (base weights, other adapters) has ``requires_grad`` off *while the
+  forward runs*;
+- ``"none"`` (the teacher pass): every backbone parameter is off while the forward runs; gradients can
+  only reach the inputs (the latent tokens).
+
+Why turning ``requires_grad`` off during the forward is enough: autograd records the graph while the
+forward runs; a parameter that does not require grad at that moment is a constant of that graph, and
+the later ``backward()`` (after the context has restored the flag) gives it no gradient. This is what
+keeps a full-parameter student's base weights (which require grad for the student) free of gradients
+from the composer and teacher passes, without detaching or copying anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+STUDENT = "student"
+COMPOSER = "composer"
+TEACHER_EMA = "teacher_ema"
+
+#: Target modules of the default LoRAs (METHOD.md section 3): attention and MLP projections.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+GradMode = Literal["keep", "adapter", "none"]
+
+__all__ = [
+    "COMPOSER",
+    "LORA_TARGETS",
+    "STUDENT",
+    "TEACHER_EMA",
+    "adapter_names",
+    "adapter_parameters",
+    "base_parameters",
+    "composer_lora_parameters",
+    "copy_adapter",
+    "merged_student",
+    "default_lora_config",
+    "frozen",
+    "is_lora_student",
+    "parameter_storage",
+    "prepare_backbone",
+    "student_adapter_name",
+    "student_parameters",
+    "use_adapter",
+]
+
+
+def default_lora_config(
+    *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, target_modules: tuple[str, ...] = LORA_TARGETS
+) -> LoraConfig:
+    """A causal-LM LoRA config; the defaults are the composer's encoder LoRA (METHOD.md section 3).
+
+    Returns:
+        ``LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[q,k,v,o,gate,up,down], bias="none")``.
+    """
+    return LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=list(target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _as_lora_config(config: LoraConfig | dict[str, Any] | None, *, default: LoraConfig | None) -> LoraConfig | None:
+    if config is None:
+        return default
+    if isinstance(config, LoraConfig):
+        return config
+    if isinstance(config, dict):
+        kwargs = dict(config)
+        if "target_modules" in kwargs and isinstance(kwargs["target_modules"], tuple):
+            kwargs["target_modules"] = list(kwargs["target_modules"])
+        kwargs.setdefault("task_type", "CAUSAL_LM")
+        return LoraConfig(**kwargs)
+    raise TypeError(f"expected a LoraConfig, a dict of LoraConfig arguments or None, got {type(config).__name__}")
+
+
+def prepare_backbone(
+    model: nn.Module,
+    *,
+    student_lora: LoraConfig | dict[str, Any] | None,
+    composer_lora: LoraConfig | dict[str, Any] | None = None,
+) -> PeftModel:
+    """Wrap a causal LM once with the named adapters ``"student"`` (optional) and ``"composer"``.
+
+    Args:
+        model: a Hugging Face causal LM (not yet a ``PeftModel``). It is modified in place (LoRA layers are
+            injected) and becomes the base model of the returned ``PeftModel``: its weights are not copied.
+        student_lora: the student's LoRA (a ``LoraConfig`` or its keyword arguments), or ``None`` for a
+            full-parameter student: then there is no ``"student"`` adapter and the base weights keep the
+            ``requires_grad`` flags they had before wrapping (trainable, for the student).
+        composer_lora: the encoder's LoRA psi; ``None`` gives :func:`default_lora_config` (rank 8, alpha 16,
+            dropout 0, q/k/v/o/gate/up/down; METHOD.md section 3).
+
+    Returns:
+        The ``PeftModel``. Flags after the call: ``"student"`` and ``"composer"`` LoRA parameters trainable;
+        base weights frozen for a LoRA student, as before wrapping for a full student. The active adapter
+        is ``"student"`` (LoRA student) or ``"composer"`` with all adapters disabled (full student), so a
+        plain ``backbone(...)`` call is the student's forward either way.
+
+    Only plain LoRA layers are managed: a config with ``modules_to_save`` or trainable tokens would add
+    copies that this module counts as base weights (not supported).
+
+    Raises:
+        TypeError: ``model`` is already a ``PeftModel`` or a config has the wrong type.
+    """
+    if isinstance(model, PeftModel):
+        raise TypeError("prepare_backbone expects a plain model; it is already a PeftModel")
+    student_cfg = _as_lora_config(student_lora, default=None)
+    composer_cfg = _as_lora_config(composer_lora, default=default_lora_config())
+    base_flags = {id(p): p.requires_grad for p in model.parameters()}  # peft keeps these tensors as they are
+    if student_cfg is not None:
+        peft_model = get_peft_model(model, student_cfg, adapter_name=STUDENT)
+        peft_model.add_adapter(COMPOSER, composer_cfg)
+        peft_model.set_adapter(STUDENT)
+        for p in base_parameters(peft_model):
+            p.requires_grad_(False)
+    else:
+        peft_model = get_peft_model(model, composer_cfg, adapter_name=COMPOSER)
+        peft_model.base_model.disable_adapter_layers()
+        for p in base_parameters(peft_model):  # restore the flags the base weights had before peft froze them
+            p.requires_grad_(base_flags.get(id(p), True))
+    for name in adapter_names(peft_model):
+        for p in adapter_parameters(peft_model, name):
+            p.requires_grad_(True)
+    return peft_model
+
+
+def _tuner_layers(peft_model: nn.Module) -> list[BaseTunerLayer]:
+    return [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def adapter_names(peft_model: PeftModel) -> list[str]:
+    """Names of the adapters on the backbone, in insertion order (``peft_config`` keys)."""
+    return list(peft_model.peft_config.keys())
+
+
+def is_lora_student(peft_model: PeftModel) -> bool:
+    """True when the backbone has a ``"student"`` adapter (the student is LoRA-trained)."""
+    return STUDENT in peft_model.peft_config
+
+
+def student_adapter_name(peft_model: PeftModel) -> str | None:
+    """The adapter for the student's forward: ``"student"``, or ``None`` (base weights) for a full student."""
+    return STUDENT if is_lora_student(peft_model) else None
+
+
+def adapter_parameters(peft_model: nn.Module, name: str) -> list[nn.Parameter]:
+    """The parameters of adapter ``name`` (LoRA A/B, embedding A/B, DoRA magnitudes), in module order.
+
+    Found by walking the peft tuner layers and their ``adapter_layer_names`` dicts, so the order is the
+    same for two adapters of the same config (used to pair the student with its EMA).
+
+    Raises:
+        KeyError: no layer holds an adapter called ``name``.
+    """
+    params: list[nn.Parameter] = []
+    for layer in _tuner_layers(peft_model):
+        for layer_name in layer.adapter_layer_names:
+            holder = getattr(layer, layer_name, None)
+            if isinstance(holder, nn.ModuleDict) and name in holder:
+                params.extend(holder[name].parameters())
+            elif isinstance(holder, nn.ParameterDict) and name in holder:
+                params.append(holder[name])
+    if not params:
+        raise KeyError(f"the backbone has no adapter {name!r}; it has {list(getattr(peft_model, 'peft_config', {}))}")
+    return params
+
+
+def base_parameters(peft_model: nn.Module) -> list[nn.Parameter]:
+    """Every backbone parameter that belongs to no adapter (the base weights theta), deduplicated."""
+    adapter_ids: set[int] = set()
+    for layer in _tuner_layers(peft_model):
+        for layer_name in layer.adapter_layer_names:
+            holder = getattr(layer, layer_name, None)
+            if isinstance(holder, (nn.ModuleDict, nn.ParameterDict)):
+                adapter_ids.update(id(p) for p in holder.parameters())
+    return [p for p in peft_model.parameters() if id(p) not in adapter_ids]
+
+
+def student_parameters(peft_model: PeftModel) -> list[nn.Parameter]:
+    """The student's trainable weights: the ``"student"`` LoRA, or all base weights for a full student.
+
+    For a full student the list holds every base weight, whatever its flag; filter on ``requires_grad``
+    if some were frozen on purpose.
+    """
+    return adapter_parameters(peft_model, STUDENT) if is_lora_student(peft_model) else base_parameters(peft_model)
+
+
+def composer_lora_parameters(peft_model: PeftModel, name: str = COMPOSER) -> list[nn.Parameter]:
+    """The composer's encoder LoRA psi (adapter ``name``, default ``"composer"``)."""
+    return adapter_parameters(peft_model, name)
+
+
+@contextmanager
+def frozen(params: list[nn.Parameter] | Iterator[nn.Parameter]) -> Iterator[None]:
+    """Turn ``requires_grad`` off on ``params`` for the duration of the context, then restore each flag.
+
+    A forward pass run inside records those parameters as constants: the ``backward()`` that follows,
+    even after the context has closed, gives them no gradient.
+    """
+    saved = [(p, p.requires_grad) for p in params]
+    try:
+        for p, _ in saved:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
+
+def _current_state(peft_model: PeftModel) -> tuple[list[str], bool]:
+    layers = _tuner_layers(peft_model)
+    disabled = bool(layers) and all(layer.disable_adapters for layer in layers)
+    active = list(layers[0].active_adapters) if layers else [peft_model.active_adapter]
+    return active, disabled
+
+
+def _switch(peft_model: PeftModel, active: list[str] | str | None) -> None:
+    """Activate ``active`` (None: all adapters disabled). Flips requires_grad flags (peft does): restore after."""
+    if active is None:
+        peft_model.base_model.disable_adapter_layers()
+        return
+    names = [active] if isinstance(active, str) else list(active)
+    if len(names) == 1:
+        peft_model.set_adapter(names[0])
+    else:  # a multi-adapter state set by someone else: restore it as it was
+        peft_model.base_model.set_adapter(names)
+    _, disabled = _current_state(peft_model)
+    if disabled:
+        peft_model.base_model.enable_adapter_layers()
+
+
+@contextmanager
+def use_adapter(peft_model: PeftModel, name: str | None, *, grads: GradMode = "keep") -> Iterator[PeftModel]:
+    """Run the forward passes of the context under exactly one adapter (``None``: the base weights).
+
+    Args:
+        peft_model: the shared backbone from :func:`prepare_backbone`.
+        name: the adapter to activate, or ``None`` to disable all adapters.
+        grads: which parameters the passes inside may record for the backward (see the module docstring):
+            ``"keep"`` the current flags; ``"adapter"`` only the active adapter's parameters (with their
+            current flags; all other backbone parameters off); ``"none"`` no backbone parameter.
+
+    Yields:
+        ``peft_model``.
+
+    Every ``requires_grad`` flag is the same after the context as before it (peft's switching flips them;
+    they are put back right after each switch); a flag changed inside the context is reset on exit. The
+    previously active adapter (or the disabled state) is restored on exit, also on exceptions.
+
+    Raises:
+        ValueError: ``name`` is not an adapter of the backbone or ``grads`` is unknown.
+    """
+    if name is not None and name not in peft_model.peft_config:
+        raise ValueError(f"unknown adapter {name!r}; the backbone has {adapter_names(peft_model)}")
+    if grads not in ("keep", "adapter", "none"):
+        raise ValueError(f"grads must be 'keep', 'adapter' or 'none', got {grads!r}")
+    params = list(peft_model.parameters())
+    flags = [p.requires_grad for p in params]
+    prev_active, prev_disabled = _current_state(peft_model)
+    prev_peft_active = peft_model.active_adapter
+
+    def restore_flags() -> None:
+        for p, flag in zip(params, flags, strict=True):
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
+
+    try:
+        _switch(peft_model, name)
+        restore_flags()
+        if grads != "keep":
+            keep = {id(p) for p in adapter_parameters(peft_model, name)} if (grads == "adapter" and name) else set()
+            for p in params:
+                if id(p) not in keep and p.requires_grad:
+                    p.requires_grad_(False)
+        yield peft_model
+    finally:
+        _switch(peft_model, prev_active)
+        if prev_disabled:
+            _switch(peft_model, None)
+        peft_model.active_adapter = prev_peft_active
+        restore_flags()
+
+
+def parameter_storage(module: nn.Module) -> set[int]:
+    """The set of ``data_ptr()`` of every parameter (test helper: two modules share weights when these meet)."""
+    return {p.data_ptr() for p in module.parameters()}
+
+
+def copy_adapter(peft_model: PeftModel, source: str, target: str) -> list[nn.Parameter]:
+    """Add (or overwrite) adapter ``target`` with ``source``'s config and current weights, frozen.
+
+    Used for the warm-started composer's snapshot c_phi0 (LOPD's latent anchor): a second set of LoRA
+    weights on the same backbone, not a copy of the backbone. The active adapter and every other
+    parameter's ``requires_grad`` flag are left as they were.
+
+    Returns:
+        The target adapter's parameters (``requires_grad`` False), paired in order with ``source``'s.
+
+    Raises:
+        ValueError: ``source`` is not an adapter of the backbone.
+    """
+    if source not in peft_model.peft_config:
+        raise ValueError(f"unknown adapter {source!r}; the backbone has {adapter_names(peft_model)}")
+    if target not in peft_model.peft_config:
+        params = list(peft_model.parameters())
+        flags = [p.requires_grad for p in params]
+        prev_active, prev_disabled = _current_state(peft_model)
+        peft_model.add_adapter(target, peft_model.peft_config[source])
+        _switch(peft_model, prev_active)
+        if prev_disabled:
+            _switch(peft_model, None)
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
+    pairs = list(zip(adapter_parameters(peft_model, target), adapter_parameters(peft_model, source), strict=True))
+    for dst, src in pairs:
+        dst.requires_grad_(False)
+        dst.data.copy_(src.detach())
+    return [dst for dst, _ in pairs]
+
+
+def merged_student(peft_model: PeftModel) -> nn.Module:
+    """A standalone copy of the student: the base weights with the student LoRA merged, no other adapter.
+
+    The shared backbone is left untouched (the copy is made first). Ready for ``save_pretrained``.
+    """
+    import copy
+
+    clone = copy.deepcopy(peft_model)
+    for name in adapter_names(clone):
+        if name != STUDENT:
+            clone.delete_adapter(name)
+    if is_lora_student(clone):
+        clone.set_adapter(STUDENT)
+        return clone.merge_and_unload()
+    return clone.unload()

@@ -1,0 +1,463 @@
+"""The composer: retrieved experiences -> latent tokens c_phi (METHOD.md section 3).
+
+``c_phi = Comp_chi(Enc_psi(x, m_1), ..., Enc_psi(x, m_J))``:
+
+- the encoder Enc_psi is the *shared* backbone with its ``"composer"`` LoRA active (psi); it reads
+  :func:`experience_prompt` (``"Task to solve:\\n{x}\\n\\nReference past trajectory:\\n{m_j}"``) for each
+  retrieved experience and returns the last hidden states H_j (T_j x d): ``hidden_states[-1]`` of the
+  model output, which in transformers 5 is the output of the final norm (the same vectors the LM head
+  reads; checked in the tests);
+- the compressor Comp_chi is a Perceiver resampler (:class:`PerceiverResampler`) that turns each H_j
+  into K latent tokens, so J experiences give J*K latents of the backbone's hidden size d.
+
+The backbone is *not* a submodule of :class:`LatentComposer`: it is held in a plain tuple attribute,
+which ``nn.Module`` does not register. ``composer.parameters()`` and ``composer.state_dict()`` therefore
+hold only the resampler chi; the LoRA psi lives in the backbone (saved with it) and is reached with
+:meth:`LatentComposer.lora_parameters`. ``composer.to(device)`` moves only the resampler: the owner of the
+backbone (the LightningModule) moves the backbone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+from torch import Tensor, nn
+
+from lopd_lightning.adapters import COMPOSER, composer_lora_parameters, use_adapter
+
+__all__ = [
+    "ClipNorms",
+    "ComposerOutput",
+    "ExperienceBatch",
+    "LatentComposer",
+    "PerceiverResampler",
+    "clip_composer_grads",
+    "composer_parameter_groups",
+    "experience_prompt",
+]
+
+#: Clip norms of METHOD.md section 5 (composer cold start): 30 for the compressor, 3 for the LoRA.
+RESAMPLER_CLIP = 30.0
+LORA_CLIP = 3.0
+
+
+def experience_prompt(task_text: str, trace: str) -> str:
+    """The encoder's input for one retrieved experience (METHOD.md section 3).
+
+    Args:
+        task_text: x, the task to solve now.
+        trace: m_j, the observation-lite trace of a retrieved, solved task.
+
+    Returns:
+        ``"Task to solve:\\n{x}\\n\\nReference past trajectory:\\n{m_j}"``.
+    """
+    return f"Task to solve:\n{task_text}\n\nReference past trajectory:\n{trace}"
+
+
+class ExperienceBatch(NamedTuple):
+    """Tokenised experiences, right-padded.
+
+    Attributes:
+        input_ids: (B, J, T) long; pad id where ``attention_mask`` is 0.
+        attention_mask: (B, J, T) long {0, 1}; all zeros for a missing experience.
+        experience_mask: (B, J) bool, True where row b has a j-th experience.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    experience_mask: Tensor
+
+
+class ComposerOutput(NamedTuple):
+    """Latent tokens c_phi.
+
+    Attributes:
+        latents: (B, J*K, d) float, experience j of row b at ``[b, j*K:(j+1)*K]``; exactly 0 for missing
+            experiences.
+        latent_mask: (B, J*K) bool, False on the latents of missing experiences (drop them).
+    """
+
+    latents: Tensor
+    latent_mask: Tensor
+
+
+class ClipNorms(NamedTuple):
+    """Total gradient norms (before clipping) of the composer's two parameter groups."""
+
+    resampler: Tensor
+    lora: Tensor
+
+
+class _ResamplerBlock(nn.Module):
+    """One Perceiver block: queries attend over concat(media, queries), residual; feed-forward, residual."""
+
+    def __init__(self, d_model: int, *, num_heads: int, head_dim: int, ff_mult: int) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.norm_media = nn.LayerNorm(d_model)
+        self.norm_latents = nn.LayerNorm(d_model)
+        self.to_q = nn.Linear(d_model, inner, bias=False)
+        self.to_kv = nn.Linear(d_model, 2 * inner, bias=False)
+        self.to_out = nn.Linear(inner, d_model, bias=False)
+        self.ff = nn.Sequential(
+            nn.LayerNorm(d_model),
+            nn.Linear(d_model, ff_mult * d_model),
+            nn.GELU(),
+            nn.Linear(ff_mult * d_model, d_model),
+        )
+
+    def _heads(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        return x.view(n, t, self.num_heads, self.head_dim).transpose(1, 2)  # [N, h, t, hd]
+
+    def forward(self, latents: Tensor, media: Tensor, media_mask: Tensor) -> Tensor:
+        """latents (N, K, d), media (N, T, d) already normed, media_mask (N, T) bool -> (N, K, d)."""
+        n, k, _ = latents.shape
+        q_in = self.norm_latents(latents)
+        kv_in = torch.cat([media, q_in], dim=1)  # [N, T+K, d]
+        q = self._heads(self.to_q(q_in))
+        key, value = self.to_kv(kv_in).chunk(2, dim=-1)
+        key, value = self._heads(key), self._heads(value)
+        keep = torch.cat([media_mask, media_mask.new_ones(n, k)], dim=1)  # queries always visible
+        attn = F.scaled_dot_product_attention(q, key, value, attn_mask=keep[:, None, None, :])
+        attn = attn.transpose(1, 2).reshape(n, k, self.num_heads * self.head_dim)
+        latents = latents + self.to_out(attn)
+        return latents + self.ff(latents)
+
+
+class PerceiverResampler(nn.Module):
+    """Perceiver resampler Comp_chi: a variable-length sequence (T x d) -> K latent tokens (K x d).
+
+    K learned queries (init ``randn / sqrt(d)``), an input projection of the media (Linear d -> d), then
+    ONE block [pre-norm attention of the queries over concat(projected media, queries), residual;
+    feed-forward LayerNorm, Linear d -> ff_mult*d, GELU, Linear back, residual] applied ``depth`` times
+    (weights shared across depth: the parameter count does not depend on ``depth``), and an output
+    ``LayerNorm(proj_out(.))``. METHOD.md section 3; the block layout follows Flamingo's resampler.
+
+    Args:
+        d_model: d, the backbone's hidden size (input and output width).
+        num_latents: K, latent tokens per sequence (32 in the paper).
+        depth: how many times the shared block is applied (8 in the paper).
+        num_heads: attention heads (the backbone's).
+        head_dim: width of a head; ``d_model // num_heads`` when None (the backbone's ``head_dim``
+            where it has one: the attention's inner width is ``num_heads * head_dim``).
+        ff_mult: feed-forward expansion (4).
+        output_gain: initial weight of the output LayerNorm (1.0 = PyTorch's default; a smaller value
+            starts the latents closer to the scale of the backbone's token embeddings).
+
+    Raises:
+        ValueError: a size is not positive, or ``d_model`` is not divisible by ``num_heads`` when
+            ``head_dim`` is None.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        num_latents: int = 32,
+        depth: int = 8,
+        num_heads: int = 8,
+        head_dim: int | None = None,
+        ff_mult: int = 4,
+        output_gain: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if min(d_model, num_latents, depth, num_heads, ff_mult) <= 0:
+            raise ValueError("d_model, num_latents, depth, num_heads and ff_mult must be positive")
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
+            head_dim = d_model // num_heads
+        self.d_model = d_model
+        self.num_latents = num_latents
+        self.depth = depth
+        self.queries = nn.Parameter(torch.randn(num_latents, d_model) / math.sqrt(d_model))
+        self.proj_in = nn.Linear(d_model, d_model)
+        self.block = _ResamplerBlock(d_model, num_heads=num_heads, head_dim=head_dim, ff_mult=ff_mult)
+        self.proj_out = nn.Linear(d_model, d_model)
+        self.norm_out = nn.LayerNorm(d_model)
+        with torch.no_grad():
+            self.norm_out.weight.fill_(output_gain)
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        """Resample.
+
+        Args:
+            hidden: (N, T, d) float, the encoder's last hidden states.
+            mask: (N, T) bool or {0, 1}, 1 on real tokens (key padding mask).
+
+        Returns:
+            (N, K, d) float in the resampler's dtype.
+        """
+        hidden = hidden.to(self.proj_in.weight.dtype)
+        media = self.block.norm_media(self.proj_in(hidden))  # [N, T, d], normed once: the block is shared
+        mask = mask.bool()
+        latents = self.queries.unsqueeze(0).expand(hidden.shape[0], -1, -1)
+        for _ in range(self.depth):
+            latents = self.block(latents, media, mask)
+        return self.norm_out(self.proj_out(latents))
+
+
+class LatentComposer(nn.Module):
+    """Enc_psi (the shared backbone + ``"composer"`` LoRA) followed by Comp_chi (a Perceiver resampler).
+
+    Args:
+        backbone: the shared ``PeftModel`` from :func:`lopd_lightning.adapters.prepare_backbone`; held
+            without registration (see the module docstring), never copied.
+        tokenizer: the backbone's tokenizer (its pad id pads; its special tokens are added as for any
+            text, e.g. a BOS for Llama tokenizers, the EOS for ByT5).
+        num_latents: K per experience (32).
+        depth: resampler depth, weights shared (8).
+        num_heads: resampler heads; the backbone's ``num_attention_heads`` when None (head width from the
+            backbone's ``head_dim`` when it has one).
+        ff_mult: feed-forward expansion (4).
+        max_experience_tokens: each encoder input is truncated (on the right) to this many tokens.
+        adapter_name: the encoder's LoRA adapter on the backbone.
+        output_gain: initial gain of the resampler's output LayerNorm; ``"embedding"`` sets it to the RMS
+            of the backbone's input embeddings so that the initial latents have the scale of token
+            embeddings (the paper does not say; 1.0 is PyTorch's default).
+
+    Raises:
+        ValueError: ``adapter_name`` is not an adapter of the backbone.
+    """
+
+    def __init__(
+        self,
+        backbone: PeftModel,
+        tokenizer,
+        *,
+        num_latents: int = 32,
+        depth: int = 8,
+        num_heads: int | None = None,
+        ff_mult: int = 4,
+        max_experience_tokens: int = 512,
+        adapter_name: str = COMPOSER,
+        output_gain: float | str = 1.0,
+    ) -> None:
+        super().__init__()
+        if adapter_name not in backbone.peft_config:
+            raise ValueError(f"the backbone has no adapter {adapter_name!r}; use prepare_backbone first")
+        self._backbone = (backbone,)  # a tuple: nn.Module does not register it (no copy, no state_dict)
+        self.tokenizer = tokenizer
+        self.adapter_name = adapter_name
+        self.max_experience_tokens = max_experience_tokens
+        config = backbone.get_base_model().config
+        d = config.hidden_size
+        heads = num_heads if num_heads is not None else config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) if num_heads is None else None
+        if head_dim is None and d % heads:
+            raise ValueError(f"hidden size {d} is not divisible by num_heads {heads}")
+        if output_gain == "embedding":
+            with torch.no_grad():
+                weight = backbone.get_input_embeddings().weight
+                gain = float(weight.float().pow(2).mean().sqrt())
+        else:
+            gain = float(output_gain)
+        self.resampler = PerceiverResampler(
+            d, num_latents=num_latents, depth=depth, num_heads=heads, head_dim=head_dim, ff_mult=ff_mult,
+            output_gain=gain,
+        )
+
+    @property
+    def backbone(self) -> PeftModel:
+        """The shared backbone (not a submodule)."""
+        return self._backbone[0]
+
+    @property
+    def num_latents(self) -> int:
+        """K, latents per experience."""
+        return self.resampler.num_latents
+
+    @property
+    def hidden_size(self) -> int:
+        """d, the latents' width (the backbone's hidden size)."""
+        return self.resampler.d_model
+
+    def resampler_parameters(self) -> list[nn.Parameter]:
+        """chi: the resampler's parameters (what ``self.parameters()`` yields)."""
+        return list(self.resampler.parameters())
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        """psi: the encoder LoRA's parameters on the shared backbone."""
+        return composer_lora_parameters(self.backbone, self.adapter_name)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """phi = (psi, chi): resampler first, then LoRA."""
+        return self.resampler_parameters() + self.lora_parameters()
+
+    def lora_state_dict(self) -> dict[str, Tensor]:
+        """The encoder LoRA's weights (peft naming, adapter name stripped), e.g. to save the composer alone."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.backbone, adapter_name=self.adapter_name)
+
+    def tokenize_experiences(self, experiences: list[list[tuple[str, str]]]) -> ExperienceBatch:
+        """Tokenise the encoder inputs of each row's retrieved experiences.
+
+        Args:
+            experiences: B lists (one per task) of (task_text x, trace m_j) pairs; rows may hold fewer
+                experiences than the longest (J = the longest row's count; 0 allowed).
+
+        Returns:
+            :class:`ExperienceBatch` with (B, J, T) ids and mask (right padding, T = the longest encoder
+            input after truncation to ``max_experience_tokens``, at least 1) and the (B, J) experience mask.
+        """
+        batch = len(experiences)
+        num_exp = max((len(row) for row in experiences), default=0)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        encoded: list[list[list[int]]] = []
+        for row in experiences:
+            ids_row = []
+            for task_text, trace in row:
+                ids = self.tokenizer(
+                    experience_prompt(task_text, trace), truncation=True, max_length=self.max_experience_tokens
+                )["input_ids"]
+                ids_row.append(list(ids))
+            encoded.append(ids_row)
+        length = max((len(ids) for row in encoded for ids in row), default=1)
+        length = max(length, 1)
+        input_ids = torch.full((batch, num_exp, length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, num_exp, length), dtype=torch.long)
+        experience_mask = torch.zeros((batch, num_exp), dtype=torch.bool)
+        for b, row in enumerate(encoded):
+            for j, ids in enumerate(row):
+                input_ids[b, j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[b, j, : len(ids)] = 1
+                experience_mask[b, j] = len(ids) > 0
+        return ExperienceBatch(input_ids, attention_mask, experience_mask)
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Enc_psi: the backbone under the composer LoRA; (N, T) ids and mask -> (N, T, d) last hidden states.
+
+        Only psi can receive gradients from this pass (``use_adapter(..., grads="adapter")``): the base
+        weights (frozen, or trainable for a full-parameter student) and the student's LoRA are constants.
+        """
+        with use_adapter(self.backbone, self.adapter_name, grads="adapter"):
+            out = self.backbone(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                output_hidden_states=True,
+                use_cache=False,
+                logits_to_keep=1,  # the LM head is not needed: skip it on all but one position
+            )
+        return out.hidden_states[-1]
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, experience_mask: Tensor | None = None
+    ) -> ComposerOutput:
+        """c_phi for a batch of retrieved experiences.
+
+        Args:
+            input_ids: (B, J, T) long, from :meth:`tokenize_experiences` (right padding).
+            attention_mask: (B, J, T) {0, 1}.
+            experience_mask: (B, J) bool; when None, an experience is present where its mask has a 1.
+
+        Returns:
+            :class:`ComposerOutput`: latents (B, J*K, d) (zeros for missing experiences) and latent_mask
+            (B, J*K) bool. The encoder runs on the present experiences only, flattened to (N, T'), with
+            T' the longest present input.
+
+        Raises:
+            ValueError: the shapes do not agree.
+        """
+        if input_ids.dim() != 3 or input_ids.shape != attention_mask.shape:
+            raise ValueError(
+                f"expected (B, J, T) ids and mask, got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+            )
+        batch, num_exp, width = input_ids.shape
+        if experience_mask is None:
+            experience_mask = attention_mask.bool().any(dim=-1)
+        if experience_mask.shape != (batch, num_exp):
+            raise ValueError(f"experience_mask must be {(batch, num_exp)}, got {tuple(experience_mask.shape)}")
+        device = self.resampler.queries.device
+        k, d = self.num_latents, self.hidden_size
+        present_flat = experience_mask.to(device).bool().reshape(-1)  # [B*J]
+        flat_ids = input_ids.reshape(batch * num_exp, width).to(device)
+        flat_mask = attention_mask.reshape(batch * num_exp, width).to(device)
+        present_flat = present_flat & flat_mask.bool().any(dim=-1)
+        latents = self.resampler.queries.new_zeros(batch * num_exp, k, d)  # [B*J, K, d]
+        rows = present_flat.nonzero().squeeze(-1)
+        if rows.numel() > 0:
+            ids, mask = flat_ids[rows], flat_mask[rows]
+            used = mask.bool().any(dim=0)  # drop the columns that are padding in every present row
+            ids, mask = ids[:, used], mask[:, used]
+            hidden = self.encode(ids, mask)  # [N, T', d]
+            out = self.resampler(hidden, mask)  # [N, K, d]
+            latents = latents.index_put((rows,), out.to(latents.dtype))
+        latents = latents.view(batch, num_exp * k, d)
+        latent_mask = present_flat.view(batch, num_exp).repeat_interleave(k, dim=1)
+        return ComposerOutput(latents, latent_mask)
+
+    def compose(self, experiences: list[list[tuple[str, str]]]) -> ComposerOutput:
+        """Tokenise and run: B lists of (task_text, trace) -> :class:`ComposerOutput`."""
+        batch = self.tokenize_experiences(experiences)
+        return self(batch.input_ids, batch.attention_mask, batch.experience_mask)
+
+
+def composer_parameter_groups(
+    composer: LatentComposer,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    resampler_clip: float = RESAMPLER_CLIP,
+    lora_clip: float = LORA_CLIP,
+    resampler_lr: float | None = None,
+) -> list[dict]:
+    """Optimizer parameter groups for phi: ``[resampler (chi), LoRA (psi)]``, each with its clip norm.
+
+    The extra keys ``name`` and ``clip_norm`` ride along in the groups (torch optimizers keep unknown
+    keys), so a training loop can clip each group with its own norm (or call :func:`clip_composer_grads`).
+
+    Args:
+        lr: learning rate of both groups (AdamW 1e-5 in the paper).
+        resampler_lr: a different rate for the resampler; ``lr`` when None.
+        resampler_clip: the compressor's clip norm (30, METHOD.md section 5).
+        lora_clip: the LoRA's clip norm (3).
+
+    Returns:
+        Two dicts with keys params, lr, weight_decay, name ("resampler" / "composer_lora"), clip_norm.
+    """
+    return [
+        {
+            "params": composer.resampler_parameters(),
+            "lr": lr if resampler_lr is None else resampler_lr,
+            "weight_decay": weight_decay,
+            "name": "resampler",
+            "clip_norm": resampler_clip,
+        },
+        {
+            "params": composer.lora_parameters(),
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "name": "composer_lora",
+            "clip_norm": lora_clip,
+        },
+    ]
+
+
+def clip_composer_grads(
+    composer: LatentComposer, *, resampler_clip: float = RESAMPLER_CLIP, lora_clip: float = LORA_CLIP
+) -> ClipNorms:
+    """Clip the resampler's and the LoRA's gradients, each group by its own total norm.
+
+    Args:
+        resampler_clip: max total L2 norm of chi's gradients (30).
+        lora_clip: max total L2 norm of psi's gradients (3).
+
+    Returns:
+        :class:`ClipNorms` with each group's total norm *before* clipping (0 when no gradient).
+
+    Source: METHOD.md section 5 (separate clip norms, 30 compressor, 3 LoRA).
+    """
+    chi = [p for p in composer.resampler_parameters() if p.grad is not None]
+    psi = [p for p in composer.lora_parameters() if p.grad is not None]
+    zero = composer.resampler.queries.new_zeros(())
+    chi_norm = torch.nn.utils.clip_grad_norm_(chi, resampler_clip) if chi else zero
+    psi_norm = torch.nn.utils.clip_grad_norm_(psi, lora_clip) if psi else zero.clone()
+    return ClipNorms(chi_norm, psi_norm)

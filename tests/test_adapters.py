@@ -1,0 +1,196 @@
+"""The shared backbone with named adapters: switching, requires_grad protection, gradient isolation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lopd_lightning.adapters import (
+    COMPOSER,
+    STUDENT,
+    adapter_names,
+    adapter_parameters,
+    base_parameters,
+    composer_lora_parameters,
+    default_lora_config,
+    parameter_storage,
+    prepare_backbone,
+    student_adapter_name,
+    student_parameters,
+    use_adapter,
+)
+from lopd_lightning.models import tiny_model
+
+STUDENT_LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+def perturb(peft_model, name: str, seed: int, scale: float = 0.5) -> None:
+    """Give adapter ``name`` non-zero LoRA B weights (peft initialises B to 0: no effect until trained)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter_parameters(peft_model, name):
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def ids(batch: int = 2, length: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 259, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def flags(model) -> dict[str, bool]:
+    return {n: p.requires_grad for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def lora_backbone():
+    model = tiny_model()
+    reference = model(ids()).logits.detach()
+    pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=None)
+    perturb(pm, STUDENT, 1)
+    perturb(pm, COMPOSER, 2)
+    return pm, reference
+
+
+@pytest.fixture
+def full_backbone():
+    model = tiny_model()
+    pm = prepare_backbone(model, student_lora=None, composer_lora=default_lora_config(r=4, lora_alpha=8))
+    perturb(pm, COMPOSER, 2)
+    return pm
+
+
+def test_prepare_backbone_lora_student_flags_and_no_copy():
+    model = tiny_model()
+    storage = parameter_storage(model)
+    pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=None)
+    assert adapter_names(pm) == [STUDENT, COMPOSER]
+    assert student_adapter_name(pm) == STUDENT
+    assert storage == {p.data_ptr() for p in base_parameters(pm)}  # base weights are the original tensors
+    assert all(not p.requires_grad for p in base_parameters(pm))
+    assert all(p.requires_grad for p in student_parameters(pm))
+    assert all(p.requires_grad for p in composer_lora_parameters(pm))
+    # default composer LoRA: rank 8 on the seven projections (2 layers x 7 modules x (A, B))
+    assert pm.peft_config[COMPOSER].r == 8 and pm.peft_config[COMPOSER].lora_alpha == 16
+    assert len(composer_lora_parameters(pm)) == 2 * 7 * 2
+    assert len(student_parameters(pm)) == 2 * 3 * 2
+
+
+def test_prepare_backbone_full_student_keeps_base_trainable():
+    model = tiny_model()
+    model.model.embed_tokens.weight.requires_grad_(False)  # a flag the user set stays as it was
+    pm = prepare_backbone(model, student_lora=None, composer_lora=None)
+    assert adapter_names(pm) == [COMPOSER]
+    assert student_adapter_name(pm) is None
+    base = base_parameters(pm)
+    assert student_parameters(pm) == base
+    assert not model.model.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad for p in base if p is not model.model.embed_tokens.weight)
+    # the student's forward (adapters disabled) is the plain model
+    with use_adapter(pm, None):
+        out = pm(ids()).logits
+    assert out.shape == (2, 9, 259)
+
+
+def test_use_adapter_switches_outputs(lora_backbone):
+    pm, reference = lora_backbone
+    x = ids()
+    with torch.no_grad():
+        with use_adapter(pm, STUDENT):
+            student = pm(x).logits
+        with use_adapter(pm, COMPOSER):
+            composer = pm(x).logits
+        with use_adapter(pm, None):
+            base = pm(x).logits
+    assert not torch.allclose(student, base, atol=1e-4)
+    assert not torch.allclose(composer, base, atol=1e-4)
+    assert not torch.allclose(student, composer, atol=1e-4)
+    torch.testing.assert_close(base, reference, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", [STUDENT, COMPOSER, None])
+@pytest.mark.parametrize("grads", ["keep", "adapter", "none"])
+def test_use_adapter_preserves_flags_and_active_adapter(lora_backbone, name, grads):
+    pm, _ = lora_backbone
+    before = flags(pm)
+    active = pm.active_adapter
+    with use_adapter(pm, name, grads=grads):
+        inside = flags(pm)
+        if grads == "keep":
+            assert inside == before
+        elif grads == "none":
+            assert not any(inside.values())
+        else:
+            own = {id(p) for p in adapter_parameters(pm, name)} if name else set()
+            for n, p in pm.named_parameters():
+                assert p.requires_grad == (before[n] and id(p) in own)
+    assert flags(pm) == before
+    assert pm.active_adapter == active
+    with torch.no_grad():
+        after = pm(ids()).logits
+        with use_adapter(pm, STUDENT):
+            student = pm(ids()).logits
+    torch.testing.assert_close(after, student)  # STUDENT was active before: it is again
+
+
+def test_use_adapter_restores_disabled_state_nested_and_on_error(full_backbone):
+    pm = full_backbone
+    before = flags(pm)
+    x = ids()
+    with torch.no_grad():
+        plain = pm(x).logits  # full student: adapters disabled by prepare_backbone
+        with use_adapter(pm, COMPOSER):
+            composed = pm(x).logits
+            with use_adapter(pm, None):
+                torch.testing.assert_close(pm(x).logits, plain)
+            torch.testing.assert_close(pm(x).logits, composed)
+        with pytest.raises(RuntimeError), use_adapter(pm, COMPOSER):
+            raise RuntimeError("boom")
+        torch.testing.assert_close(pm(x).logits, plain)
+    assert flags(pm) == before
+    with pytest.raises(ValueError):
+        with use_adapter(pm, STUDENT):  # no student adapter for a full student
+            pass
+
+
+def test_gradient_isolation_lora_student(lora_backbone):
+    pm, _ = lora_backbone
+    x = ids()
+    with use_adapter(pm, COMPOSER, grads="adapter"):
+        loss = pm(x).logits.square().mean()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in composer_lora_parameters(pm))
+    assert all(p.grad is None for p in student_parameters(pm))
+    assert all(p.grad is None for p in base_parameters(pm))
+    pm.zero_grad(set_to_none=True)
+    with use_adapter(pm, STUDENT):
+        loss = pm(x).logits.square().mean()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in student_parameters(pm))
+    assert all(p.grad is None for p in composer_lora_parameters(pm))
+    assert all(p.grad is None for p in base_parameters(pm))
+
+
+def test_gradient_isolation_full_student(full_backbone):
+    pm = full_backbone
+    x = ids()
+    # composer pass: base weights require grad (they are the student) but get none from this pass
+    with use_adapter(pm, COMPOSER, grads="adapter"):
+        loss = pm(x).logits.square().mean()
+    assert all(p.requires_grad for p in base_parameters(pm))
+    loss.backward()  # after the context: the flags are back on, the graph still excludes the base
+    assert all(p.grad is None for p in base_parameters(pm))
+    assert all(p.grad is not None for p in composer_lora_parameters(pm))
+    pm.zero_grad(set_to_none=True)
+    # teacher-like pass: no parameter gets a gradient, the input embeddings do
+    embeds = pm.get_input_embeddings()(x).detach().requires_grad_(True)
+    with use_adapter(pm, None, grads="none"):
+        loss = pm(inputs_embeds=embeds).logits.square().mean()
+    loss.backward()
+    assert all(p.grad is None for p in pm.parameters())
+    assert embeds.grad is not None and embeds.grad.abs().sum() > 0
+    # student pass: the base weights get gradients, the composer LoRA does not
+    with use_adapter(pm, None):
+        loss = pm(x).logits.square().mean()
+    loss.backward()
+    trainable = [p for p in base_parameters(pm)]
+    assert all(p.grad is not None for p in trainable)
+    assert all(p.grad is None for p in composer_lora_parameters(pm))
