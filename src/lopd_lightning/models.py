@@ -65,7 +65,8 @@ def smollm2_folder() -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(target) if not target.exists() else None
+    if not target.exists():
+        tmp.replace(target)
     return target
 
 
@@ -75,9 +76,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     It gets a ChatML chat template whose turns end with EOS, like the instruct models'. The pad id
     differs from the EOS id; tests that need pad == EOS set ``tokenizer.pad_token = tokenizer.eos_token``.
     """
-    from transformers import ByT5Tokenizer
+    from transformers import AddedToken, ByT5Tokenizer
 
-    tokenizer = ByT5Tokenizer(extra_ids=0)
+    # ByT5's default special tokens strip the whitespace around them, which would eat the "\n" after
+    # each turn's EOS; these keep it, so the template tokenizes like a real instruct model's.
+    special = {
+        name: AddedToken(text, lstrip=False, rstrip=False, special=True)
+        for name, text in (("eos_token", "</s>"), ("pad_token", "<pad>"), ("unk_token", "<unk>"))
+    }
+    tokenizer = ByT5Tokenizer(extra_ids=0, **special)
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.padding_side = "left"
     return tokenizer

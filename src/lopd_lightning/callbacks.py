@@ -1,0 +1,117 @@
+"""Callbacks: the experience-bank refresh and the margin schedule of LOPD.
+
+Both are independent of the module's code: they act on ``pl_module.bank`` and ``pl_module.margin``,
+take explicit constructor arguments and are configured in YAML (``trainer.callbacks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Literal
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+
+class MemoryRefresh(Callback):
+    """Every ``every_n_steps`` steps, add the successful rollouts of the last steps to the bank.
+
+    Args:
+        every_n_steps: refresh period in optimiser steps; 0 turns the refresh off (the paper's frozen bank).
+        min_reward: a trajectory enters the bank when its reward is >= this.
+
+    The bank's own capacity and eviction rule apply (``LOPDModule(bank_capacity=..., bank_eviction=...)``).
+    Experiences are made by the module's public hook ``experience_from_trajectory``. Under data
+    parallelism every rank gathers all ranks' candidates and adds the same list in the same order,
+    so the bank stays identical on every rank.
+    """
+
+    def __init__(self, every_n_steps: int = 10, min_reward: float = 1.0):
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be >= 0 (0 = off), got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.min_reward = min_reward
+        self.pending: list[dict[str, Any]] = []
+        self.added_total = 0
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.every_n_steps == 0 or not hasattr(pl_module, "bank"):
+            return
+        rewards = batch.rewards.tolist()
+        for i, reward in enumerate(rewards):
+            if reward >= self.min_reward:
+                self.pending.append(
+                    {"example_id": batch.example_ids[i], "messages": batch.messages[i], "reward": float(reward)}
+                )
+        if trainer.global_step % self.every_n_steps == 0:
+            self.refresh(trainer, pl_module)
+
+    def refresh(self, trainer: Trainer, pl_module: LightningModule) -> int:
+        """Add the pending candidates (from every rank) to the bank; returns how many entered it."""
+        candidates = self.pending
+        self.pending = []
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[list[dict[str, Any]]] = [[] for _ in range(trainer.world_size)]
+            dist.all_gather_object(gathered, candidates)
+            candidates = [c for rank_list in gathered for c in rank_list]
+        dm = trainer.datamodule
+        experiences = []
+        for c in candidates:
+            example = dm.example(c["example_id"])
+            exp = pl_module.experience_from_trajectory(dm.task, example, c["messages"], c["reward"])
+            if exp is not None:
+                experiences.append(exp)
+        added = pl_module.bank.add(experiences) if experiences else 0
+        self.added_total += added
+        pl_module.log("train/bank_added", float(self.added_total), on_step=True, on_epoch=False)
+        log.info("memory refresh at step %d: %d candidates, %d added, bank size %d",
+                 trainer.global_step, len(candidates), added, len(pl_module.bank))
+        return added
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"pending": self.pending, "added_total": self.added_total}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.pending = list(state_dict["pending"])
+        self.added_total = int(state_dict["added_total"])
+
+
+class MarginSchedule(Callback):
+    """Sets the privileged margin ``pl_module.margin`` (m of METHOD.md section 5) before every step.
+
+    Args:
+        margin: the target m (paper: 0.05).
+        schedule: "constant" (the paper), "linear" (0 -> m over ``warmup_steps``, then m) or "cosine"
+            (0 -> m along a half cosine over ``warmup_steps``, then m).
+        warmup_steps: length of the ramp of "linear" and "cosine"; ignored by "constant".
+    """
+
+    def __init__(self, margin: float = 0.05, schedule: Literal["constant", "linear", "cosine"] = "constant", warmup_steps: int = 0):
+        if schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
+        if schedule != "constant" and warmup_steps < 1:
+            raise ValueError(f"schedule {schedule!r} needs warmup_steps >= 1, got {warmup_steps}")
+        self.margin = float(margin)
+        self.schedule = schedule
+        self.warmup_steps = int(warmup_steps)
+
+    def value(self, step: int) -> float:
+        """m at optimiser step ``step`` (0-based)."""
+        if self.schedule == "constant" or step >= self.warmup_steps:
+            return self.margin
+        fraction = step / self.warmup_steps
+        if self.schedule == "linear":
+            return self.margin * fraction
+        return self.margin * 0.5 * (1.0 - math.cos(math.pi * fraction))
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        pl_module.margin = self.value(trainer.global_step)

@@ -1,0 +1,448 @@
+"""OnPolicyModule: what every method shares (student, rollouts, validation, logging, hooks).
+
+A method (LOPD, GRPO, SDPO, OPSD, SFT) is one subclass that implements ``training_step`` with manual
+optimisation. Everything that is not the method lives here, so that all methods see the same tasks,
+rollouts, budgets and logging tags (``train/...``, ``val/...``, ``time/...``, ``by_rollouts/...``).
+
+Public hooks a user overrides to adapt a method to a new task (see README "Your own task"):
+
+- :meth:`OnPolicyModule.build_messages`: how an example becomes the student's first messages;
+- :meth:`OnPolicyModule.score_trajectory`: how a finished trajectory is scored (reward in [0, 1]);
+- :meth:`OnPolicyModule.experience_from_trajectory`: how a trajectory becomes a bank experience.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lopd_lightning.adapters import prepare_backbone, student_parameters, use_adapter
+from lopd_lightning.losses import masked_mean, token_logps
+from lopd_lightning.memory.bank import Experience
+from lopd_lightning.models import describe, load_student
+from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
+from lopd_lightning.tasks import Episode, Example, Message, StepResult, Task
+
+log = logging.getLogger(__name__)
+
+#: The student's adapter name when the student is trained with LoRA.
+STUDENT_ADAPTER = "student"
+
+
+class _HookedEpisode(Episode):
+    """An episode whose reward goes through the module's :meth:`OnPolicyModule.score_trajectory`."""
+
+    def __init__(self, module: OnPolicyModule, task: Task, example: Example, inner: Episode):
+        self.module, self.task, self.example, self.inner = module, task, example, inner
+        self.messages: list[Message] = list(module.build_messages(task, example))
+
+    def step(self, reply: str) -> StepResult:
+        result = self.inner.step(reply)
+        self.messages.append({"role": "assistant", "content": reply})
+        self.messages.extend(result.messages)
+        return result
+
+    def reward(self) -> float:
+        return self.module.score_trajectory(self.task, self.example, self.messages, self.inner.reward())
+
+
+class _HookedTask(Task):
+    """A view of ``task`` whose messages and rewards come from the module's public hooks."""
+
+    def __init__(self, module: OnPolicyModule, task: Task):
+        self.module, self.task = module, task
+        self.name, self.multi_turn = task.name, task.multi_turn
+
+    def examples(self, split="train"):
+        return self.task.examples(split)
+
+    def initial_messages(self, example):
+        return self.module.build_messages(self.task, example)
+
+    def tools(self, example):
+        return self.task.tools(example)
+
+    def reference_solution(self, example):
+        return self.task.reference_solution(example)
+
+    def reference_replies(self, example):
+        return self.task.reference_replies(example)
+
+    def start(self, example):
+        return _HookedEpisode(self.module, self.task, example, self.task.start(example))
+
+    def experience_text(self, example, messages):
+        return self.task.experience_text(example, messages)
+
+
+class OnPolicyModule(LightningModule):
+    """Base of every method: owns the student, makes rollouts, validates, logs.
+
+    Args:
+        model: ``"tiny"``, ``"smollm2-135m-instruct"`` (packaged) or a local Hugging Face folder.
+        dtype: weights dtype ("float32"; "bfloat16" on GPUs).
+        lora: LoRA settings of the student (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``)
+            or None for a full-parameter student.
+        learning_rate: AdamW learning rate of the student.
+        weight_decay: AdamW weight decay of the student.
+        grad_clip: max global grad norm of the student's update (0 disables).
+        rollouts_per_example: trajectories per example per step (GRPO's group size G).
+        temperature, top_p, top_k: sampling settings of training rollouts.
+        max_new_tokens: token limit per assistant turn.
+        max_turns: turn limit of multi-turn episodes (None: the rollout default).
+        max_prompt_tokens: longer prompts are truncated from the left by the rollout code.
+        val_max_new_tokens: token limit per turn of validation episodes (None: ``max_new_tokens``).
+        success_threshold: a trajectory with reward >= this counts as a success (``*/success_rate``).
+        gradient_checkpointing: trade compute for activation memory in the student's backward.
+        validate_before_training: run the val split once before the first step, logged at step 0.
+        seed: base seed of rollout sampling (each rank adds its rank).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        dtype: str = "float32",
+        lora: dict[str, Any] | None = None,
+        learning_rate: float = 1e-5,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        rollouts_per_example: int = 1,
+        temperature: float = 0.7,
+        top_p: float = 0.95,
+        top_k: int = 20,
+        max_new_tokens: int = 256,
+        max_turns: int | None = None,
+        max_prompt_tokens: int | None = None,
+        val_max_new_tokens: int | None = None,
+        success_threshold: float = 1.0,
+        gradient_checkpointing: bool = False,
+        validate_before_training: bool = False,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        if rollouts_per_example < 1:
+            raise ValueError(f"rollouts_per_example must be >= 1, got {rollouts_per_example}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for training rollouts, got {temperature}")
+        self.model_name = model
+        backbone, self.tokenizer = load_student(model, dtype=dtype, seed=seed)
+        if gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            backbone.config.use_cache = False
+        self.backbone = prepare_backbone(backbone, student_lora=lora, composer_lora=self.composer_lora_config())
+        self.is_lora_student = lora is not None
+        log.info("student %s (%s)", model, describe(backbone))
+        self.rollouts_consumed = 0
+        #: optimiser updates skipped because a gradient norm was not finite.
+        self.non_finite_steps = 0
+        self.step_timings: dict[str, float] = {}
+        self.val_reward = MeanMetric()
+        self.val_success = MeanMetric()
+        self.val_turns = MeanMetric()
+
+    # ------------------------------------------------------------------ public hooks
+    def build_messages(self, task: Task, example: Example) -> list[Message]:
+        """The student's first messages for ``example`` (default: ``task.initial_messages``)."""
+        return task.initial_messages(example)
+
+    def score_trajectory(self, task: Task, example: Example, messages: list[Message], reward: float) -> float:
+        """The reward in [0, 1] of a finished trajectory (default: the environment's ``reward``).
+
+        Args:
+            messages: the whole conversation (initial messages, replies, observations).
+            reward: what the task's episode returned.
+        """
+        return reward
+
+    def experience_from_trajectory(
+        self, task: Task, example: Example, messages: list[Message], reward: float
+    ) -> Experience | None:
+        """The bank entry a trajectory becomes (None: keep nothing). Default: the task's trace text."""
+        return Experience(
+            task_id=example.id,
+            task_text=example.text,
+            trace=task.experience_text(example, messages),
+            reward=float(reward),
+            step=int(self.global_step),
+        )
+
+    def composer_lora_config(self) -> dict[str, Any] | None:
+        """LoRA settings of a composer adapter on the shared backbone (None: the method has no composer)."""
+        return None
+
+    # ------------------------------------------------------------------ rollouts
+    @property
+    def student(self) -> torch.nn.Module:
+        """The shared backbone (a PeftModel); run it under :meth:`student_context` for the student."""
+        return self.backbone
+
+    def student_context(self):
+        """Context manager that activates the student's weights on the shared backbone."""
+        return use_adapter(self.backbone, STUDENT_ADAPTER if self.is_lora_student else None)
+
+    def sampling_options(self, *, greedy: bool = False) -> dict[str, Any]:
+        """Keyword options of :func:`~lopd_lightning.rollout.generate_rollouts` for this method."""
+        hp = self.hparams
+        options = dict(
+            temperature=hp.temperature,
+            top_p=hp.top_p,
+            top_k=hp.top_k,
+            max_new_tokens=hp.max_new_tokens,
+            max_prompt_tokens=hp.max_prompt_tokens,
+            greedy=greedy,
+        )
+        if hp.max_turns is not None:
+            options["max_turns"] = hp.max_turns
+        if greedy and hp.val_max_new_tokens is not None:
+            options["max_new_tokens"] = hp.val_max_new_tokens
+        return options
+
+    def rollout_seed(self) -> int:
+        """The sampling seed of this rank: ``seed + 7919 * rank`` (ranks sample different rollouts)."""
+        return int(self.hparams.seed) + 7919 * int(self.global_rank)
+
+    def retrieve(self, task: Task, examples: list[Example]) -> list[list[Experience]] | None:
+        """Experiences retrieved for each example (None: the method uses no bank)."""
+        return None
+
+    def make_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
+        """Generate this step's on-policy rollouts for ``examples`` (called by the DataModule).
+
+        Returns:
+            A RolloutBatch with ``rollouts_per_example`` trajectories per example (contiguous groups) and,
+            for methods with a bank, ``experiences`` (one list per trajectory).
+        """
+        self.step_timings = {}
+        start = time.perf_counter()
+        experiences = self.retrieve(task, examples)
+        self.step_timings["retrieval"] = time.perf_counter() - start
+        start = time.perf_counter()
+        with self.student_context():
+            batch = generate_rollouts(
+                self.backbone,
+                self.tokenizer,
+                _HookedTask(self, task),
+                examples,
+                num_rollouts_per_example=self.hparams.rollouts_per_example,
+                seed=self.rollout_seed(),
+                step=int(self.global_step),
+                **self.sampling_options(),
+            )
+        self.step_timings["generation"] = time.perf_counter() - start
+        self.annotate(batch, examples)
+        if experiences is not None:
+            g = self.hparams.rollouts_per_example
+            batch.experiences = [experiences[i // g] for i in range(len(batch))]
+        self.rollouts_consumed += self.global_count(len(batch))
+        return batch
+
+    def reference_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
+        """A teacher-forced batch of the examples' reference solutions (reward 1, one per example)."""
+        conversations = [self.reference_conversation(task, ex) for ex in examples]
+        batch = batch_from_conversations(
+            self.tokenizer,
+            conversations,
+            rewards=[1.0] * len(examples),
+            group_ids=list(range(len(examples))),
+            example_ids=[ex.id for ex in examples],
+            tools=None,
+        )
+        self.annotate(batch, examples)
+        return batch
+
+    @staticmethod
+    def annotate(batch: RolloutBatch, examples: list[Example]) -> None:
+        """Record each row's task text in ``batch.metadata[i]["task_text"]`` (rows follow ``example_ids``)."""
+        text = {ex.id: ex.text for ex in examples}
+        for meta, example_id in zip(batch.metadata, batch.example_ids, strict=True):
+            meta["task_text"] = text[example_id]
+
+    # ------------------------------------------------------------------ shared computations
+    def global_count(self, n: int | Tensor) -> int:
+        """Sum of ``n`` over all ranks (itself without a process group)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.as_tensor(n, dtype=torch.float64, device=self.device).clone()
+            dist.all_reduce(t)
+            return int(t.item())
+        return int(n)
+
+    def global_mean(self, value: Tensor) -> Tensor:
+        """Mean of a scalar over all ranks (itself without a process group); no gradient."""
+        value = value.detach().float()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            value = value.clone()
+            dist.all_reduce(value)
+            value = value / dist.get_world_size()
+        return value
+
+    def shifted(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """Targets and loss mask aligned with ``logits[:, :-1]``: ``(input_ids[:, 1:], assistant_mask[:, 1:])``."""
+        return batch.input_ids[:, 1:], batch.assistant_mask[:, 1:].bool()
+
+    def student_logits(self, batch: RolloutBatch) -> Tensor:
+        """(B, T-1, V) logits of the student on the batch, position t predicting token t+1."""
+        with self.student_context():
+            out = self.backbone(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            )
+        return out.logits[:, :-1]
+
+    def student_logps(self, batch: RolloutBatch, *, temperature: float = 1.0) -> Tensor:
+        """(B, T-1) log-probs of the batch's tokens under the student (position t: token t+1)."""
+        targets, _ = self.shifted(batch)
+        return token_logps(self.student_logits(batch), targets, temperature=temperature)
+
+    def num_loss_tokens(self, batch: RolloutBatch) -> int:
+        """Assistant tokens of this step over all ranks: the denominator of the global token mean."""
+        _, mask = self.shifted(batch)
+        return max(1, self.global_count(mask.sum()))
+
+    @contextmanager
+    def timed(self, phase: str):
+        """Adds the wall time of the block to ``time/<phase>`` of this step."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.step_timings[phase] = self.step_timings.get(phase, 0.0) + time.perf_counter() - start
+
+    def clip_and_step(self, optimizer, params, max_norm: float) -> Tensor:
+        """Clip ``params``' grad norm to ``max_norm`` (0: no clip), step and zero the optimiser.
+
+        Use it for the one optimiser per training step that Lightning counts (``trainer.global_step``
+        advances by one per ``LightningOptimizer.step`` call under manual optimisation): a non-finite
+        norm skips the update but still counts the step, so ``max_steps`` means training steps.
+
+        Returns:
+            () float: the grad norm before clipping (inf/nan when non-finite; the step is then skipped).
+        """
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return torch.zeros(())
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if not torch.isfinite(norm):
+            self.non_finite_steps += 1
+            log.warning("non-finite grad norm at step %d: update skipped (%d so far)", self.global_step, self.non_finite_steps)
+            optimizer.zero_grad(set_to_none=True)  # torch optimisers skip parameters whose grad is None
+        optimizer.step()  # always called: it is what advances trainer.global_step under manual optimisation
+        optimizer.zero_grad(set_to_none=True)
+        return norm.detach()
+
+    # ------------------------------------------------------------------ logging
+    def log_rollout_metrics(self, batch: RolloutBatch, metrics: dict[str, float | Tensor]) -> None:
+        """Log the shared ``train/``, ``time/`` and ``by_rollouts/`` tags of one step."""
+        rewards = batch.rewards.float()
+        success = (rewards >= self.hparams.success_threshold).float()
+        shared = {
+            "train/reward_mean": self.global_mean(rewards.mean()),
+            "train/success_rate": self.global_mean(success.mean()),
+            "train/rollouts": float(self.rollouts_consumed),
+        }
+        values = {**shared, **{k: (v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}}
+        for phase, seconds in self.step_timings.items():
+            values[f"time/{phase}"] = seconds
+        self.log_dict({k: float(v) for k, v in values.items()}, on_step=True, on_epoch=False, batch_size=len(batch))
+        self.log("reward", float(shared["train/reward_mean"]), prog_bar=True, logger=False, batch_size=len(batch))
+        self.log("rollouts", float(self.rollouts_consumed), prog_bar=True, logger=False, batch_size=len(batch))
+        self.log_by_rollouts({k.split("/", 1)[1]: v for k, v in values.items() if k.startswith("train/")})
+
+    def log_by_rollouts(self, values: dict[str, float | Tensor]) -> None:
+        """Write ``by_rollouts/<name>`` scalars whose x-axis is the cumulative trajectory count."""
+        if self.global_rank != 0:
+            return
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                for name, value in values.items():
+                    logger.experiment.add_scalar(f"by_rollouts/{name}", float(value), self.rollouts_consumed)
+
+    # ------------------------------------------------------------------ validation
+    def evaluate_examples(self, task: Task, examples: list[Example]) -> RolloutBatch:
+        """Greedy episodes of the current student on ``examples`` (one trajectory each)."""
+        with self.student_context():
+            return generate_rollouts(
+                self.backbone,
+                self.tokenizer,
+                _HookedTask(self, task),
+                examples,
+                num_rollouts_per_example=1,
+                seed=self.hparams.seed,
+                step=0,
+                **self.sampling_options(greedy=True),
+            )
+
+    @override
+    def validation_step(self, examples: list[Example], batch_idx: int) -> None:
+        batch = self.evaluate_examples(self.trainer.datamodule.task, examples)
+        rewards = batch.rewards.float().to(self.device)
+        self.val_reward.update(rewards)
+        self.val_success.update((rewards >= self.hparams.success_threshold).float())
+        self.val_turns.update(torch.tensor([float(m.get("turns", 1)) for m in batch.metadata]))
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        if self.val_reward.update_count == 0:
+            return
+        values = {
+            "val/reward_mean": self.val_reward.compute(),
+            "val/success_rate": self.val_success.compute(),
+            "val/turns_mean": self.val_turns.compute(),
+        }
+        self.log_dict(values, prog_bar=False)
+        self.log_by_rollouts({"val_" + k.split("/", 1)[1]: v for k, v in values.items()})
+        self.last_val = {k: float(v) for k, v in values.items()}
+        self.val_history = getattr(self, "val_history", []) + [(int(self.global_step), self.last_val)]
+        for metric in (self.val_reward, self.val_success, self.val_turns):
+            metric.reset()
+
+    @override
+    def on_train_start(self) -> None:
+        if self.hparams.validate_before_training and self.global_step == 0:
+            dm = self.trainer.datamodule
+            loader = dm.val_dataloader()
+            for i, examples in enumerate(loader):
+                self.validation_step(examples, i)
+            self.on_validation_epoch_end()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lopd_state"] = {"rollouts_consumed": self.rollouts_consumed, **self.method_state()}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("lopd_state", {})
+        self.rollouts_consumed = int(state.get("rollouts_consumed", 0))
+        self.load_method_state(state)
+
+    def method_state(self) -> dict[str, Any]:
+        """Extra state of the method that checkpoints carry (beta, the bank...). Default: none."""
+        return {}
+
+    def load_method_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`method_state` saved."""
+
+    def student_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the student's optimiser updates (LoRA weights, or the whole backbone)."""
+        return student_parameters(self.backbone)
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.AdamW(
+            self.student_parameters(), lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay
+        )

@@ -1,0 +1,325 @@
+"""LOPDModule: Latent On-Policy Self-Distillation (METHOD.md sections 2-5).
+
+One training step (manual optimisation, two optimisers):
+
+1. the DataModule's batch: the student's rollouts with the top-J experiences retrieved per example;
+2. the composer turns each example's experiences into J*K latent tokens c_phi;
+3. the self-teacher (the shared backbone, composer LoRA off) scores every student token with the
+   latents in its first user message: teacher logits on the student's positions;
+4. student step: L_distill = global token mean of KL(p~_S || p~_T) on the teacher's top-M + tail
+   support, the teacher constant;
+5. composer step: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor, where Delta is
+   the privileged margin and the anchor ties c_phi to the warm-started composer's latents;
+6. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lopd_lightning.adapters import copy_adapter
+from lopd_lightning.losses import masked_mean, privileged_margin, token_logps, topk_tail_reverse_kl
+from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory.composer import LatentComposer, clip_composer_grads
+from lopd_lightning.memory.embed import get_embedder
+from lopd_lightning.modules.base import OnPolicyModule
+from lopd_lightning.rollout import RolloutBatch
+from lopd_lightning.tasks import Example, Task
+from lopd_lightning.teacher import SelfTeacher, warm_start_loss
+
+log = logging.getLogger(__name__)
+
+COMPOSER_ADAPTER = "composer"
+#: The frozen snapshot of the warm-started composer LoRA (the anchor c_phi0 of METHOD.md section 5).
+ANCHOR_ADAPTER = "composer_anchor"
+DEFAULT_COMPOSER_LORA = {
+    "r": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.0,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+class LOPDModule(OnPolicyModule):
+    """LOPD: a student distilled towards its latent-conditioned self-teacher; the composer trained with a margin.
+
+    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
+        num_latents: K, latent tokens per experience (paper: 32).
+        num_experiences: J, experiences retrieved per task (paper: 3).
+        composer_depth: Perceiver resampler depth, weights shared across depth (paper: 8).
+        composer_lora: LoRA of the composer's encoder (paper: rank 8, alpha 16, dropout 0, all projections).
+        composer_lr: AdamW learning rate of the composer (paper: 1e-5).
+        composer_clip_resampler, composer_clip_lora: separate grad-clip norms (paper: 30 and 3).
+        top_m: M, the teacher's top-M support of the distillation KL (paper: 20).
+        margin: m, the privileged margin (paper: 0.05); a MarginSchedule callback may vary it.
+        anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
+        dual_lr: eta_beta, step size of the dual ascent on beta (paper: 0.5).
+        beta_init: beta_0 (paper: 0).
+        teacher_mode: "live" (current student weights: the design card's weight sharing), "base"
+            (initial weights: the paper's frozen teacher) or "ema".
+        teacher_ema_rate: EMA rate of teacher_mode "ema".
+        bank_path: folder of a saved ExperienceBank (``lopd build-memory``); None starts empty.
+        embedder: "minilm" (all-MiniLM-L6-v2, default), "backbone" or "hashing".
+        bank_capacity: cap of the bank (None: unbounded); eviction rule ``bank_eviction``.
+        allow_self_retrieval: let a task retrieve its own records (the paper's code: allowed).
+        max_experience_tokens: truncation of each "task + past trajectory" text read by the encoder.
+        warm_start_steps: composer warm-start steps (L_init on successful bank trajectories) run at
+            the start of fit when the composer is fresh (paper: about 1000; 0 skips).
+        warm_start_batch_size: trajectories per warm-start step.
+        distill_temperature: temperature of both distributions in the KL (1.0 in the paper).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        num_latents: int = 32,
+        num_experiences: int = 3,
+        composer_depth: int = 8,
+        composer_lora: dict[str, Any] | None = None,
+        composer_lr: float = 1e-5,
+        composer_clip_resampler: float = 30.0,
+        composer_clip_lora: float = 3.0,
+        top_m: int = 20,
+        margin: float = 0.05,
+        anchor_weight: float = 0.2,
+        dual_lr: float = 0.5,
+        beta_init: float = 0.0,
+        teacher_mode: str = "live",
+        teacher_ema_rate: float = 0.05,
+        bank_path: str | None = None,
+        embedder: str = "minilm",
+        bank_capacity: int | None = None,
+        bank_eviction: str = "lowest_reward",
+        allow_self_retrieval: bool = False,
+        max_experience_tokens: int = 512,
+        warm_start_steps: int = 0,
+        warm_start_batch_size: int = 4,
+        distill_temperature: float = 1.0,
+        **kwargs: Any,
+    ):
+        self._composer_lora = dict(DEFAULT_COMPOSER_LORA if composer_lora is None else composer_lora)
+        super().__init__(model, **kwargs)
+        self.save_hyperparameters()
+        if num_experiences < 0 or num_latents < 1:
+            raise ValueError(f"need num_experiences >= 0 and num_latents >= 1, got J={num_experiences}, K={num_latents}")
+        if top_m < 1:
+            raise ValueError(f"top_m must be >= 1, got {top_m}")
+        vocab = self.backbone.get_input_embeddings().weight.shape[0]
+        if top_m > vocab:
+            raise ValueError(f"top_m={top_m} is larger than the vocabulary ({vocab}); use top_m <= {vocab}")
+        self.composer = LatentComposer(
+            self.backbone,
+            self.tokenizer,
+            num_latents=num_latents,
+            depth=composer_depth,
+            max_experience_tokens=max_experience_tokens,
+            adapter_name=COMPOSER_ADAPTER,
+        )
+        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
+        embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
+        if bank_path:
+            self.bank = ExperienceBank.load(
+                bank_path, embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
+            )
+        else:
+            self.bank = ExperienceBank(
+                embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
+            )
+        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
+        self.anchor_composer = LatentComposer(
+            self.backbone,
+            self.tokenizer,
+            num_latents=num_latents,
+            depth=composer_depth,
+            max_experience_tokens=max_experience_tokens,
+            adapter_name=ANCHOR_ADAPTER,
+        )
+        self.freeze_anchor()
+        self.margin = float(margin)
+        self.beta = float(beta_init)
+        self.warm_started = warm_start_steps == 0
+
+    @override
+    def composer_lora_config(self) -> dict[str, Any] | None:
+        return self._composer_lora
+
+    # ------------------------------------------------------------------ retrieval
+    @override
+    def retrieve(self, task: Task, examples: list[Example]) -> list[list[Experience]]:
+        """Top-J experiences per example from the bank (fewer when the bank is small or empty)."""
+        if self.hparams.num_experiences == 0 or len(self.bank) == 0:
+            return [[] for _ in examples]
+        result = self.bank.search([e.id for e in examples], [e.text for e in examples], self.hparams.num_experiences)
+        return result.experiences
+
+    def compose(self, batch: RolloutBatch, composer: LatentComposer | None = None):
+        """Latents of the batch's experiences: ComposerOutput (latents (B, J*K, d), latent_mask (B, J*K)).
+
+        Each trajectory's encoder input is "Task to solve: <its own task>" + one retrieved trajectory.
+        """
+        composer = composer or self.composer
+        experiences = batch.experiences or [[] for _ in range(len(batch))]
+        pairs = [[(meta["task_text"], e.trace) for e in exps] for meta, exps in zip(batch.metadata, experiences, strict=True)]
+        tokens = composer.tokenize_experiences(pairs)
+        return composer(
+            tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device), tokens.experience_mask.to(self.device)
+        )
+
+    # ------------------------------------------------------------------ warm start
+    def anchor_latents(self, batch: RolloutBatch) -> Tensor:
+        """c_phi0: latents of the frozen snapshot of the warm-started composer, no gradient."""
+        with torch.no_grad():
+            return self.compose(batch, self.anchor_composer).latents
+
+    def freeze_anchor(self) -> None:
+        """Copy the current composer (LoRA and resampler) into the frozen anchor c_phi0."""
+        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
+        self.anchor_composer.resampler.load_state_dict(self.composer.resampler.state_dict())
+        self.anchor_composer.requires_grad_(False)
+
+    # ------------------------------------------------------------------ training
+    @override
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        opt_student, opt_composer = self.optimizers()
+        targets, mask = self.shifted(batch)
+        num_tokens = self.num_loss_tokens(batch)
+        k, tau = self.hparams.top_m, self.hparams.distill_temperature
+
+        with self.timed("teacher"):
+            composed = self.compose(batch)
+            teacher_logits = self.teacher.logits_on_student_positions(
+                batch.input_ids,
+                batch.attention_mask,
+                batch.context_position,
+                latents=composed.latents,
+                latent_mask=composed.latent_mask,
+            )[:, :-1]
+
+        with self.timed("student_step"):
+            student_logits = self.student_logits(batch)
+            distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
+            loss_student = masked_mean(distill, mask, num_tokens=num_tokens)
+            self.manual_backward(loss_student)
+            student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
+
+        with self.timed("composer_step"):
+            student_detached = student_logits.detach()
+            distill_c = masked_mean(
+                topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau), mask, num_tokens=num_tokens
+            )
+            delta = privileged_margin(
+                token_logps(teacher_logits, targets), token_logps(student_detached, targets), batch.rewards, mask
+            )
+            keep = composed.latent_mask.unsqueeze(-1).to(composed.latents.dtype)
+            n = (keep.sum() * composed.latents.shape[-1]).clamp_min(1)
+            anchor = (((composed.latents - self.anchor_latents(batch)) ** 2) * keep).sum() / n
+            loss_composer = distill_c + self.beta * (self.margin - delta) + self.hparams.anchor_weight * anchor
+            if loss_composer.requires_grad:
+                self.manual_backward(loss_composer)
+            norms = clip_composer_grads(
+                self.composer, resampler_clip=self.hparams.composer_clip_resampler, lora_clip=self.hparams.composer_clip_lora
+            )
+            if all(torch.isfinite(torch.as_tensor(n)) for n in norms):
+                # the raw optimiser: a LightningOptimizer step would advance global_step a second time
+                opt_composer.optimizer.step()
+            else:
+                self.non_finite_steps += 1
+                log.warning("non-finite composer grad norm at step %d: composer update skipped", self.global_step)
+            opt_composer.zero_grad(set_to_none=True)
+
+        delta_global = self.global_mean(delta)
+        beta_before = self.beta
+        self.beta = max(0.0, self.beta + self.hparams.dual_lr * (self.margin - float(delta_global)))
+        if self.hparams.teacher_mode == "ema":
+            self.teacher.update_ema()
+
+        self.log_rollout_metrics(
+            batch,
+            {
+                "train/loss": loss_student,
+                "train/distill_kl": loss_student,
+                "train/composer_loss": loss_composer,
+                "train/margin_delta": delta_global,
+                "train/margin_m": self.margin,
+                "train/beta": beta_before,
+                "train/composer_anchor": anchor,
+                "train/grad_norm": student_norm,
+                "train/bank_size": float(len(self.bank)),
+            },
+        )
+        return loss_student.detach()
+
+    @override
+    def on_fit_start(self) -> None:
+        if not self.warm_started:
+            self.warm_start_composer()
+            self.freeze_anchor()
+
+    def warm_start_composer(self) -> None:
+        """Composer cold start: minimise L_init = -log pi(y* | s, c_phi) on successful bank trajectories.
+
+        Runs ``warm_start_steps`` AdamW steps (composer learning rate, the two clip norms) on batches of
+        ``warm_start_batch_size`` bank records, each conditioned on its own top-J retrieved experiences.
+        Source: METHOD.md section 5, "Composer cold start".
+        """
+        records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold]
+        if not records:
+            log.warning("composer warm start skipped: the bank holds no successful trajectory")
+            self.warm_started = True
+            return
+        dm = self.trainer.datamodule
+        optimizer = torch.optim.AdamW(self.composer.trainable_parameters(), lr=self.hparams.composer_lr)
+        generator = torch.Generator().manual_seed(int(self.hparams.seed))
+        for step in range(self.hparams.warm_start_steps):
+            pick = torch.randint(len(records), (self.hparams.warm_start_batch_size,), generator=generator).tolist()
+            chosen = [records[i] for i in pick]
+            examples = [dm.example(r.task_id) for r in chosen]
+            batch = self.reference_batch(dm.task, examples).to(self.device)
+            batch.experiences = self.retrieve(dm.task, examples)
+            composed = self.compose(batch)
+            loss = warm_start_loss(
+                self.teacher, composed, batch.input_ids, batch.attention_mask, batch.context_position, batch.assistant_mask
+            )
+            loss.backward()
+            clip_composer_grads(
+                self.composer, resampler_clip=self.hparams.composer_clip_resampler, lora_clip=self.hparams.composer_clip_lora
+            )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step % 10 == 0 or step == self.hparams.warm_start_steps - 1:
+                log.info("composer warm start %d/%d: L_init %.4f", step + 1, self.hparams.warm_start_steps, float(loss))
+        self.warm_started = True
+
+    # ------------------------------------------------------------------ optimisers and state
+    @override
+    def configure_optimizers(self):
+        student = torch.optim.AdamW(
+            self.student_parameters(), lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay
+        )
+        composer = torch.optim.AdamW(self.composer.trainable_parameters(), lr=self.hparams.composer_lr)
+        return [student, composer]
+
+    @override
+    def method_state(self) -> dict[str, Any]:
+        return {
+            "beta": self.beta,
+            "margin": self.margin,
+            "warm_started": self.warm_started,
+            "bank": self.bank.state_dict(),
+        }
+
+    @override
+    def load_method_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.beta = float(state["beta"])
+        self.margin = float(state["margin"])
+        self.warm_started = bool(state["warm_started"])
+        self.bank.load_state_dict(state["bank"])
