@@ -115,3 +115,79 @@ class MarginSchedule(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         pl_module.margin = self.value(trainer.global_step)
+
+
+class RunSummary(Callback):
+    """Prints what a user wants at the end of a fit: the held-out metric before and after, seconds per
+    step by phase, peak memory, the TensorBoard folder and the checkpoint path; optionally as JSON.
+
+    Args:
+        metric: the validation tag to report (e.g. ``"val/success_rate"``).
+        json_path: also write the summary there (None: print only).
+    """
+
+    def __init__(self, metric: str = "val/success_rate", json_path: str | None = None):
+        self.metric = metric
+        self.json_path = json_path
+        self.phase_seconds: dict[str, list[float]] = {}
+        self.start_time: float | None = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        import time
+
+        self.start_time = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for phase, seconds in getattr(pl_module, "step_timings", {}).items():
+            self.phase_seconds.setdefault(phase, []).append(float(seconds))
+
+    def summary(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        """The summary as a dict (also what is printed and written)."""
+        import resource
+        import statistics
+        import time
+
+        history = getattr(pl_module, "val_history", [])
+        values = [(step, metrics.get(self.metric)) for step, metrics in history]
+        ckpt = trainer.checkpoint_callback
+        logger = trainer.logger
+        return {
+            "method": type(pl_module).__name__,
+            "metric": self.metric,
+            "before": values[0][1] if values and values[0][0] == 0 else None,
+            "after": values[-1][1] if values and values[-1][0] > 0 else None,
+            "history": values,
+            "steps": int(trainer.global_step),
+            "rollouts": int(getattr(pl_module, "rollouts_consumed", 0)),
+            "train_seconds": None if self.start_time is None else time.perf_counter() - self.start_time,
+            "seconds_per_step_median": {k: statistics.median(v) for k, v in self.phase_seconds.items() if v},
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "log_dir": getattr(logger, "log_dir", None) if logger else None,
+            "checkpoint": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None else None,
+        }
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        import json
+
+        s = self.summary(trainer, pl_module)
+        fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(s["seconds_per_step_median"].items()))
+        print(
+            f"\n== {s['method']}: {s['steps']} steps, {s['rollouts']} trajectories ==\n"
+            f"held-out {self.metric}: before {fmt(s['before'])} -> after {fmt(s['after'])}\n"
+            f"median seconds per step by phase: {phases or 'n/a'}\n"
+            f"peak memory (RSS): {s['peak_rss_mb']:.0f} MB\n"
+            f"TensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']})\n"
+            f"checkpoint: {s['checkpoint']}",
+            flush=True,
+        )
+        if self.json_path:
+            from pathlib import Path
+
+            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.json_path).write_text(json.dumps(s, indent=2))

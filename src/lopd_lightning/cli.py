@@ -19,6 +19,25 @@ from typing import Any
 log = logging.getLogger("lopd_lightning")
 
 
+def check_task_name(config: Any) -> None:
+    """Raise ValueError for an unknown task name in a parsed config, before any class is instantiated.
+
+    LightningCLI instantiates the model before the DataModule, so without this check a misspelt
+    ``data.init_args.task`` would only be reported after the student had been loaded.
+
+    Raises:
+        ValueError: ``data.init_args.task`` is a string that is not a registered task name (the message
+            lists the known ones).
+    """
+    from lopd_lightning.tasks import TASK_NAMES
+
+    data = config.get("data") if hasattr(config, "get") else None
+    init_args = data.get("init_args") if hasattr(data, "get") else None
+    task = init_args.get("task") if hasattr(init_args, "get") else None
+    if isinstance(task, str) and task not in TASK_NAMES:
+        raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASK_NAMES)} (or give a Task subclass)")
+
+
 def _lightning_cli(args: list[str], *, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
 
@@ -27,7 +46,11 @@ def _lightning_cli(args: list[str], *, run: bool = True):
     import lopd_lightning.modules  # noqa: F401  (registers the shipped methods for short class names)
     import lopd_lightning.callbacks  # noqa: F401
 
-    return LightningCLI(
+    class LOPDCLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            check_task_name(self.config[self.subcommand] if self.subcommand else self.config)
+
+    return LOPDCLI(
         OnPolicyModule,
         OnPolicyDataModule,
         subclass_mode_model=True,
@@ -133,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lopd`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs a missing AVX2 build at INFO
     if argv and argv[0] == "tasks":
         return tasks_command(argv[1:])
     if argv and argv[0] == "build-memory":

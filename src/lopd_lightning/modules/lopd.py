@@ -24,7 +24,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.adapters import copy_adapter
-from lopd_lightning.losses import masked_mean, privileged_margin, token_logps, topk_tail_reverse_kl
+from lopd_lightning.lm import unpack
+from lopd_lightning.losses import privileged_margin, token_logps, topk_tail_reverse_kl
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.composer import LatentComposer, clip_composer_grads
 from lopd_lightning.memory.embed import get_embedder
@@ -104,13 +105,14 @@ class LOPDModule(OnPolicyModule):
         distill_temperature: float = 1.0,
         **kwargs: Any,
     ):
-        self._composer_lora = dict(DEFAULT_COMPOSER_LORA if composer_lora is None else composer_lora)
-        super().__init__(model, **kwargs)
-        self.save_hyperparameters()
+        # checks that need no model run before the student is loaded
         if num_experiences < 0 or num_latents < 1:
             raise ValueError(f"need num_experiences >= 0 and num_latents >= 1, got J={num_experiences}, K={num_latents}")
         if top_m < 1:
             raise ValueError(f"top_m must be >= 1, got {top_m}")
+        self._composer_lora = dict(DEFAULT_COMPOSER_LORA if composer_lora is None else composer_lora)
+        super().__init__(model, **kwargs)
+        self.save_hyperparameters()
         vocab = self.backbone.get_input_embeddings().weight.shape[0]
         if top_m > vocab:
             raise ValueError(f"top_m={top_m} is larger than the vocabulary ({vocab}); use top_m <= {vocab}")
@@ -192,6 +194,8 @@ class LOPDModule(OnPolicyModule):
         num_tokens = self.num_loss_tokens(batch)
         k, tau = self.hparams.top_m, self.hparams.distill_temperature
 
+        # logits only on assistant tokens (packed N x V): the LM head never runs on prompt or padding
+        tokens = targets[mask]  # [N]
         with self.timed("teacher"):
             composed = self.compose(batch)
             teacher_logits = self.teacher.logits_on_student_positions(
@@ -200,22 +204,24 @@ class LOPDModule(OnPolicyModule):
                 batch.context_position,
                 latents=composed.latents,
                 latent_mask=composed.latent_mask,
-            )[:, :-1]
+                positions=self.unshift(mask),
+            )[None]  # [1, N, V]
 
         with self.timed("student_step"):
-            student_logits = self.student_logits(batch)
+            student_logits = self.student_logits(batch, mask)[None]  # [1, N, V]
             distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
-            loss_student = masked_mean(distill, mask, num_tokens=num_tokens)
+            loss_student = distill.sum() / num_tokens  # the global token mean (METHOD.md 5)
             self.manual_backward(loss_student)
             student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
 
         with self.timed("composer_step"):
             student_detached = student_logits.detach()
-            distill_c = masked_mean(
-                topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau), mask, num_tokens=num_tokens
-            )
+            distill_c = topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau).sum() / num_tokens
             delta = privileged_margin(
-                token_logps(teacher_logits, targets), token_logps(student_detached, targets), batch.rewards, mask
+                unpack(token_logps(teacher_logits, tokens[None])[0], mask),
+                unpack(token_logps(student_detached, tokens[None])[0], mask),
+                batch.rewards,
+                mask,
             )
             keep = composed.latent_mask.unsqueeze(-1).to(composed.latents.dtype)
             n = (keep.sum() * composed.latents.shape[-1]).clamp_min(1)

@@ -48,7 +48,7 @@ class SFTModule(OnPolicyModule):
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         optimizer = self.optimizers()
         with self.timed("student_step"):
-            targets, mask = self.shifted(batch)
+            _, mask = self.shifted(batch)
             logps = self.student_logps(batch)
             loss = masked_mean(-logps, mask, num_tokens=self.num_loss_tokens(batch))
             self.manual_backward(loss)

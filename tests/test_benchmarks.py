@@ -1,0 +1,68 @@
+"""Benchmarks: eval_base end to end with a tiny random model on the toy task, and the shared metadata."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    """Import ``benchmarks/<name>.py`` (the folder is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def eval_base():
+    return _load("eval_base")
+
+
+def test_eval_base_tiny_toy_writes_json(eval_base, tmp_path):
+    out = tmp_path / "sub" / "eval_base.json"
+    argv = ["--model", "tiny", "--tasks", "toy", "--limit", "2", "--out", str(out), "--device", "cpu"]
+    report = eval_base.main(argv)
+
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(report))  # what is returned is what is written
+    assert not list(out.parent.glob("*.tmp"))  # the atomic write left no temporary file
+    assert data["benchmark"] == "eval_base" and data["model"] == "tiny" and data["complete"] is True
+    for key in ("versions", "hardware", "seed", "git_sha", "timestamp", "argv", "settings", "wall_seconds"):
+        assert key in data, key
+    assert data["argv"] == argv and data["seed"] == 0
+    assert {"python", "torch", "transformers", "lightning", "peft", "faiss"} <= set(data["versions"])
+    assert {"platform", "cpu", "cpu_count", "gpu"} <= set(data["hardware"])
+    assert data["settings"]["decoding"] == "greedy" and data["settings"]["generation_batch_size"] == 8
+
+    assert list(data["tasks"]) == ["toy"]
+    toy = data["tasks"]["toy"]
+    for key in ("n", "metric", "seconds_total", "seconds_per_example", "mean_generated_tokens", "truncated",
+                "truncated_replies", "max_new_tokens", "per_example"):
+        assert key in toy, key
+    assert toy["n"] == 2 and toy["metric"] == "accuracy" and 0.0 <= toy["accuracy"] <= 1.0
+    assert len(toy["per_example"]) == 2
+    assert toy["max_new_tokens"] == 16 and 0 < toy["mean_generated_tokens"] <= 16
+    cut = sum("length" in e["stop_reasons"] for e in toy["per_example"])
+    assert toy["truncated"] == toy["truncated_replies"] == cut
+
+
+def test_eval_base_rejects_unknown_task(eval_base):
+    with pytest.raises(SystemExit):
+        eval_base.parse_args(["--tasks", "nope"])
+
+
+def test_write_json_atomic_replaces(tmp_path):
+    common = _load("common")
+    path = tmp_path / "r.json"
+    common.write_json_atomic({"a": 1}, path)
+    common.write_json_atomic({"a": 2}, path)
+    assert json.loads(path.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

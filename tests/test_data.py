@@ -1,0 +1,120 @@
+"""OnPolicyDataModule: deterministic data positions, a new permutation per epoch, resumable position,
+rollouts made only for training batches."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from lopd_lightning.data import OnPolicyDataModule
+from lopd_lightning.tasks.toy import ToyTask
+
+
+def ids(examples) -> list[str]:
+    return [ex.id for ex in examples]
+
+
+def test_examples_at_is_deterministic_across_instances():
+    a = OnPolicyDataModule("toy", examples_per_step=5, seed=3)
+    b = OnPolicyDataModule("toy", examples_per_step=5, seed=3)
+    for position in (0, 5, 23, 24, 50):
+        assert ids(a.examples_at(position)) == ids(b.examples_at(position))
+    c = OnPolicyDataModule("toy", examples_per_step=5, seed=4)
+    assert [ids(a.examples_at(p)) for p in range(0, 24, 5)] != [ids(c.examples_at(p)) for p in range(0, 24, 5)]
+
+
+def test_positions_wrap_per_epoch_with_a_new_permutation():
+    dm = OnPolicyDataModule("toy", examples_per_step=1, seed=0)
+    pool = ids(dm.train_examples)
+    n = len(pool)
+    assert n == 24  # 32 toy examples, ceil(0.25 * 32) = 8 held out
+    epoch0 = [dm.examples_at(p)[0].id for p in range(n)]
+    epoch1 = [dm.examples_at(p)[0].id for p in range(n, 2 * n)]
+    # each epoch is a permutation of the whole train split, and the two permutations differ
+    assert sorted(epoch0) == sorted(pool) and sorted(epoch1) == sorted(pool)
+    assert epoch0 != epoch1
+    # the naive reference: position p -> entry p % N of epoch p // N's seeded shuffle
+    for p in (0, 7, n - 1, n, n + 5, 3 * n + 2):
+        epoch, offset = divmod(p, n)
+        order = list(range(n))
+        random.Random(0 * 1_000_003 + epoch).shuffle(order)
+        assert dm.examples_at(p)[0].id == pool[order[offset]]
+
+
+def test_a_step_across_the_epoch_boundary_takes_from_both_epochs():
+    one = OnPolicyDataModule("toy", examples_per_step=1)
+    four = OnPolicyDataModule("toy", examples_per_step=4)
+    n = len(one.train_examples)
+    expected = [one.examples_at(p)[0].id for p in range(n - 2, n + 2)]  # last two of epoch 0, first two of epoch 1
+    assert ids(four.examples_at(n - 2)) == expected
+
+
+def test_train_limit_restricts_the_pool():
+    dm = OnPolicyDataModule("toy", examples_per_step=3, train_limit=3)
+    first3 = ids(ToyTask().examples("train")[:3])
+    assert ids(dm.train_examples) == first3
+    assert sorted(ids(dm.examples_at(0))) == sorted(first3)
+
+
+def test_state_dict_round_trip_restores_the_position_and_the_stream():
+    dm = OnPolicyDataModule("toy", examples_per_step=2, seed=1)
+    dm.position = 10
+    state = dm.state_dict()
+    assert state == {"position": 10, "seed": 1}
+    other = OnPolicyDataModule("toy", examples_per_step=2, seed=1)
+    other.load_state_dict(state)
+    assert other.position == 10
+    stream = iter(other.train_dataloader())
+    assert ids(next(stream)) == ids(dm.examples_at(10))
+    assert ids(next(stream)) == ids(dm.examples_at(12))
+
+
+class FakeModule:
+    def __init__(self):
+        self.calls = []
+
+    def make_batch(self, task, examples):
+        self.calls.append((task, list(examples)))
+        return ("rollouts", len(examples))
+
+
+def test_on_before_batch_transfer_makes_rollouts_for_training_only():
+    dm = OnPolicyDataModule("toy", examples_per_step=2)
+    module = FakeModule()
+    examples = dm.examples_at(0)
+
+    # no trainer attached yet: pass through
+    assert dm.on_before_batch_transfer(examples, 0) is examples
+
+    # validation (trainer not training): the example list is returned unchanged, nothing generated
+    dm.trainer = SimpleNamespace(training=False, lightning_module=module)
+    assert dm.on_before_batch_transfer(examples, 0) is examples
+    assert dm.position == 0 and module.calls == []
+
+    # training: the module's make_batch gets the task and the examples; the position advances
+    dm.trainer = SimpleNamespace(training=True, lightning_module=module)
+    assert dm.on_before_batch_transfer(examples, 0) == ("rollouts", 2)
+    assert module.calls == [(dm.task, examples)]
+    assert dm.position == 2
+
+
+def test_val_loader_serves_example_lists_in_order():
+    dm = OnPolicyDataModule("toy", val_examples=5, val_batch_size=2)
+    batches = list(dm.val_dataloader())
+    assert [len(b) for b in batches] == [2, 2, 1]
+    assert [ex.id for b in batches for ex in b] == ids(ToyTask().examples("val")[:5])
+    assert dm.transfer_batch_to_device(batches[0], "cpu", 0) is batches[0]  # lists stay on the host
+
+
+def test_example_lookup_and_bad_options():
+    dm = OnPolicyDataModule("toy")
+    val_id = dm.val_examples_list[0].id
+    assert dm.example(val_id).id == val_id
+    with pytest.raises(KeyError, match="no example with id"):
+        dm.example("toy/999")
+    with pytest.raises(ValueError, match="examples_per_step must be >= 1"):
+        OnPolicyDataModule("toy", examples_per_step=0)
+    with pytest.raises(ValueError, match="task_options are only for a task given by name"):
+        OnPolicyDataModule(ToyTask(), task_options={"seed": 1})

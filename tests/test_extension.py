@@ -1,0 +1,135 @@
+"""The documented extension example (examples/custom_task.py): a new Task and an LOPDModule subclass
+that overrides the public hooks, trained for two steps; each hook is called and has its effect."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lopd_lightning.callbacks import MemoryRefresh
+from lopd_lightning.tasks.verify import verify_task
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_task.py"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run several times faster on one intra-op thread when cores are shared; restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def custom_task():
+    spec = importlib.util.spec_from_file_location("custom_task", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["custom_task"] = module  # importable by name, as with PYTHONPATH=examples
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("custom_task", None)
+
+
+def test_the_example_task_is_a_valid_task(custom_task):
+    task = custom_task.ReverseWordTask()
+    assert len(task.examples("all")) == 12
+    assert len(task.examples("train")) + len(task.examples("val")) == 12
+    assert verify_task(task).ok  # every reference solution earns full marks
+    ex = task.examples("all")[0]
+    assert (ex.text, task.reference_solution(ex)) == ("Spell the word apple backwards.", "elppa")
+    assert task.score(ex, "It is ELPPA.") == 1.0 and task.score(ex, "apple") == 0.0
+
+
+def test_shaped_reward_by_hand(custom_task):
+    # answer "elppa" (5 characters): correct and short -> 0.8 + 0.2; wrong, 10 characters -> 0.2 * 5/10
+    assert custom_task.shaped_reward("elppa", "elppa", 1.0) == pytest.approx(1.0)
+    assert custom_task.shaped_reward("elppa", "x" * 10, 0.0) == pytest.approx(0.1)
+    assert custom_task.shaped_reward("elppa", "", 0.0) == 0.0
+
+
+def test_subclass_hooks_are_called_and_take_effect_in_training(tmp_path, custom_task):
+    module, dm = custom_task.build()
+    calls: Counter[str] = Counter()
+    for hook in ("build_messages", "score_trajectory", "experience_from_trajectory"):
+        bound = getattr(module, hook)
+
+        def counted(*args, _bound=bound, _hook=hook, **kwargs):
+            calls[_hook] += 1
+            return _bound(*args, **kwargs)
+
+        setattr(module, hook, counted)
+
+    class Batches(Callback):
+        def __init__(self):
+            self.batches = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.batches.append(batch)
+
+    log = Batches()
+    # min_reward 0: every trajectory goes to experience_from_trajectory, which decides what is kept
+    refresh = MemoryRefresh(every_n_steps=1, min_reward=0.0)
+    trainer = custom_task.train(module, dm, callbacks=[refresh, log], default_root_dir=str(tmp_path))
+    assert trainer.global_step == 2
+    rows = [(b, i) for b in log.batches for i in range(len(b))]
+    assert len(rows) == 8  # 2 steps x 2 examples x 2 rollouts
+    assert calls["build_messages"] >= 8 and calls["score_trajectory"] == 8 and calls["experience_from_trajectory"] == 8
+
+    # build_messages: every trajectory starts with the system prompt, also in the tokens the student saw
+    for batch, i in rows:
+        assert batch.messages[i][0] == {"role": "system", "content": custom_task.SYSTEM_PROMPT}
+        prompt = module.tokenizer.decode(batch.input_ids[i][: int(batch.context_position[i])])
+        assert custom_task.SYSTEM_PROMPT in prompt
+
+    # score_trajectory: the batch's rewards are the shaped rewards, not the task's 0/1
+    task = dm.task
+    for batch, i in rows:
+        example = dm.example(batch.example_ids[i])
+        reply = custom_task.last_reply(batch.messages[i])
+        expected = custom_task.shaped_reward(example.data["answer"], reply, task.score(example, reply))
+        assert float(batch.rewards[i]) == pytest.approx(expected, abs=1e-6)
+    assert any(0.0 < float(b.rewards[i]) < 1.0 for b, i in rows)  # shaped values the task never gives
+
+    # experience_from_trajectory: the bank holds answer-only traces of the non-empty replies
+    expected_records = {
+        (b.example_ids[i], f"[answer] {custom_task.last_reply(b.messages[i])}")
+        for b, i in rows
+        if custom_task.last_reply(b.messages[i])
+    }
+    assert {(r.task_id, r.trace) for r in module.bank.records} == expected_records
+    # and the second step retrieved the first step's custom experiences for the composer
+    second = log.batches[1]
+    retrieved = [e for exps in second.experiences for e in exps]
+    assert retrieved and all(e.trace.startswith("[answer] ") for e in retrieved)
+
+
+def test_a_tasks_own_turn_limit_is_kept_through_the_hooks(custom_task):
+    """A task's ``max_turns`` attribute (read by the rollout code) still applies to the module's rollouts."""
+    from lopd_lightning.tasks import Episode, StepResult
+
+    class Endless(Episode):
+        def step(self, reply):
+            return StepResult(messages=[{"role": "user", "content": "again"}], done=False)
+
+        def reward(self):
+            return 0.0
+
+    class ThreeTurns(custom_task.ReverseWordTask):
+        multi_turn = True
+        max_turns = 3
+
+        def start(self, example):
+            return Endless()
+
+    module, _ = custom_task.build(max_new_tokens=2, rollouts_per_example=1)
+    task = ThreeTurns()
+    batch = module.make_batch(task, task.examples("train")[:2])
+    assert [m["turns"] for m in batch.metadata] == [3, 3]
+    assert all(m["truncation"] == "max_turns" for m in batch.metadata)

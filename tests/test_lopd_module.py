@@ -1,0 +1,489 @@
+"""LOPDModule: an end-to-end fit from YAML, the two updates' isolation, the dual ascent of beta, the
+logged margin and KL against a naive recomputation, checkpoints and resume, and early config errors.
+
+Everything runs on the tiny random Llama (``model: tiny``) and the toy task, on CPU, in seconds.
+The bank is seeded with the toy task's reference solutions so that every row retrieves experiences
+and the composer's latents exist (an empty bank would make the teacher equal the student).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lopd_lightning.adapters import adapter_parameters, base_parameters
+from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
+from lopd_lightning.cli import _lightning_cli
+from lopd_lightning.data import OnPolicyDataModule
+from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory.embed import get_embedder
+from lopd_lightning.modules import LOPDModule
+from lopd_lightning.modules.lopd import ANCHOR_ADAPTER, COMPOSER_ADAPTER
+from lopd_lightning.tasks import Example
+from lopd_lightning.tasks.toy import ToyTask
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TINY_YAML = CONFIGS / "tiny.yaml"
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run several times faster on one intra-op thread when cores are shared; restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+class EvenToy(ToyTask):
+    """The toy task with a reward we control: 1 for the even-numbered examples ("toy/0", "toy/2", ...)."""
+
+    def score(self, example: Example, completion: str) -> float:
+        return 1.0 if int(example.id.split("/")[1]) % 2 == 0 else 0.0
+
+
+def reference_experiences(task: ToyTask) -> list[Experience]:
+    """One successful experience per train example: its reference solution replayed as a trace."""
+    out = []
+    for ex in task.examples("train"):
+        messages = [*task.initial_messages(ex), {"role": "assistant", "content": task.reference_solution(ex)}]
+        out.append(Experience(task_id=ex.id, task_text=ex.text, trace=task.experience_text(ex, messages), reward=1.0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bank_dir(tmp_path_factory) -> Path:
+    """A saved bank (hashing embedder) of the toy train split's 24 reference solutions."""
+    folder = tmp_path_factory.mktemp("bank")
+    bank = ExperienceBank(get_embedder("hashing"))
+    assert bank.add(reference_experiences(ToyTask())) == 24  # 32 examples, ceil(0.25 * 32) = 8 in val
+    bank.save(folder)
+    return folder
+
+
+def make_module(bank_dir: Path | None, **overrides) -> LOPDModule:
+    """configs/tiny.yaml's module (LoRA student, K=4, J=2, depth 2, hashing embedder, top_m 8)."""
+    options = dict(
+        lora=LORA,
+        rollouts_per_example=2,
+        max_new_tokens=8,
+        num_latents=4,
+        num_experiences=2,
+        composer_depth=2,
+        max_experience_tokens=64,
+        embedder="hashing",
+        top_m=8,
+        learning_rate=1e-3,
+        composer_lr=1e-3,
+        bank_path=None if bank_dir is None else str(bank_dir),
+    )
+    options.update(overrides)
+    return LOPDModule("tiny", **options)
+
+
+def make_dm(task="toy", **overrides) -> OnPolicyDataModule:
+    options = dict(examples_per_step=2, val_examples=4, val_batch_size=4)
+    options.update(overrides)
+    return OnPolicyDataModule(task, **options)
+
+
+def make_trainer(root: Path, *, max_steps: int = 2, callbacks=(), **overrides) -> L.Trainer:
+    options = dict(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        callbacks=list(callbacks),
+    )
+    options.update(overrides)
+    return L.Trainer(**options)
+
+
+class Recorder(Callback):
+    """Per step: beta and margin before, beta after, the logged scalars, the batch."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append({"global_step": trainer.global_step, "beta_before": pl_module.beta, "margin": pl_module.margin})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        self.steps[-1].update(beta_after=pl_module.beta, logged=logged, batch=batch)
+
+
+def snapshot(params) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+def same(before: list[torch.Tensor], params) -> bool:
+    return all(torch.equal(b, p.detach()) for b, p in zip(before, params, strict=True))
+
+
+def parameter_groups(module: LOPDModule) -> dict[str, list[torch.nn.Parameter]]:
+    """The disjoint parameter sets of the module (found by identity, not by name)."""
+    groups = {
+        "base": base_parameters(module.backbone),
+        "composer_lora": module.composer.lora_parameters(),
+        "resampler": module.composer.resampler_parameters(),
+        "anchor": adapter_parameters(module.backbone, ANCHOR_ADAPTER) + list(module.anchor_composer.resampler.parameters()),
+    }
+    if module.is_lora_student:
+        groups["student_lora"] = adapter_parameters(module.backbone, "student")
+    ids = [id(p) for ps in groups.values() for p in ps]
+    assert len(ids) == len(set(ids)), "parameter groups overlap"
+    return groups
+
+
+# --------------------------------------------------------------------------------- 1. fit from YAML
+REQUIRED_TAGS = [
+    "train/loss", "train/distill_kl", "train/margin_delta", "train/margin_m", "train/beta",
+    "train/composer_anchor", "train/reward_mean", "train/success_rate", "train/rollouts",
+    "time/generation", "time/teacher", "time/student_step", "time/composer_step", "by_rollouts/reward_mean",
+]
+
+
+def test_two_step_fit_from_yaml_logs_every_tag(tmp_path, bank_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cli = _lightning_cli([
+        "fit", "-c", str(TINY_YAML),
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'tb'}",
+        f"--model.init_args.bank_path={bank_dir}",
+        "--trainer.enable_progress_bar=false",
+    ])
+    # two optimisers but one training step = one global step (the composer steps the raw optimizer)
+    assert cli.trainer.global_step == 2
+    assert len(cli.model.bank) >= 24
+    events = sorted((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file"
+    scalars: dict[str, list] = {}
+    for path in events:
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(acc.Scalars(tag))
+    missing = [t for t in REQUIRED_TAGS if t not in scalars]
+    assert not missing, f"missing tags {missing}; have {sorted(scalars)}"
+    assert len(scalars["train/loss"]) == 2  # one point per step
+    # 2 examples x 2 rollouts per step: 4 then 8 trajectories consumed
+    assert [e.value for e in scalars["train/rollouts"]] == [4.0, 8.0]
+    assert sorted(e.step for e in scalars["by_rollouts/reward_mean"]) == [4, 8]
+    assert all(e.value > 0 for e in scalars["time/generation"])
+    # the margin of tiny.yaml's MarginSchedule (constant 0.05)
+    assert [round(e.value, 6) for e in scalars["train/margin_m"]] == [0.05, 0.05]
+
+
+# ------------------------------------------------------------------ 2. the two updates are separate
+@pytest.mark.parametrize("student", ["lora", "full"])
+def test_student_step_and_composer_step_touch_disjoint_parameters(tmp_path, bank_dir, student):
+    """Instrumented: snapshots at the start, right after the student's optimiser step, and at the end."""
+    module = make_module(bank_dir, lora=LORA if student == "lora" else None)
+    groups = parameter_groups(module)
+    snaps: dict[str, dict[str, list[torch.Tensor]]] = {}
+    original = module.clip_and_step
+
+    def clip_and_step(*args, **kwargs):  # the student's optimiser step
+        norm = original(*args, **kwargs)
+        snaps["after_student"] = {k: snapshot(v) for k, v in groups.items()}
+        return norm
+
+    module.clip_and_step = clip_and_step
+
+    class Snap(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snaps["start"] = {k: snapshot(v) for k, v in groups.items()}
+            assert batch.experiences is not None and all(len(e) == 2 for e in batch.experiences)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            snaps["end"] = {k: snapshot(v) for k, v in groups.items()}
+
+    make_trainer(tmp_path, max_steps=1, callbacks=[Snap()]).fit(module, make_dm())
+    start, mid, end = snaps["start"], snaps["after_student"], snaps["end"]
+
+    def changed(a, b, key):
+        return not all(torch.equal(x, y) for x, y in zip(a[key], b[key], strict=True))
+
+    student_keys = ["student_lora"] if student == "lora" else ["base"]
+    backbone_keys = ["base", "student_lora"] if student == "lora" else ["base"]
+    composer_keys = ["composer_lora", "resampler"]
+    # the student step: the student moved, nothing of the composer (nor the anchor) did
+    assert all(changed(start, mid, k) for k in student_keys)
+    assert not any(changed(start, mid, k) for k in composer_keys + ["anchor"])
+    if student == "lora":
+        assert not changed(start, mid, "base")
+    # the composer step: the composer moved (both parts), no backbone parameter did
+    assert all(changed(mid, end, k) for k in composer_keys)
+    assert not any(changed(mid, end, k) for k in backbone_keys + ["anchor"])
+
+
+@pytest.mark.parametrize("frozen_side", ["composer", "student"])
+def test_zero_learning_rate_freezes_one_side_only(tmp_path, bank_dir, frozen_side):
+    """composer_lr=0: composer unchanged AND student changed; learning_rate=0: the reverse."""
+    lr = {"composer_lr": 0.0} if frozen_side == "composer" else {"learning_rate": 0.0}
+    module = make_module(bank_dir, **lr)
+    groups = parameter_groups(module)
+    before = {k: snapshot(v) for k, v in groups.items()}
+    make_trainer(tmp_path, max_steps=1).fit(module, make_dm())
+    moved = {k: not same(before[k], v) for k, v in groups.items()}
+    assert not moved["base"] and not moved["anchor"]
+    if frozen_side == "composer":
+        assert moved["student_lora"] and not moved["composer_lora"] and not moved["resampler"]
+    else:
+        assert not moved["student_lora"] and moved["composer_lora"] and moved["resampler"]
+
+
+# -------------------------------------------------------------------------- 3. dual ascent of beta
+@pytest.mark.parametrize(
+    "margin, beta_init, case",
+    [(1.0, 0.0, "growth"), (-5.0, 0.3, "clamp")],
+)
+def test_beta_follows_projected_dual_ascent(tmp_path, bank_dir, margin, beta_init, case):
+    """beta_{t+1} = max(0, beta_t + eta (m - Delta_t)), Delta_t the logged train/margin_delta."""
+    eta = 0.5
+    module = make_module(bank_dir, margin=margin, beta_init=beta_init, dual_lr=eta)
+    rec = Recorder()
+    make_trainer(tmp_path, max_steps=2, callbacks=[rec]).fit(module, make_dm())
+    assert len(rec.steps) == 2
+    beta = beta_init
+    for step in rec.steps:
+        delta = step["logged"]["train/margin_delta"]
+        assert delta != 0.0  # latents exist: the teacher differs from the student
+        assert step["beta_before"] == pytest.approx(beta)
+        assert step["logged"]["train/beta"] == pytest.approx(beta)  # logged: the beta used in this step
+        beta = max(0.0, beta + eta * (margin - delta))
+        assert step["beta_after"] == pytest.approx(beta, abs=1e-6)
+    if case == "growth":
+        # |Delta| is small on a random model, so m = 1 makes beta grow by about eta * m each step
+        assert rec.steps[0]["beta_after"] > 0.4 and rec.steps[1]["beta_after"] > rec.steps[0]["beta_after"]
+    else:
+        assert rec.steps[0]["beta_after"] == 0.0 and rec.steps[1]["beta_after"] == 0.0
+
+
+# --------------------------------------------------- the logged margin and KL against a naive reference
+def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
+    """Delta = mean_b [sum_t w (2 r_b - 1)(log pT - log pS) / sum_t w]; KL on top-M(teacher) + tail."""
+    top_m = 8
+    module = make_module(bank_dir, top_m=top_m)
+    captured = {}
+    student_logits, teacher_logits = module.student_logits, module.teacher.logits_on_student_positions
+
+    def grab_student(batch):
+        out = student_logits(batch)
+        captured["student"] = out.detach().double().clone()
+        return out
+
+    def grab_teacher(*args, **kwargs):
+        out = teacher_logits(*args, **kwargs)
+        captured["teacher"] = out.detach().double().clone()
+        return out
+
+    module.student_logits = grab_student
+    module.teacher.logits_on_student_positions = grab_teacher
+    rec = Recorder()
+    # EvenToy: rows of even examples have reward 1 (A = +1), the others 0 (A = -1)
+    make_trainer(tmp_path, max_steps=1, callbacks=[rec]).fit(module, make_dm(EvenToy(), examples_per_step=4))
+    batch = rec.steps[0]["batch"]
+    rewards = batch.rewards.tolist()
+    assert 0.0 in rewards and 1.0 in rewards
+    s, t = captured["student"], captured["teacher"][:, :-1]  # [B, T-1, V], position j predicts token j+1
+    ids, mask = batch.input_ids, batch.assistant_mask
+    deltas, kl_sum, n_tokens = [], 0.0, 0
+    for b in range(len(batch)):
+        row, count = 0.0, 0
+        for j in range(ids.shape[1] - 1):
+            if not mask[b, j + 1]:
+                continue
+            tok = int(ids[b, j + 1])
+            log_pt, log_ps = torch.log_softmax(t[b, j], -1), torch.log_softmax(s[b, j], -1)
+            row += (2 * rewards[b] - 1) * float(log_pt[tok] - log_ps[tok])
+            count += 1
+            support = torch.topk(log_pt, top_m).indices  # the teacher's top-M tokens
+            ps, pt = log_ps.exp()[support], log_pt.exp()[support]
+            ps = torch.cat([ps, (1 - ps.sum()).clamp_min(1e-12)[None]])  # + the tail bucket
+            pt = torch.cat([pt, (1 - pt.sum()).clamp_min(1e-12)[None]])
+            kl_sum += float((ps * (ps / pt).log()).sum())  # reverse KL(p~_S || p~_T)
+            n_tokens += 1
+        if count:
+            deltas.append(row / count)
+    logged = rec.steps[0]["logged"]
+    assert logged["train/margin_delta"] == pytest.approx(sum(deltas) / len(deltas), rel=1e-4, abs=1e-6)
+    assert logged["train/distill_kl"] == pytest.approx(kl_sum / n_tokens, rel=1e-4, abs=1e-6)
+    assert logged["train/distill_kl"] > 0
+
+
+# ----------------------------------------------------------------------- 6. checkpoints and resume
+def test_checkpoint_holds_the_method_state_and_resume_continues(tmp_path, bank_dir):
+    ckpt_dir = tmp_path / "ckpt"
+    module = make_module(bank_dir, margin=0.5)
+    rec = Recorder()
+    callbacks = [
+        MarginSchedule(margin=0.5),
+        MemoryRefresh(every_n_steps=1, min_reward=1.0),
+        ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, save_last=False),
+        rec,
+    ]
+    dm = make_dm(EvenToy())  # even examples succeed: the refresh grows the bank
+    make_trainer(tmp_path, max_steps=2, callbacks=callbacks, enable_checkpointing=True).fit(module, dm)
+    (path,) = sorted(ckpt_dir.glob("*.ckpt"))
+    ckpt = torch.load(path, weights_only=False, map_location="cpu")
+
+    # the schedule position and the method's state
+    assert ckpt["global_step"] == 2
+    state = ckpt["lopd_state"]
+    assert state["beta"] == pytest.approx(module.beta) and module.beta > 0
+    assert state["rollouts_consumed"] == 8
+    assert len(state["bank"]["records"]) == len(module.bank) > 24  # the refresh added to the 24 references
+    assert ckpt["OnPolicyDataModule"]["position"] == 4
+    # the composer: resampler and composer LoRA (and the anchor) inside the state dict
+    sd = ckpt["state_dict"]
+    for name, p in module.named_parameters():
+        assert torch.equal(sd[name], p.detach().cpu()), name
+    assert any(k.startswith("composer.resampler.") for k in sd)
+    assert any(f".lora_B.{COMPOSER_ADAPTER}." in k for k in sd)
+    assert any(f".lora_B.{ANCHOR_ADAPTER}." in k for k in sd)
+    # both optimisers, each stepped twice
+    opt_student, opt_composer = ckpt["optimizer_states"]
+    assert len(opt_student["state"]) == len(module.student_parameters())
+    assert len(opt_composer["state"]) == len(module.composer.trainable_parameters())
+    assert all(float(s["step"]) == 2 for s in opt_student["state"].values())
+    assert all(float(s["step"]) == 2 for s in opt_composer["state"].values())
+
+    # resume into a fresh module with an EMPTY bank and beta 0: everything must come from the checkpoint
+    fresh = make_module(None, margin=0.5)
+    assert len(fresh.bank) == 0 and fresh.beta == 0.0
+    seen = {}
+
+    class AtResume(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if "beta" in seen:
+                return
+            seen.update(
+                step=trainer.global_step,
+                beta=pl_module.beta,
+                bank=len(pl_module.bank),
+                example_ids=list(dict.fromkeys(batch.example_ids)),
+                params_equal=all(torch.equal(sd[n], p.detach().cpu()) for n, p in pl_module.named_parameters()),
+                composer_steps={float(s["step"]) for s in trainer.optimizers[1].state.values()},
+            )
+
+    callbacks2 = [MarginSchedule(margin=0.5), MemoryRefresh(every_n_steps=0), AtResume()]
+    trainer2 = make_trainer(tmp_path / "resume", max_steps=3, callbacks=callbacks2)
+    dm2 = make_dm(EvenToy())
+    trainer2.fit(fresh, dm2, ckpt_path=str(path))
+    assert trainer2.global_step == 3
+    assert seen["step"] == 2
+    assert seen["beta"] == pytest.approx(state["beta"])
+    assert seen["bank"] == len(state["bank"]["records"])
+    assert seen["params_equal"]
+    assert seen["composer_steps"] == {2.0}
+    # the data position continues: step 3 trains on positions 4 and 5 of the permutation
+    assert seen["example_ids"] == [ex.id for ex in dm2.examples_at(4)]
+    assert dm2.position == 6 and fresh.rollouts_consumed == 12
+
+
+# ------------------------------------------------------------------------- composer warm start
+def test_warm_start_trains_the_composer_and_freezes_it_as_the_anchor(tmp_path, bank_dir):
+    module = make_module(bank_dir, warm_start_steps=2, warm_start_batch_size=2)
+    assert not module.warm_started
+    fresh = snapshot(module.composer.trainable_parameters())
+    seen = {}
+
+    class AtFirstStep(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            anchor_lora = adapter_parameters(pl_module.backbone, ANCHOR_ADAPTER)
+            seen["anchor_is_composer"] = same(snapshot(pl_module.composer.lora_parameters()), anchor_lora) and same(
+                snapshot(pl_module.composer.resampler_parameters()), list(pl_module.anchor_composer.resampler.parameters())
+            )
+            seen["composer_moved"] = not same(fresh, pl_module.composer.trainable_parameters())
+            seen["anchor_frozen"] = not any(p.requires_grad for p in anchor_lora)
+
+    rec = Recorder()
+    make_trainer(tmp_path, max_steps=1, callbacks=[AtFirstStep(), rec]).fit(module, make_dm())
+    assert module.warm_started
+    assert seen == {"anchor_is_composer": True, "composer_moved": True, "anchor_frozen": True}
+    # the anchor term is 0 at the first step: the composer has not moved from its snapshot yet
+    assert rec.steps[0]["logged"]["train/composer_anchor"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_warm_start_without_successful_records_is_skipped(tmp_path):
+    module = make_module(None, warm_start_steps=3)
+    fresh = snapshot(module.composer.trainable_parameters())
+    make_trainer(tmp_path, max_steps=1, limit_train_batches=0).fit(module, make_dm())
+    assert module.warm_started
+    assert same(fresh, module.composer.trainable_parameters())
+
+
+# ------------------------------------------------------------------- validation before training
+def test_validate_before_training_records_step_zero(tmp_path):
+    module = make_module(None, validate_before_training=True)
+    make_trainer(tmp_path, max_steps=1).fit(module, make_dm(val_examples=3))
+    step, values = module.val_history[0]
+    assert step == 0
+    assert set(values) == {"val/reward_mean", "val/success_rate", "val/turns_mean"}
+    assert values["val/turns_mean"] == 1.0  # single-turn toy episodes
+
+
+# ------------------------------------------------------------------ 12. bad config fails early
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to load a student fails the test: errors must come before heavy work."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the student was loaded before the config error was raised")
+
+    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
+
+
+def test_unknown_task_name_lists_known_ones(no_model_loading):
+    with pytest.raises(ValueError, match=r"unknown task 'nope'.*toy"):
+        OnPolicyDataModule("nope")
+    # through the CLI: LightningCLI instantiates the model first, so the name is checked before that
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; known tasks: .*bfcl_simple_python.*toy"):
+        _lightning_cli(["-c", str(TINY_YAML), "--data.init_args.task=nope", "--trainer.logger=false"], run=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"rollouts_per_example": 0}, "rollouts_per_example must be >= 1"),
+        ({"num_experiences": -1}, "num_experiences >= 0"),
+        ({"num_latents": 0}, "num_latents >= 1"),
+        ({"top_m": 0}, "top_m must be >= 1"),
+    ],
+)
+def test_bad_module_options_fail_before_loading_the_model(no_model_loading, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_module(None, **overrides)
+
+
+def test_top_m_larger_than_vocabulary_fails_before_the_composer(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the composer was built before the top_m check")
+
+    monkeypatch.setattr("lopd_lightning.modules.lopd.LatentComposer", refuse)
+    # the tiny tokenizer has 259 ids: top_m = 259 is allowed, 260 is not
+    with pytest.raises(ValueError, match=r"top_m=260 is larger than the vocabulary \(259\)"):
+        make_module(None, top_m=260)
+    with pytest.raises(AssertionError, match="composer was built"):
+        make_module(None, top_m=259)
+
+
+def test_bad_option_through_the_cli_names_the_option(no_model_loading):
+    with pytest.raises(ValueError, match="rollouts_per_example must be >= 1"):
+        _lightning_cli(
+            ["-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=0", "--trainer.logger=false"], run=False
+        )
