@@ -15,6 +15,16 @@ def _seed_everything():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on 2 shared cores (with sandboxed child
+    processes) extra threads oversubscribe the CPU and make tests several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tokenizer():
     """A fresh tiny tokenizer (ByT5 bytes, ChatML template; pad 0, EOS 1): tests may mutate it."""

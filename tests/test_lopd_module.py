@@ -274,6 +274,17 @@ def test_beta_follows_projected_dual_ascent(tmp_path, bank_dir, margin, beta_ini
 
 
 # --------------------------------------------------- the logged margin and KL against a naive reference
+def at_loss_positions(logits: torch.Tensor, mask: torch.Tensor, *, full_length: bool) -> torch.Tensor:
+    """(N, V) logits at the N loss positions (row-major order of ``mask``, (B, T-1) shifted coordinates).
+
+    Accepts packed (N, V) logits as they are, or dense ones: (B, T-1, V), or (B, T, V) when ``full_length``.
+    """
+    if logits.ndim == 2:
+        assert logits.shape[0] == int(mask.sum())
+        return logits
+    return (logits[:, :-1] if full_length else logits)[mask]
+
+
 def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
     """Delta = mean_b [sum_t w (2 r_b - 1)(log pT - log pS) / sum_t w]; KL on top-M(teacher) + tail."""
     top_m = 8
@@ -281,8 +292,8 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
     captured = {}
     student_logits, teacher_logits = module.student_logits, module.teacher.logits_on_student_positions
 
-    def grab_student(batch):
-        out = student_logits(batch)
+    def grab_student(*args, **kwargs):
+        out = student_logits(*args, **kwargs)
         captured["student"] = out.detach().double().clone()
         return out
 
@@ -299,29 +310,24 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
     batch = rec.steps[0]["batch"]
     rewards = batch.rewards.tolist()
     assert 0.0 in rewards and 1.0 in rewards
-    s, t = captured["student"], captured["teacher"][:, :-1]  # [B, T-1, V], position j predicts token j+1
-    ids, mask = batch.input_ids, batch.assistant_mask
-    deltas, kl_sum, n_tokens = [], 0.0, 0
-    for b in range(len(batch)):
-        row, count = 0.0, 0
-        for j in range(ids.shape[1] - 1):
-            if not mask[b, j + 1]:
-                continue
-            tok = int(ids[b, j + 1])
-            log_pt, log_ps = torch.log_softmax(t[b, j], -1), torch.log_softmax(s[b, j], -1)
-            row += (2 * rewards[b] - 1) * float(log_pt[tok] - log_ps[tok])
-            count += 1
-            support = torch.topk(log_pt, top_m).indices  # the teacher's top-M tokens
-            ps, pt = log_ps.exp()[support], log_pt.exp()[support]
-            ps = torch.cat([ps, (1 - ps.sum()).clamp_min(1e-12)[None]])  # + the tail bucket
-            pt = torch.cat([pt, (1 - pt.sum()).clamp_min(1e-12)[None]])
-            kl_sum += float((ps * (ps / pt).log()).sum())  # reverse KL(p~_S || p~_T)
-            n_tokens += 1
-        if count:
-            deltas.append(row / count)
+    mask = batch.assistant_mask[:, 1:]  # position j predicts token j + 1
+    s = at_loss_positions(captured["student"], mask, full_length=False)
+    t = at_loss_positions(captured["teacher"], mask, full_length=True)
+    rows: dict[int, list[float]] = {}
+    kl_sum = 0.0
+    for n, (b, j) in enumerate(mask.nonzero().tolist()):
+        tok = int(batch.input_ids[b, j + 1])
+        log_pt, log_ps = torch.log_softmax(t[n], -1), torch.log_softmax(s[n], -1)
+        rows.setdefault(b, []).append((2 * rewards[b] - 1) * float(log_pt[tok] - log_ps[tok]))
+        support = torch.topk(log_pt, top_m).indices  # the teacher's top-M tokens
+        ps, pt = log_ps.exp()[support], log_pt.exp()[support]
+        ps = torch.cat([ps, (1 - ps.sum()).clamp_min(1e-12)[None]])  # + the tail bucket
+        pt = torch.cat([pt, (1 - pt.sum()).clamp_min(1e-12)[None]])
+        kl_sum += float((ps * (ps / pt).log()).sum())  # reverse KL(p~_S || p~_T)
+    delta = sum(sum(v) / len(v) for v in rows.values()) / len(rows)
     logged = rec.steps[0]["logged"]
-    assert logged["train/margin_delta"] == pytest.approx(sum(deltas) / len(deltas), rel=1e-4, abs=1e-6)
-    assert logged["train/distill_kl"] == pytest.approx(kl_sum / n_tokens, rel=1e-4, abs=1e-6)
+    assert logged["train/margin_delta"] == pytest.approx(delta, rel=1e-4, abs=1e-6)
+    assert logged["train/distill_kl"] == pytest.approx(kl_sum / int(mask.sum()), rel=1e-4, abs=1e-6)
     assert logged["train/distill_kl"] > 0
 
 

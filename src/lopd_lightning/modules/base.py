@@ -267,23 +267,6 @@ class OnPolicyModule(LightningModule):
                 break
         return messages
 
-    def reference_conversation(self, task: Task, example: Example) -> list[Message]:
-        """The conversation of ``task.reference_replies(example)`` replayed through the task's environment.
-
-        The first messages come from :meth:`build_messages`; each reference reply is followed by the
-        environment's observations, until the replies run out or the episode is done (the same replay
-        as ``lopd tasks verify``). Used for SFT, the composer warm start and ``lopd build-memory
-        --from-references``.
-
-        Returns:
-            ``[initial messages..., {"role": "assistant", ...}, observations..., ...]``.
-        """
-        episode = _HookedTask(self, task).start(example)
-        for reply in task.reference_replies(example):
-            if episode.step(reply).done:
-                break
-        return list(episode.messages)
-
     def reference_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
         """A teacher-forced batch of the examples' reference solutions (reward 1, one per example)."""
         conversations = [self.reference_conversation(task, ex) for ex in examples]

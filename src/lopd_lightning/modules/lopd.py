@@ -212,8 +212,11 @@ class LOPDModule(OnPolicyModule):
             distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
             loss_student = distill.sum() / num_tokens  # the global token mean (METHOD.md 5)
             self.manual_backward(loss_student)
-            student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
 
+        # Both backward passes run before either optimiser step: the teacher and encoder graphs saved
+        # backbone weights (the student's LoRA, or the base weights of a full student), and the
+        # student's in-place update would invalidate them (autograd's version check). Both gradients
+        # are taken at the weights that made this step's rollouts and teacher logits.
         with self.timed("composer_step"):
             student_detached = student_logits.detach()
             distill_c = topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau).sum() / num_tokens
@@ -229,6 +232,11 @@ class LOPDModule(OnPolicyModule):
             loss_composer = distill_c + self.beta * (self.margin - delta) + self.hparams.anchor_weight * anchor
             if loss_composer.requires_grad:
                 self.manual_backward(loss_composer)
+
+        with self.timed("student_step"):
+            student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
+
+        with self.timed("composer_step"):
             norms = clip_composer_grads(
                 self.composer, resampler_clip=self.hparams.composer_clip_resampler, lora_clip=self.hparams.composer_clip_lora
             )
