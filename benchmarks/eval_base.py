@@ -109,7 +109,7 @@ def replay_turns(task: Task, example: Example, messages: list[dict[str, Any]]) -
     return float(episode.fraction_passed), float(episode.reward())
 
 
-def summarize(name: str, spec: TaskSpec, task: Task, examples: list[Example], batch: RolloutBatch,
+def summarize(spec: TaskSpec, task: Task, examples: list[Example], batch: RolloutBatch,
               seconds: float, n_available: int, max_turns: int | None) -> dict[str, Any]:
     """The per-task JSON entry from a batch of greedy rollouts (one per example)."""
     n = len(batch)
@@ -238,8 +238,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         # the limit generate_rollouts applied (its documented default when max_turns is None)
         effective_turns = max_turns or getattr(task, "max_turns", None) or (8 if task.multi_turn else 1)
-        report["tasks"][name] = summarize(name, spec, task, examples, batch, seconds, len(val), effective_turns)
+        report["tasks"][name] = summarize(spec, task, examples, batch, seconds, len(val), effective_turns)
         r = report["tasks"][name]
+        planned = len(val) if spec.max_examples is None else min(spec.max_examples, len(val))
+        if n < planned:  # fewer than the benchmark's definition: say so in the JSON
+            r["planned_n"] = planned
+            r["reduced_by"] = "--limit" if args.limit is not None and n == args.limit else "--multi-turn-examples"
         print(f"[eval_base] {name}: {spec.metric} {r[spec.metric]:.3f} in {seconds:.1f} s", flush=True)
         report["wall_seconds"] = time.perf_counter() - t_run
         write_json_atomic(report, args.out)

@@ -49,6 +49,7 @@ def test_eval_base_tiny_toy_writes_json(eval_base, tmp_path):
         assert key in toy, key
     assert toy["n"] == 2 and toy["metric"] == "accuracy" and 0.0 <= toy["accuracy"] <= 1.0
     assert len(toy["per_example"]) == 2
+    assert toy["planned_n"] == 8 and toy["reduced_by"] == "--limit"  # the toy val split holds 8
     assert toy["max_new_tokens"] == 16 and 0 < toy["mean_generated_tokens"] <= 16
     cut = sum("length" in e["stop_reasons"] for e in toy["per_example"])
     assert toy["truncated"] == toy["truncated_replies"] == cut

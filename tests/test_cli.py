@@ -135,3 +135,19 @@ def test_validate_and_test_subcommands_run_greedy_episodes(tmp_path, subcommand,
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     assert metrics[f"{prefix}/turns_mean"] == 1.0  # the toy task is single-turn
     assert 0.0 <= metrics[f"{prefix}/success_rate"] <= metrics[f"{prefix}/reward_mean"] <= 1.0
+
+
+def test_build_memory_writes_to_the_configured_bank_path_then_fit_loads_it(tmp_path, capsys):
+    """The config's bank_path is where build-memory writes (it need not exist yet); a module then loads it."""
+    bank = tmp_path / "bank"
+    overrides = [f"--model.init_args.bank_path={bank}"]
+    assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", *overrides]) == 0
+    assert f"-> {bank}" in capsys.readouterr().out
+    cli = _lightning_cli(["-c", str(TINY_YAML), *overrides, "--trainer.logger=false"], run=False)
+    assert len(cli.model.bank) == 24
+
+
+def test_missing_bank_folder_names_the_fix(tmp_path):
+    with pytest.raises(Exception, match="lopd build-memory"):
+        _lightning_cli(["-c", str(TINY_YAML), f"--model.init_args.bank_path={tmp_path / 'none'}",
+                        "--trainer.logger=false"], run=False)

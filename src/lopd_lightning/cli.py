@@ -38,6 +38,17 @@ def check_task_name(config: Any) -> None:
         raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASK_NAMES)} (or give a Task subclass)")
 
 
+def _configured_bank_path(configs: list[str], overrides: list[str]) -> str | None:
+    """``model.init_args.bank_path`` of stacked YAML configs (later files win), or of a command-line override."""
+    from omegaconf import OmegaConf
+
+    for arg in reversed(overrides):
+        if arg.startswith("--model.init_args.bank_path="):
+            return arg.split("=", 1)[1]
+    merged = OmegaConf.merge(*[OmegaConf.load(c) for c in configs])
+    return OmegaConf.select(merged, "model.init_args.bank_path")
+
+
 def _lightning_cli(args: list[str], *, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
 
@@ -108,10 +119,11 @@ def build_memory_command(argv: list[str]) -> int:
 
     from lopd_lightning.memory.bank import ExperienceBank
 
-    cli_args = ["--trainer.logger=false"] + [a for c in args.config for a in ("-c", c)] + rest
-    cli = _lightning_cli(cli_args, run=False)
+    config_args = [a for c in args.config for a in ("-c", c)] + rest
+    # the configured bank_path is where the bank goes, not a bank to load: read it, then build without it
+    out = args.out or _configured_bank_path(args.config, rest)
+    cli = _lightning_cli(["--trainer.logger=false", *config_args, "--model.init_args.bank_path=null"], run=False)
     module, dm = cli.model, cli.datamodule
-    out = args.out or getattr(module.hparams, "bank_path", None)
     if not out:
         raise SystemExit("error: give --out FOLDER or set model.init_args.bank_path in the config")
     task = dm.task

@@ -147,6 +147,7 @@ class OnPolicyModule(LightningModule):
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             backbone.config.use_cache = False
+        backbone.train()  # from_pretrained returns eval mode; rollouts switch to eval and back themselves
         self.backbone = prepare_backbone(backbone, student_lora=lora, composer_lora=self.composer_lora_config())
         self.is_lora_student = lora is not None
         log.info("student %s (%s)", model, describe(backbone))

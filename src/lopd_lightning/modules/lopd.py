@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,6 +128,12 @@ class LOPDModule(OnPolicyModule):
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
         embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
         if bank_path:
+            if not (Path(bank_path) / "meta.json").exists():
+                raise FileNotFoundError(
+                    f"bank_path {bank_path!r} holds no experience bank; build it first with "
+                    f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), "
+                    f"or set model.init_args.bank_path to null to start with an empty bank"
+                )
             self.bank = ExperienceBank.load(
                 bank_path, embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
             )
@@ -307,8 +314,9 @@ class LOPDModule(OnPolicyModule):
             )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            loss = loss.detach()
             if step % 10 == 0 or step == self.hparams.warm_start_steps - 1:
-                log.info("composer warm start %d/%d: L_init %.4f", step + 1, self.hparams.warm_start_steps, float(loss))
+                log.info("composer warm start %d/%d: L_init %.4f", step + 1, self.hparams.warm_start_steps, loss.item())
         self.warm_started = True
 
     # ------------------------------------------------------------------ optimisers and state
