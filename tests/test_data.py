@@ -89,12 +89,12 @@ def test_on_before_batch_transfer_makes_rollouts_for_training_only():
     assert dm.on_before_batch_transfer(examples, 0) is examples
 
     # validation (trainer not training): the example list is returned unchanged, nothing generated
-    dm.trainer = SimpleNamespace(training=False, lightning_module=module)
+    dm.trainer = SimpleNamespace(training=False, lightning_module=module, world_size=1, global_rank=0)
     assert dm.on_before_batch_transfer(examples, 0) is examples
     assert dm.position == 0 and module.calls == []
 
     # training: the module's make_batch gets the task and the examples; the position advances
-    dm.trainer = SimpleNamespace(training=True, lightning_module=module)
+    dm.trainer = SimpleNamespace(training=True, lightning_module=module, world_size=1, global_rank=0)
     assert dm.on_before_batch_transfer(examples, 0) == ("rollouts", 2)
     assert module.calls == [(dm.task, examples)]
     assert dm.position == 2
@@ -118,3 +118,28 @@ def test_example_lookup_and_bad_options():
         OnPolicyDataModule("toy", examples_per_step=0)
     with pytest.raises(ValueError, match="task_options are only for a task given by name"):
         OnPolicyDataModule(ToyTask(), task_options={"seed": 1})
+
+
+def test_ddp_ranks_read_disjoint_slices_of_one_stream_and_position_counts_all_ranks():
+    """With W ranks, rank r's k-th batch is slice (k*W + r) of the single-process stream; no task is shared."""
+    from lopd_lightning.data import _ExampleStream
+
+    dm = OnPolicyDataModule("toy", examples_per_step=3)
+    single = [dm.examples_at(3 * i) for i in range(4)]
+    per_rank = []
+    for rank in range(2):
+        dm.trainer = SimpleNamespace(training=True, world_size=2, global_rank=rank, lightning_module=None)
+        stream = iter(_ExampleStream(dm))
+        per_rank.append([next(stream) for _ in range(2)])
+    assert per_rank[0] == [single[0], single[2]] and per_rank[1] == [single[1], single[3]]
+    ids = [ex.id for batches in per_rank for batch in batches for ex in batch]
+    assert len(ids) == len(set(ids)) == 12  # 12 of the 24 train examples, none twice
+
+    class Maker:
+        def make_batch(self, task, examples):
+            return len(examples)
+
+    dm.trainer = SimpleNamespace(training=True, world_size=2, global_rank=0, lightning_module=Maker())
+    dm.position = 0
+    assert dm.on_before_batch_transfer(single[0], 0) == 3
+    assert dm.position == 6  # both ranks consumed 3 examples

@@ -493,3 +493,12 @@ def test_bad_option_through_the_cli_names_the_option(no_model_loading):
         _lightning_cli(
             ["-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=0", "--trainer.logger=false"], run=False
         )
+
+
+def test_beta_stays_put_without_latents(tmp_path):
+    """An empty bank gives no latents: delta is 0 by construction, so the dual step is skipped (no wind-up:
+    the rule would otherwise add eta * m = 0.025 per step) and beta keeps its value."""
+    module = make_module(None, beta_init=0.3)
+    recorder = Recorder()
+    make_trainer(tmp_path, max_steps=2, callbacks=[recorder]).fit(module, datamodule=make_dm())
+    assert [s["beta_after"] for s in recorder.steps] == [0.3, 0.3]

@@ -88,33 +88,47 @@ class MarginSchedule(Callback):
     """Sets the privileged margin ``pl_module.margin`` (m of METHOD.md section 5) before every step.
 
     Args:
-        margin: the target m (paper: 0.05).
+        margin: the target m; None (default) takes the module's own ``margin`` argument, so the schedule
+            and the module cannot disagree silently (paper: 0.05).
         schedule: "constant" (the paper), "linear" (0 -> m over ``warmup_steps``, then m) or "cosine"
             (0 -> m along a half cosine over ``warmup_steps``, then m).
         warmup_steps: length of the ramp of "linear" and "cosine"; ignored by "constant".
     """
 
-    def __init__(self, margin: float = 0.05, schedule: Literal["constant", "linear", "cosine"] = "constant", warmup_steps: int = 0):
+    def __init__(
+        self,
+        margin: float | None = None,
+        schedule: Literal["constant", "linear", "cosine"] = "constant",
+        warmup_steps: int = 0,
+    ):
         if schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
         if schedule != "constant" and warmup_steps < 1:
             raise ValueError(f"schedule {schedule!r} needs warmup_steps >= 1, got {warmup_steps}")
-        self.margin = float(margin)
+        self.margin = None if margin is None else float(margin)
         self.schedule = schedule
         self.warmup_steps = int(warmup_steps)
 
-    def value(self, step: int) -> float:
-        """m at optimiser step ``step`` (0-based)."""
+    def value(self, step: int, margin: float | None = None) -> float:
+        """m at optimiser step ``step`` (0-based), ramping to ``margin`` (default: the constructor's).
+
+        Raises:
+            ValueError: no target margin (neither given here nor to the constructor).
+        """
+        target = self.margin if margin is None else margin
+        if target is None:
+            raise ValueError("MarginSchedule has no target margin: pass margin=... or attach it to a module")
         if self.schedule == "constant" or step >= self.warmup_steps:
-            return self.margin
+            return target
         fraction = step / self.warmup_steps
         if self.schedule == "linear":
-            return self.margin * fraction
-        return self.margin * 0.5 * (1.0 - math.cos(math.pi * fraction))
+            return target * fraction
+        return target * 0.5 * (1.0 - math.cos(math.pi * fraction))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        pl_module.margin = self.value(trainer.global_step)
+        target = self.margin if self.margin is not None else float(pl_module.hparams.margin)
+        pl_module.margin = self.value(trainer.global_step, target)
 
 
 class RunSummary(Callback):

@@ -29,10 +29,12 @@ class _ExampleStream(IterableDataset):
         self.datamodule = datamodule
 
     def __iter__(self) -> Iterator[list[Example]]:
-        position = self.datamodule.position
+        dm = self.datamodule
+        rank, world = dm.rank_and_world()
+        position = dm.position + rank * dm.examples_per_step  # ranks read disjoint slices of one stream
         while True:
-            yield self.datamodule.examples_at(position)
-            position += self.datamodule.examples_per_step
+            yield dm.examples_at(position)
+            position += world * dm.examples_per_step
 
 
 class OnPolicyDataModule(LightningDataModule):
@@ -138,8 +140,13 @@ class OnPolicyDataModule(LightningDataModule):
         trainer = self.trainer
         if trainer is None or not trainer.training:
             return batch
-        self.position += len(batch)
+        self.position += len(batch) * trainer.world_size  # every rank consumed one slice
         return trainer.lightning_module.make_batch(self.task, batch)
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """(global rank, world size) of the attached trainer; (0, 1) without one."""
+        trainer = self.trainer
+        return (int(trainer.global_rank), int(trainer.world_size)) if trainer is not None else (0, 1)
 
     def val_dataloader(self) -> DataLoader:
         val = self.val_examples_list

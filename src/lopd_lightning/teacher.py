@@ -465,7 +465,8 @@ class SelfTeacher(nn.Module):
         positions hold logits of no meaning (mask them). Arguments as in :meth:`insert_context`.
 
         Returns:
-            (B, T, V) float in the model's dtype; differentiable in ``latents`` only.
+            (B, T, V) float in the model's dtype, or packed (N, V) with ``positions``; differentiable in
+            ``latents`` only.
 
         Source: pi_T(. | s, c_phi) = pi_theta_bar([s; c_phi]), METHOD.md section 4.
         """

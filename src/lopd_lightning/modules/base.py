@@ -105,7 +105,8 @@ class OnPolicyModule(LightningModule):
         temperature, top_p, top_k: sampling settings of training rollouts.
         max_new_tokens: token limit per assistant turn.
         max_turns: turn limit of multi-turn episodes (None: the rollout default).
-        max_prompt_tokens: longer prompts are truncated from the left by the rollout code.
+        max_prompt_tokens: an episode whose context grows past this many tokens ends before its next turn
+            (recorded as ``truncation="context"``).
         val_max_new_tokens: token limit per turn of validation episodes (None: ``max_new_tokens``).
         success_threshold: a trajectory with reward >= this counts as a success (``*/success_rate``).
         gradient_checkpointing: trade compute for activation memory in the student's backward.
@@ -342,10 +343,15 @@ class OnPolicyModule(LightningModule):
         logits = self.student_logits(batch, mask)
         return unpack(token_logps(logits[None], targets[mask][None], temperature=temperature)[0], mask)
 
-    def num_loss_tokens(self, batch: RolloutBatch) -> int:
-        """Assistant tokens of this step over all ranks: the denominator of the global token mean."""
+    def num_loss_tokens(self, batch: RolloutBatch) -> float:
+        """The denominator of the global token mean on this rank: (assistant tokens over all ranks) / W.
+
+        Each rank divides its token sum by this; DDP then averages the gradients over the W ranks, so
+        the update is the gradient of sum(all ranks' tokens) / (all ranks' token count): one large
+        batch's (METHOD.md 5). The loss value is the same on every rank once averaged over ranks.
+        """
         _, mask = self.shifted(batch)
-        return max(1, self.global_count(mask.sum()))
+        return max(1, self.global_count(mask.sum())) / max(1, int(self.trainer.world_size) if self._trainer else 1)
 
     @contextmanager
     def timed(self, phase: str):
@@ -449,10 +455,14 @@ class OnPolicyModule(LightningModule):
         if values is not None:
             self.last_test = values
 
-    def log_evaluation(self, prefix: str) -> dict[str, float] | None:
+    def log_evaluation(self, prefix: str, *, direct_step: int | None = None) -> dict[str, float] | None:
         """Log ``<prefix>/reward_mean``, ``<prefix>/success_rate`` and ``<prefix>/turns_mean`` of the
         episodes since the last call (also ``by_rollouts/<prefix>_...``), reset the metrics and return
-        the values (None when no episode ran)."""
+        the values (None when no episode ran).
+
+        ``direct_step`` writes straight to the loggers at that step (outside Lightning's validation loop,
+        e.g. the evaluation before training, which ``self.log`` would file under a later step).
+        """
         if self.val_reward.update_count == 0:
             return None
         values = {
@@ -460,7 +470,11 @@ class OnPolicyModule(LightningModule):
             f"{prefix}/success_rate": self.val_success.compute(),
             f"{prefix}/turns_mean": self.val_turns.compute(),
         }
-        self.log_dict(values, prog_bar=False)
+        if direct_step is None:
+            self.log_dict(values, prog_bar=False)
+        elif self.global_rank == 0:
+            for logger in self.loggers:
+                logger.log_metrics({k: float(v) for k, v in values.items()}, step=direct_step)
         self.log_by_rollouts({f"{prefix}_" + k.split("/", 1)[1]: v for k, v in values.items()})
         for metric in (self.val_reward, self.val_success, self.val_turns):
             metric.reset()
@@ -473,7 +487,10 @@ class OnPolicyModule(LightningModule):
             loader = dm.val_dataloader()
             for i, examples in enumerate(loader):
                 self.validation_step(examples, i)
-            self.on_validation_epoch_end()
+            values = self.log_evaluation("val", direct_step=0)
+            if values is not None:
+                self.last_val = values
+                self.val_history = getattr(self, "val_history", []) + [(0, values)]
 
     # ------------------------------------------------------------------ checkpoints
     @override

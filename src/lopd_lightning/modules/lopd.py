@@ -141,7 +141,7 @@ class LOPDModule(OnPolicyModule):
             self.bank = ExperienceBank(
                 embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
             )
-        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
+        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)  # the anchor's adapter must exist first
         self.anchor_composer = LatentComposer(
             self.backbone,
             self.tokenizer,
@@ -227,18 +227,23 @@ class LOPDModule(OnPolicyModule):
         with self.timed("composer_step"):
             student_detached = student_logits.detach()
             distill_c = topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau).sum() / num_tokens
+            # Delta only over rollouts whose teacher saw latents: without them delta is 0 by construction
+            # (live mode) and would pull Delta to 0 and wind beta up with no signal
+            has_latents = composed.latent_mask.any(dim=-1)  # [B]
             delta = privileged_margin(
                 unpack(token_logps(teacher_logits, tokens[None])[0], mask),
                 unpack(token_logps(student_detached, tokens[None])[0], mask),
                 batch.rewards,
-                mask,
+                mask & has_latents[:, None],
             )
             keep = composed.latent_mask.unsqueeze(-1).to(composed.latents.dtype)
             n = (keep.sum() * composed.latents.shape[-1]).clamp_min(1)
             anchor = (((composed.latents - self.anchor_latents(batch)) ** 2) * keep).sum() / n
             loss_composer = distill_c + self.beta * (self.margin - delta) + self.hparams.anchor_weight * anchor
-            if loss_composer.requires_grad:
-                self.manual_backward(loss_composer)
+            # every composer parameter joins the graph (a zero term when no row has latents), so DDP's
+            # gradient all-reduce sees the same parameters on every rank and every step
+            loss_composer = loss_composer + 0.0 * sum(p.sum() for p in self.composer.trainable_parameters())
+            self.manual_backward(loss_composer)
 
         with self.timed("student_step"):
             student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
@@ -255,18 +260,20 @@ class LOPDModule(OnPolicyModule):
                 log.warning("non-finite composer grad norm at step %d: composer update skipped", self.global_step)
             opt_composer.zero_grad(set_to_none=True)
 
+        rows_with_latents = self.global_count(has_latents.sum())
         delta_global = self.global_mean(delta)
         beta_before = self.beta
-        self.beta = max(0.0, self.beta + self.hparams.dual_lr * (self.margin - float(delta_global)))
+        if rows_with_latents > 0:  # dual ascent only when some teacher saw latents (METHOD.md 5)
+            self.beta = max(0.0, self.beta + self.hparams.dual_lr * (self.margin - float(delta_global)))
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()
 
         self.log_rollout_metrics(
             batch,
             {
-                "train/loss": loss_student,
-                "train/distill_kl": loss_student,
-                "train/composer_loss": loss_composer,
+                "train/loss": self.global_mean(loss_student),
+                "train/distill_kl": self.global_mean(loss_student),
+                "train/composer_loss": self.global_mean(loss_composer),
                 "train/margin_delta": delta_global,
                 "train/margin_m": self.margin,
                 "train/beta": beta_before,
@@ -290,12 +297,16 @@ class LOPDModule(OnPolicyModule):
         ``warm_start_batch_size`` bank records, each conditioned on its own top-J retrieved experiences.
         Source: METHOD.md section 5, "Composer cold start".
         """
-        records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold]
+        dm = self.trainer.datamodule
+        known = {ex.id for ex in dm.train_examples}
+        records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold and r.task_id in known]
+        if len(records) < len(self.bank):
+            log.info("composer warm start: %d of %d bank records are successful trajectories of this task's "
+                     "train split", len(records), len(self.bank))
         if not records:
             log.warning("composer warm start skipped: the bank holds no successful trajectory")
             self.warm_started = True
             return
-        dm = self.trainer.datamodule
         optimizer = torch.optim.AdamW(self.composer.trainable_parameters(), lr=self.hparams.composer_lr)
         generator = torch.Generator().manual_seed(int(self.hparams.seed))
         for step in range(self.hparams.warm_start_steps):
