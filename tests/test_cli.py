@@ -20,13 +20,6 @@ CONFIGS = sorted((ROOT / "configs").glob("**/*.yaml"))
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run several times faster on one intra-op thread when cores are shared; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -18,13 +18,6 @@ from lopd_lightning.tasks.verify import verify_task
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_task.py"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run several times faster on one intra-op thread when cores are shared; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,6 @@ TINY_YAML = CONFIGS / "tiny.yaml"
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run several times faster on one intra-op thread when cores are shared; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------- helpers
