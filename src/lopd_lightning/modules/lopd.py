@@ -117,14 +117,8 @@ class LOPDModule(OnPolicyModule):
         vocab = self.backbone.get_input_embeddings().weight.shape[0]
         if top_m > vocab:
             raise ValueError(f"top_m={top_m} is larger than the vocabulary ({vocab}); use top_m <= {vocab}")
-        self.composer = LatentComposer(
-            self.backbone,
-            self.tokenizer,
-            num_latents=num_latents,
-            depth=composer_depth,
-            max_experience_tokens=max_experience_tokens,
-            adapter_name=COMPOSER_ADAPTER,
-        )
+        composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
+        self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
         embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
         if bank_path:
@@ -141,15 +135,9 @@ class LOPDModule(OnPolicyModule):
             self.bank = ExperienceBank(
                 embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
             )
-        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)  # the anchor's adapter must exist first
-        self.anchor_composer = LatentComposer(
-            self.backbone,
-            self.tokenizer,
-            num_latents=num_latents,
-            depth=composer_depth,
-            max_experience_tokens=max_experience_tokens,
-            adapter_name=ANCHOR_ADAPTER,
-        )
+        # c_phi0: a frozen snapshot of the composer (its own LoRA adapter on the same backbone + a resampler)
+        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
+        self.anchor_composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=ANCHOR_ADAPTER, **composer_options)
         self.freeze_anchor()
         self.margin = float(margin)
         self.beta = float(beta_init)
