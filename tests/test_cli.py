@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from lopd_lightning.cli import _lightning_cli, main
@@ -144,3 +143,12 @@ def test_missing_bank_folder_names_the_fix(tmp_path):
     with pytest.raises(Exception, match="lopd build-memory"):
         _lightning_cli(["-c", str(TINY_YAML), f"--model.init_args.bank_path={tmp_path / 'none'}",
                         "--trainer.logger=false"], run=False)
+
+
+def test_build_memory_from_references_replays_and_scores_each_reference(tmp_path, capsys):
+    """References are scored through the task, not assumed correct: above every reachable reward none is kept."""
+    out = tmp_path / "bank"
+    assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--min-reward", "1.5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped toy/" in printed and "its reference solution scores 1.0" in printed
+    assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 0

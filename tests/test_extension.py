@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback
 
 from lopd_lightning.callbacks import MemoryRefresh

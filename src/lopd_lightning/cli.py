@@ -13,7 +13,6 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("lopd_lightning")
@@ -124,6 +123,9 @@ def build_memory_command(argv: list[str]) -> int:
     out = args.out or _configured_bank_path(args.config, rest)
     cli = _lightning_cli(["--trainer.logger=false", *config_args, "--model.init_args.bank_path=null"], run=False)
     module, dm = cli.model, cli.datamodule
+    bank = getattr(module, "bank", None)
+    if bank is None:
+        raise SystemExit("error: the configured module has no experience bank (use LOPDModule)")
     if not out:
         raise SystemExit("error: give --out FOLDER or set model.init_args.bank_path in the config")
     task = dm.task
@@ -131,10 +133,12 @@ def build_memory_command(argv: list[str]) -> int:
     start = time.perf_counter()
     experiences = []
     if args.from_references:
-        for ex in examples:
-            messages = module.reference_conversation(task, ex) if hasattr(module, "reference_conversation") else None
-            episode_reward = 1.0
-            exp = module.experience_from_trajectory(task, ex, messages, episode_reward)
+        for ex in examples:  # replayed and scored: a reference the checker rejects is reported, not kept
+            messages, reward = module.reference_trajectory(task, ex)
+            if reward < args.min_reward:
+                print(f"  skipped {ex.id}: its reference solution scores {reward}", flush=True)
+                continue
+            exp = module.experience_from_trajectory(task, ex, messages, reward)
             if exp is not None:
                 experiences.append(exp)
     else:
@@ -152,9 +156,6 @@ def build_memory_command(argv: list[str]) -> int:
                         experiences.append(exp)
             print(f"  rolled out {min(i + args.batch_size, len(examples))}/{len(examples)} examples, "
                   f"{len(experiences)} successful so far", flush=True)
-    bank = module.bank if hasattr(module, "bank") else None
-    if bank is None:
-        raise SystemExit("error: the configured module has no experience bank (use LOPDModule)")
     fresh = ExperienceBank(bank.embedder, **bank.settings())
     fresh.add(experiences)
     fresh.save(out)

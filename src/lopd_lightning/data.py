@@ -84,6 +84,7 @@ class OnPolicyDataModule(LightningDataModule):
         self.seed = seed
         self._train: list[Example] | None = None
         self._val: list[Example] | None = None
+        self._by_id: dict[str, Example] | None = None
         #: examples drawn so far (the data position; restored on resume).
         self.position = 0
 
@@ -106,11 +107,16 @@ class OnPolicyDataModule(LightningDataModule):
         return self._val
 
     def example(self, example_id: str) -> Example:
-        """Look an example up by id (train or val)."""
-        for ex in (*self.train_examples, *self.val_examples_list):
-            if ex.id == example_id:
-                return ex
-        raise KeyError(f"no example with id {example_id!r} in task {self.task.name!r}")
+        """Look an example up by id (train or val).
+
+        Raises:
+            KeyError: no example of this task's splits has that id.
+        """
+        if self._by_id is None:
+            self._by_id = {ex.id: ex for ex in (*self.train_examples, *self.val_examples_list)}
+        if example_id not in self._by_id:
+            raise KeyError(f"no example with id {example_id!r} in task {self.task.name!r}")
+        return self._by_id[example_id]
 
     def examples_at(self, position: int) -> list[Example]:
         """The ``examples_per_step`` train examples from data position ``position`` on.

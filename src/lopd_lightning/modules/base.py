@@ -14,7 +14,6 @@ Public hooks a user overrides to adapt a method to a new task (see README "Your 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -29,7 +28,7 @@ from typing_extensions import override
 
 from lopd_lightning.adapters import prepare_backbone, student_parameters, use_adapter
 from lopd_lightning.lm import selected_logits, unpack
-from lopd_lightning.losses import masked_mean, token_logps
+from lopd_lightning.losses import token_logps
 from lopd_lightning.teacher import position_ids_from_mask
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.models import describe, load_student
@@ -256,9 +255,12 @@ class OnPolicyModule(LightningModule):
         self.rollouts_consumed += self.global_count(len(batch))
         return batch
 
-    def reference_conversation(self, task: Task, example: Example) -> list[Message]:
-        """The reference solution as a whole conversation: the initial messages, the reference replies
-        and the environment's observations (multi-turn tasks replay the replies through a fresh episode)."""
+    def reference_trajectory(self, task: Task, example: Example) -> tuple[list[Message], float]:
+        """The reference solution replayed through a fresh episode: (the whole conversation, its reward).
+
+        The conversation holds the initial messages, the reference replies and the environment's
+        observations; the reward goes through :meth:`score_trajectory` like a rollout's.
+        """
         messages = list(self.build_messages(task, example))
         episode = task.start(example)
         for reply in task.reference_replies(example):
@@ -267,7 +269,11 @@ class OnPolicyModule(LightningModule):
             messages.extend(result.messages)
             if result.done:
                 break
-        return messages
+        return messages, self.score_trajectory(task, example, messages, episode.reward())
+
+    def reference_conversation(self, task: Task, example: Example) -> list[Message]:
+        """The conversation of :meth:`reference_trajectory` (teacher-forced SFT and warm-start data)."""
+        return self.reference_trajectory(task, example)[0]
 
     def reference_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
         """A teacher-forced batch of the examples' reference solutions (reward 1, one per example)."""

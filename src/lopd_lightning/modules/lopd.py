@@ -15,7 +15,6 @@ One training step (manual optimisation, two optimisers):
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any

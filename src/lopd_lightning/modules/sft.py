@@ -13,7 +13,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 from typing_extensions import override
 
