@@ -40,7 +40,7 @@ from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.modules import LOPDModule
-from lopd_lightning.tasks import Example, Message, Task, split_examples
+from lopd_lightning.tasks import Example, Message, Task
 
 WORDS = ("apple", "river", "cloud", "stone", "tiger", "lemon", "piano", "candle", "forest", "rocket", "garden", "silver")
 
@@ -66,9 +66,8 @@ class ReverseWordTask(Task):
             for i, w in enumerate(words)
         ]
 
-    def examples(self, split: str = "train") -> list[Example]:
-        self.check_split(split)
-        return split_examples(self._all, split, val_fraction=self.val_fraction, seed=self.seed)
+    def all_examples(self) -> list[Example]:
+        return self._all
 
     def initial_messages(self, example: Example) -> list[Message]:
         return [{"role": "user", "content": example.text}]

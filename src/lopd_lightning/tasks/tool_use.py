@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lopd_lightning.tasks._bfcl_data import load_category, to_json_schema
-from lopd_lightning.tasks.base import Example, Message, Split, Task, split_examples
+from lopd_lightning.tasks.base import Example, Message, Task
 
 #: The system text of SmolLM2's tool-use template; ``{tools}`` is replaced by the JSON list of schemas.
 DEFAULT_SYSTEM_PROMPT = (
@@ -660,11 +660,11 @@ class BFCLTask(Task):
         self.system_prompt = check_system_prompt(DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt)
         self._all: list[Example] | None = None
 
-    def examples(self, split: Split = "train") -> list[Example]:
-        self.check_split(split)
+    def all_examples(self) -> list[Example]:
+        """Every entry of the category in the data file's order, joined with its ground truth."""
         if self._all is None:
             self._all = [self._example(entry) for entry in load_category(self.category)]
-        return split_examples(self._all, split, val_fraction=self.val_fraction, seed=self.seed)
+        return self._all
 
     def _example(self, entry: dict[str, Any]) -> Example:
         messages = [m for turn in entry["question"] for m in turn]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 
-from lopd_lightning.tasks.base import Episode, Example, Message, StepResult, Task, split_examples
+from lopd_lightning.tasks.base import Episode, Example, Message, StepResult, Task
 
 #: the words of the "repeat" examples.
 WORDS: tuple[str, ...] = (
@@ -31,7 +31,7 @@ class ToyTask(Task):
 
     Example ``i`` (id ``"toy/i"``) is a "repeat" example for even ``i`` ("Repeat the word: <w>") and an
     "add" example for odd ``i`` ("What is a+b? Answer with the number only."), drawn from
-    ``random.Random(seed)``. The val split is :func:`split_examples` with ``val_fraction`` and ``seed``.
+    ``random.Random(seed)``. The val split is :func:`~lopd_lightning.tasks.base.split_examples` with ``val_fraction`` and ``seed``.
 
     Args:
         num_examples: number of examples in "all".
@@ -73,9 +73,9 @@ class ToyTask(Task):
                 text, answer, kind = f"What is {a}+{b}? Answer with the number only.", str(a + b), "add"
             self._all.append(Example(id=f"toy/{i}", text=text, data={"kind": kind, "answer": answer}))
 
-    def examples(self, split: str = "train") -> list[Example]:
-        self.check_split(split)
-        return split_examples(self._all, split, val_fraction=self.val_fraction, seed=self.seed)
+    def all_examples(self) -> list[Example]:
+        """The ``num_examples`` generated examples, in order."""
+        return self._all
 
     def initial_messages(self, example: Example) -> list[Message]:
         messages: list[Message] = []
