@@ -1,0 +1,308 @@
+"""GRPOModule: Group Relative Policy Optimisation, the RL baseline (METHOD.md section 6).
+
+One training step (manual optimisation, one optimiser):
+
+1. the DataModule's batch: G = ``rollouts_per_example`` rollouts per task, contiguous groups;
+2. group-relative advantages A_i = (R_i - mean_G R) / (std_G R + eps), one per rollout;
+3. optionally the frozen reference's log-probs (the base weights) for a k3 KL penalty;
+4. ``ppo_epochs`` passes over the batch: per-token PPO-clip surrogate with ratio exp(logp - logp_old),
+   the old log-probs being the first pass's (detached), a global token mean; one optimiser update per
+   pass, and ``trainer.global_step`` advances once per batch whatever the number of passes.
+
+No teacher. The loss itself is the pure function :func:`grpo_loss`, which subclasses reuse
+(:class:`~lopd_lightning.modules.skill_sd.SkillSDModule` adds its self-distillation term).
+
+Sources: GRPO, Shao et al. 2024 (DeepSeekMath), section 4.1 (group-relative outcome advantages, the
+k3 KL estimator to a reference); PPO, Schulman et al. 2017, Eq. 7 (the clipped surrogate).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lopd_lightning.advantages import group_advantages
+from lopd_lightning.lm import unpack
+from lopd_lightning.losses import masked_mean, ppo_clip_fraction, ppo_clip_loss, token_logps
+from lopd_lightning.modules.base import OnPolicyModule
+from lopd_lightning.rollout import RolloutBatch
+from lopd_lightning.teacher import SelfTeacher
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GRPOLoss", "GRPOModule", "grpo_loss", "k3_kl"]
+
+
+class GRPOLoss(NamedTuple):
+    """The parts of :func:`grpo_loss`, each a () float.
+
+    Attributes:
+        loss: ``pg_loss + kl_coef * kl`` (what is minimised).
+        pg_loss: the PPO-clip surrogate, global token mean.
+        kl: the k3 KL estimate to the reference, global token mean (None without ``ref_logps``).
+        clip_fraction: fraction of tokens whose ratio is clipped (no gradient), same denominator.
+    """
+
+    loss: Tensor
+    pg_loss: Tensor
+    kl: Tensor | None
+    clip_fraction: Tensor
+
+
+def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref) on the sampled tokens: ``exp(d) - d - 1``, ``d = ref - logp``.
+
+    Non-negative, unbiased for samples from pi, with gradient ``1 - exp(d)`` w.r.t. ``logps``.
+
+    Args:
+        logps: (B, T) float, log pi(a | s) of the sampled tokens (differentiable).
+        ref_logps: (B, T) float, log pi_ref(a | s) of the same tokens (detached here).
+
+    Returns:
+        (B, T) float per-token estimate; reduce with :func:`~lopd_lightning.losses.masked_mean`.
+
+    Raises:
+        ValueError: the shapes differ.
+
+    Source: GRPO, Shao et al. 2024 (DeepSeekMath), Eq. 4 (Schulman's k3 estimator).
+    """
+    if logps.shape != ref_logps.shape:
+        raise ValueError(f"logps shape {tuple(logps.shape)} and ref_logps shape {tuple(ref_logps.shape)} differ")
+    d = ref_logps.detach().to(logps.dtype) - logps
+    return torch.exp(d) - d - 1.0
+
+
+def grpo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    num_tokens: int | float | Tensor | None = None,
+    ref_logps: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> GRPOLoss:
+    """The GRPO objective of one optimisation pass: PPO-clip surrogate + ``kl_coef`` * k3 KL, global token means.
+
+    Formula, with ``rho = exp(logps - old_logps)`` per token and ``A`` the rollout's advantage:
+    ``pg = sum_mask -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) / num_tokens``,
+    ``kl = sum_mask (exp(ref - logp) - (ref - logp) - 1) / num_tokens``, ``loss = pg + kl_coef * kl``.
+
+    Args:
+        logps: (B, T) float, log pi_theta(a | s) of the sampled tokens (differentiable).
+        old_logps: (B, T) float, the same under the sampling policy (detached).
+        advantages: (B,) float, one per rollout (or (B, T)); detached.
+        mask: (B, T) bool, the loss tokens (assistant tokens).
+        eps_low, eps_high: PPO clip range below / above 1.
+        num_tokens: the denominator of the global token mean (default ``mask.sum()``).
+        ref_logps: (B, T) float, log pi_ref of the sampled tokens, or None (no KL).
+        kl_coef: weight of the KL term (ignored without ``ref_logps``).
+
+    Returns:
+        :class:`GRPOLoss`.
+
+    Raises:
+        ValueError: shapes disagree or an eps is out of range (see :func:`~lopd_lightning.losses.ppo_clip_loss`).
+
+    Source: GRPO, Shao et al. 2024 (DeepSeekMath), Eq. 3 with the token-level normalisation of the LOPD
+    code base (a global token mean, METHOD.md section 5); PPO, Schulman et al. 2017, Eq. 7.
+    """
+    per_token = ppo_clip_loss(logps, old_logps, advantages, eps_low=eps_low, eps_high=eps_high)  # [B, T]
+    pg = masked_mean(per_token, mask, num_tokens=num_tokens)
+    clipped = ppo_clip_fraction(logps, old_logps, advantages, eps_low=eps_low, eps_high=eps_high)  # [B, T]
+    clip_fraction = masked_mean(clipped, mask, num_tokens=num_tokens)
+    kl = None
+    loss = pg
+    if ref_logps is not None:
+        kl = masked_mean(k3_kl(logps, ref_logps), mask, num_tokens=num_tokens)
+        loss = pg + kl_coef * kl
+    return GRPOLoss(loss, pg, kl, clip_fraction)
+
+
+class GRPOModule(OnPolicyModule):
+    """GRPO: group-relative advantages, PPO-clip, optional k3 KL to the frozen base (METHOD.md section 6).
+
+    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
+        rollouts_per_example: the group size G, >= 2 (paper: 4).
+        clip_eps_low, clip_eps_high: PPO clip range below and above 1 (paper: 0.2 each; DAPO's
+            clip-higher uses a larger ``clip_eps_high``).
+        kl_coef: weight of the k3 KL to the reference (0: no reference, no extra forward). The reference
+            is the frozen base: with a LoRA student the same backbone with its adapters disabled; with a
+            full student one frozen deepcopy of the initial backbone (a second copy in memory; a warning
+            is logged), made only when ``kl_coef > 0``.
+        ppo_epochs: optimisation passes over one batch of rollouts (1: on-policy, the ratio is 1).
+            The old log-probs are the first pass's, detached (no extra forward). Each pass is one
+            optimiser update; ``trainer.global_step`` advances once per batch.
+        advantage_eps: eps added to the group std.
+        logps_temperature: temperature of the training log-probs (1.0: the raw policy; set it to the
+            sampling temperature to score tokens under the sampling distribution).
+
+    Raises:
+        ValueError: ``rollouts_per_example`` < 2 or another option out of range, before the model loads.
+
+    Logged (besides the shared tags): ``train/loss``, ``train/pg_loss``, ``train/kl`` (with a
+    reference), ``train/clip_fraction``, ``train/advantage_abs_mean``, ``train/zero_std_groups``
+    (fraction of groups whose rewards are all equal: no signal), ``train/grad_norm``; loss values are
+    those of the last pass. Timings ``time/reference`` and ``time/student_step``.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        rollouts_per_example: int = 4,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        kl_coef: float = 0.0,
+        ppo_epochs: int = 1,
+        advantage_eps: float = 1e-4,
+        logps_temperature: float = 1.0,
+        **kwargs: Any,
+    ):
+        # checks that need no model run before the student is loaded
+        if rollouts_per_example < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs rollouts_per_example >= 2 (advantages compare the rollouts of "
+                f"one task), got {rollouts_per_example}; set model.init_args.rollouts_per_example to 2 or more "
+                "(METHOD.md: G = 4)"
+            )
+        if not 0.0 <= clip_eps_low < 1.0 or not clip_eps_high >= 0.0:
+            raise ValueError(f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
+        if not kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        if ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
+        if not logps_temperature > 0:
+            raise ValueError(f"logps_temperature must be > 0, got {logps_temperature}")
+        if not advantage_eps >= 0:
+            raise ValueError(f"advantage_eps must be >= 0, got {advantage_eps}")
+        super().__init__(model, rollouts_per_example=rollouts_per_example, **kwargs)
+        self.save_hyperparameters()
+        #: the frozen base as a context-free SelfTeacher in "base" mode (None when kl_coef == 0).
+        self.reference: SelfTeacher | None = None
+        if kl_coef > 0:
+            if not self.is_lora_student:
+                log.warning("kl_coef > 0 with a full-parameter student: the reference is a frozen deepcopy of the "
+                            "initial backbone (a second full copy of the weights in memory)")
+            self.reference = SelfTeacher(self.backbone, self.tokenizer, mode="base")
+
+    # ------------------------------------------------------------------ per-step inputs and loss
+    def reference_logps(self, batch: RolloutBatch) -> Tensor:
+        """(B, T-1) log pi_ref of the batch's tokens on the loss tokens (0 elsewhere), no gradient.
+
+        Raises:
+            RuntimeError: the module has no reference (``kl_coef == 0``).
+        """
+        if self.reference is None:
+            raise RuntimeError("no reference model: set kl_coef > 0")
+        targets, mask = self.shifted(batch)
+        logits = self.reference.logits_on_student_positions(
+            batch.input_ids, batch.attention_mask, batch.context_position, positions=self.unshift(mask)
+        )  # [N, V], no grad
+        logps = token_logps(logits[None], targets[mask][None], temperature=self.hparams.logps_temperature)[0]
+        return unpack(logps.detach(), mask)
+
+    def step_inputs(self, batch: RolloutBatch) -> dict[str, Any]:
+        """What every pass of this step needs, computed once: a dict with
+
+        - ``mask``: (B, T-1) bool loss tokens (shifted coordinates);
+        - ``advantages``: (B,) float group-relative advantages;
+        - ``num_tokens``: the global token mean's denominator (:meth:`num_loss_tokens`);
+        - ``ref_logps``: (B, T-1) reference log-probs, or None;
+        - ``metrics``: extra ``train/...`` scalars to log (subclasses add theirs).
+
+        Subclasses extend it (call ``super()``) with what their :meth:`loss_terms` reads.
+        """
+        _, mask = self.shifted(batch)
+        g = int(self.hparams.rollouts_per_example)
+        rewards = batch.rewards.float()
+        advantages = group_advantages(rewards, group_size=g, eps=self.hparams.advantage_eps)  # [B]
+        grouped = rewards.view(-1, g)
+        zero_std = (grouped == grouped[:, :1]).all(dim=-1).float().mean()
+        ref_logps = None
+        if self.reference is not None and self.hparams.kl_coef > 0:
+            with self.timed("reference"):
+                ref_logps = self.reference_logps(batch)
+        return {
+            "mask": mask,
+            "advantages": advantages,
+            "num_tokens": self.num_loss_tokens(batch),
+            "ref_logps": ref_logps,
+            "metrics": {
+                "train/advantage_abs_mean": self.global_mean(advantages.abs().mean()),
+                "train/zero_std_groups": self.global_mean(zero_std),
+            },
+        }
+
+    def loss_terms(self, logps: Tensor, old_logps: Tensor, inputs: dict[str, Any]) -> dict[str, Tensor]:
+        """The loss of one pass and its parts: ``train/loss`` (minimised), ``train/pg_loss``,
+        ``train/clip_fraction`` and ``train/kl`` (with a reference).
+
+        Args:
+            logps: (B, T-1) log-probs of the batch's tokens under the current student (differentiable).
+            old_logps: (B, T-1) the same under the sampling policy (the first pass's, detached).
+            inputs: :meth:`step_inputs`.
+        """
+        hp = self.hparams
+        out = grpo_loss(
+            logps,
+            old_logps,
+            inputs["advantages"].to(logps.device),
+            inputs["mask"],
+            eps_low=hp.clip_eps_low,
+            eps_high=hp.clip_eps_high,
+            num_tokens=inputs["num_tokens"],
+            ref_logps=inputs["ref_logps"],
+            kl_coef=hp.kl_coef,
+        )
+        terms = {"train/loss": out.loss, "train/pg_loss": out.pg_loss, "train/clip_fraction": out.clip_fraction}
+        if out.kl is not None:
+            terms["train/kl"] = out.kl
+        return terms
+
+    # ------------------------------------------------------------------ training
+    @override
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        params = self.student_parameters()
+        inputs = self.step_inputs(batch)
+        epochs = int(self.hparams.ppo_epochs)
+        old_logps: Tensor | None = None
+        terms: dict[str, Tensor] = {}
+        norm = torch.zeros(())
+        for epoch in range(epochs):
+            with self.timed("student_step"):
+                logps = self.student_logps(batch, temperature=self.hparams.logps_temperature)  # [B, T-1]
+                if old_logps is None:
+                    old_logps = logps.detach()  # the sampling policy's: pass 1's ratio is exactly 1
+                terms = self.loss_terms(logps, old_logps, inputs)
+                self.manual_backward(terms["train/loss"])
+                if epoch == epochs - 1:
+                    # the one LightningOptimizer step of this batch: global_step advances once
+                    norm = self.clip_and_step(optimizer, params, self.hparams.grad_clip)
+                else:
+                    self._raw_step(optimizer, params)
+        metrics = {k: self.global_mean(v) for k, v in terms.items()}
+        metrics.update(inputs["metrics"])
+        metrics["train/grad_norm"] = norm
+        self.log_rollout_metrics(batch, metrics)
+        return terms["train/loss"].detach()
+
+    def _raw_step(self, optimizer, params) -> None:
+        """Clip and step the raw optimiser (not counted by Lightning: no global_step advance), then zero."""
+        with_grad = [p for p in params if p.grad is not None]
+        if with_grad:
+            max_norm = self.hparams.grad_clip if self.hparams.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+            if torch.isfinite(norm):
+                optimizer.optimizer.step()
+            else:
+                self.non_finite_steps += 1
+                log.warning("non-finite grad norm at step %d (extra PPO pass): update skipped", self.global_step)
+        optimizer.zero_grad(set_to_none=True)
