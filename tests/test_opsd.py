@@ -1,0 +1,187 @@
+"""OPSDModule: a one-step fit where the teacher (and only the teacher) reads the reference solution,
+the reference lookup, the loss against a naive generalized JSD, the frozen teacher, rows without a
+reference dropped.
+
+Everything runs on the tiny random Llama (``model: tiny``) and the toy task, on CPU, in seconds.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lopd_lightning.data import OnPolicyDataModule
+from lopd_lightning.losses import generalized_jsd
+from lopd_lightning.modules.opsd import OPSD_REFERENCE_TEMPLATE, OPSDModule
+from lopd_lightning.rollout import batch_from_conversations
+from lopd_lightning.tasks import Example
+from lopd_lightning.tasks.toy import ToyTask
+
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def make_module(**overrides) -> OPSDModule:
+    options = dict(max_new_tokens=8, learning_rate=1e-3)
+    options.update(overrides)
+    return OPSDModule("tiny", **options)
+
+
+def contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+class NoReferenceToy(ToyTask):
+    """The toy task without ground truth for odd examples."""
+
+    def reference_solution(self, example: Example) -> str:
+        return "" if int(example.id.split("/")[1]) % 2 else super().reference_solution(example)
+
+    def reference_replies(self, example: Example) -> list[str]:
+        return [] if int(example.id.split("/")[1]) % 2 else super().reference_replies(example)
+
+
+def test_bad_divergence_raises_before_loading():
+    with pytest.raises(ValueError, match="divergence"):
+        OPSDModule("no-such-model", divergence="kl")
+    with pytest.raises(ValueError, match="jsd_beta"):
+        OPSDModule("no-such-model", jsd_beta=1.5)
+
+
+def test_reference_text_lookup():
+    module = make_module()
+    task = ToyTask(multi_turn=True)
+    ex = task.all_examples()[0]
+    assert module.reference_text(task, ex) == task.reference_solution(ex)
+    nr = NoReferenceToy()
+    assert module.reference_text(nr, nr.all_examples()[1]) is None
+
+    class RepliesOnly(ToyTask):
+        def reference_solution(self, example):
+            return ""
+
+        def reference_replies(self, example):
+            return ["first", "second"]
+
+    assert module.reference_text(RepliesOnly(), ex) == "first\n\nsecond"
+
+
+def test_one_step_fit_teacher_sees_the_reference_and_the_student_does_not(tmp_path):
+    module = make_module(lora=LORA)
+    teacher_ids, student_ids = [], []
+    insert, student_logits = module.teacher.insert_context, module.student_logits
+
+    def record_insert(*args, **kwargs):
+        out = insert(*args, **kwargs)
+        teacher_ids.append(out.input_ids.clone())
+        return out
+
+    def record_student(batch, positions=None):
+        student_ids.append(batch.input_ids.clone())
+        return student_logits(batch, positions)
+
+    module.teacher.insert_context = record_insert
+    module.student_logits = record_student
+    seen = {}
+
+    class Rec(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            seen["batch"] = batch
+            seen["refs"] = pl_module.reference_texts(batch)
+
+    dm = OnPolicyDataModule(NoReferenceToy(), examples_per_step=4, val_examples=2, val_batch_size=2)
+    L.Trainer(
+        max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, limit_val_batches=0,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[Rec()],
+    ).fit(module, dm)
+    assert module.global_step == 1
+    batch, refs = seen["batch"], seen["refs"]
+    assert len(batch) == 4  # rollouts_per_example defaults to 1
+    for example_id, ref in zip(batch.example_ids, refs, strict=True):
+        odd = int(example_id.split("/")[1]) % 2
+        assert (ref is None) == bool(odd)
+    assert len(teacher_ids) == 1 and len(student_ids) == 1
+    kept = [b for b, ref in enumerate(refs) if ref is not None]
+    assert kept, "the draw held no example with a reference"
+    for b, ref in enumerate(refs):
+        student_row = student_ids[0][b].tolist()
+        teacher_row = teacher_ids[0][b].tolist()
+        if ref is None:
+            # no context: the teacher's row is the student's (plus padding)
+            assert teacher_row[: len(student_row)] == student_row
+            continue
+        framed = module.tokenizer(OPSD_REFERENCE_TEMPLATE.format(reference=ref), add_special_tokens=False)["input_ids"]
+        assert contains(teacher_row, framed)
+        assert not contains(student_row, framed)
+        # the rest of the teacher's sequence is the student's
+        pos = int(batch.context_position[b])
+        n = int(batch.attention_mask[b].sum())
+        assert teacher_row[:pos] + teacher_row[pos + len(framed) : n + len(framed)] == student_row[:n]
+    logged = seen["logged"]
+    for tag in ["train/loss", "train/distill", "train/rows_with_reference", "train/grad_norm",
+                "train/reward_mean", "train/success_rate", "time/teacher", "time/student_step"]:
+        assert tag in logged, tag
+    assert logged["train/rows_with_reference"] == pytest.approx(len(kept) / 4)
+    assert logged["train/loss"] > 0
+
+
+def test_teacher_is_frozen_initial_weights(tmp_path):
+    module = make_module(lora=None)
+    shadow = module.teacher.shadow
+    assert shadow is not None and not any(p.requires_grad for p in shadow.parameters())
+    before = [p.detach().clone() for p in shadow.parameters()]
+    student_before = [p.detach().clone() for p in module.student_parameters()]
+    dm = OnPolicyDataModule(ToyTask(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    L.Trainer(
+        max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, limit_val_batches=0,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    ).fit(module, dm)
+    assert all(torch.equal(a, p) for a, p in zip(before, shadow.parameters(), strict=True))
+    assert not all(torch.equal(a, p) for a, p in zip(student_before, module.student_parameters(), strict=True))
+
+
+@pytest.mark.parametrize("divergence, beta", [("jsd", 0.5), ("forward_kl", 0.0)])
+def test_loss_equals_naive_generalized_jsd(divergence, beta):
+    module = make_module(lora=None, divergence=divergence)
+    with torch.no_grad():  # the student differs from the frozen teacher beyond the context
+        for p in module.student_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    task = ToyTask()
+    examples = task.all_examples()[:3]
+    conversations = [[*task.initial_messages(ex), {"role": "assistant", "content": f"reply {i}"}] for i, ex in enumerate(examples)]
+    batch = batch_from_conversations(
+        module.tokenizer, conversations, rewards=[0.0] * 3, group_ids=[0, 1, 2], example_ids=[ex.id for ex in examples]
+    )
+    refs = [task.reference_solution(examples[0]), None, task.reference_solution(examples[2])]  # row 1: none
+    module.reference_texts = lambda batch: refs
+
+    _, mask = module.shifted(batch)
+    student, teacher = [], []
+    for b, ref in enumerate(refs):
+        if ref is None:
+            continue
+        n = int(batch.attention_mask[b].sum())
+        ids, pos = batch.input_ids[b, :n], int(batch.context_position[b])
+        ctx = torch.tensor(
+            module.tokenizer(OPSD_REFERENCE_TEMPLATE.format(reference=ref), add_special_tokens=False)["input_ids"]
+        )
+        with torch.no_grad():
+            s = module.backbone(input_ids=ids[None]).logits[0]
+            t = module.teacher.shadow(input_ids=torch.cat([ids[:pos], ctx, ids[pos:]])[None]).logits[0]
+        where = mask[b, : n - 1].nonzero().flatten()
+        student.append(s[where])
+        teacher.append(t[where + len(ctx)])
+    student, teacher = torch.cat(student)[None], torch.cat(teacher)[None]
+    expected = generalized_jsd(student, teacher, beta=beta).sum() / student.shape[1]
+
+    captured = {}
+    optimizer = torch.optim.AdamW(module.student_parameters(), lr=1e-3)
+    module.optimizers = lambda: optimizer
+    module.manual_backward = lambda loss: (captured.setdefault("loss", loss.detach().clone()), loss.backward())
+    module.log_rollout_metrics = lambda batch, metrics: captured.update(metrics)
+    module.training_step(batch, 0)
+    assert float(expected) > 0
+    assert float(captured["loss"]) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+    assert captured["train/rows_with_reference"] == pytest.approx(2 / 3)
