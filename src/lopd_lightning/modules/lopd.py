@@ -6,11 +6,12 @@ One training step (manual optimisation, two optimisers):
 2. the composer turns each example's experiences into J*K latent tokens c_phi;
 3. the self-teacher (the shared backbone, composer LoRA off) scores every student token with the
    latents in its first user message: teacher logits on the student's positions;
-4. student step: L_distill = global token mean of KL(p~_S || p~_T) on the teacher's top-M + tail
+4. student loss: L_distill = global token mean of KL(p~_S || p~_T) on the teacher's top-M + tail
    support, the teacher constant;
-5. composer step: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor, where Delta is
+5. composer loss: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor, where Delta is
    the privileged margin and the anchor ties c_phi to the warm-started composer's latents;
-6. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks.
+6. one backward pass of the sum (disjoint parameters), then the student step and the composer step;
+7. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks.
 """
 
 from __future__ import annotations
@@ -205,12 +206,7 @@ class LOPDModule(OnPolicyModule):
             student_logits = self.student_logits(batch, mask)[None]  # [1, N, V]
             distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
             loss_student = distill.sum() / num_tokens  # the global token mean (METHOD.md 5)
-            self.manual_backward(loss_student)
 
-        # Both backward passes run before either optimiser step: the teacher and encoder graphs saved
-        # backbone weights (the student's LoRA, or the base weights of a full student), and the
-        # student's in-place update would invalidate them (autograd's version check). Both gradients
-        # are taken at the weights that made this step's rollouts and teacher logits.
         with self.timed("composer_step"):
             student_detached = student_logits.detach()
             distill_c = topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau).sum() / num_tokens
@@ -230,7 +226,15 @@ class LOPDModule(OnPolicyModule):
             # every composer parameter joins the graph (a zero term when no row has latents), so DDP's
             # gradient all-reduce sees the same parameters on every rank and every step
             loss_composer = loss_composer + 0.0 * sum(p.sum() for p in self.composer.trainable_parameters())
-            self.manual_backward(loss_composer)
+
+        # One backward pass of the sum: the two graphs touch disjoint trainable parameters (the student's
+        # loss sees the teacher detached, the composer's sees the student detached), so each optimiser
+        # gets exactly its own loss's gradient. One pass is what DDP's reducer expects (one backward per
+        # forward, every parameter used), and it runs before either optimiser step: the teacher and
+        # encoder graphs saved backbone weights that the student's in-place update would invalidate, so
+        # both gradients are taken at the weights that made this step's rollouts and teacher logits.
+        with self.timed("backward"):
+            self.manual_backward(loss_student + loss_composer)
 
         with self.timed("student_step"):
             student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
