@@ -18,6 +18,8 @@ What it promises (on Linux):
   hashing and set order are reproducible) and single-thread BLAS settings; none of the parent's
   variables. (Isolated mode ``-I`` is not used because it would also ignore ``PYTHONHASHSEED``; ``-s``
   and a cleaned ``sys.path`` give the rest of what ``-I`` does.)
+* **A reason**: every failed result says why in one line (``SandboxResult.reason``); :func:`run_many`
+  turns a run the sandbox itself loses into such a result instead of failing the others.
 * **Time**: a wall-clock limit ``timeout_s`` (status "timeout") and ``RLIMIT_CPU`` of
   ``ceil(timeout_s) + 1`` seconds.
 * **Memory**: ``RLIMIT_AS = memory_mb`` MiB of address space. Past it allocations fail, so the program
@@ -28,14 +30,19 @@ What it promises (on Linux):
   never blocks the program. Bytes are decoded as UTF-8 with ``errors="replace"``.
 * **Files**: ``RLIMIT_FSIZE`` (``max_file_mb``) caps each written file; ``RLIMIT_CORE = 0``;
   ``RLIMIT_NOFILE = 256``.
+* **Private temporary directories** (``private_tmp=True``, root only): the program runs in a private
+  mount namespace where the working directory, ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are fresh tmpfs
+  of ``max_disk_mb`` MiB (1024 inodes per MiB) each: total disk use and file count are capped, and
+  nothing written there is seen by the host or outlives the run. (tmpfs lives in RAM, outside
+  ``RLIMIT_AS``: up to 4 x ``max_disk_mb`` per running program.)
 * **No survivors**: the program runs in its own session and process group; when it exits or times out,
   the whole group is killed with SIGKILL, and (when running as root, below) every process of its
   one-off user id as well, so forked children that called ``setsid()`` die too. The child also gets
   ``PR_SET_PDEATHSIG = SIGKILL``, so it dies with the trainer.
 * **When the trainer runs as root** (the usual CI and cloud-container case), the bootstrap drops to a
-  fresh, unused, random user id before running the program, keeping only ``CAP_DAC_READ_SEARCH`` (so
-  the interpreter can still import its standard library from a root-only directory such as
-  ``/root/.pyenv``) and setting ``PR_SET_NO_NEW_PRIVS``. Consequences: it cannot write anywhere that is
+  fresh, unused, random user id before running the program, with no capability except, only when the
+  interpreter's files are not readable by every user (e.g. ``/root/.pyenv``), ``CAP_DAC_READ_SEARCH``
+  (so it can still import its standard library), and with ``PR_SET_NO_NEW_PRIVS``. Consequences: it cannot write anywhere that is
   not world-writable except its own directory; ``RLIMIT_NPROC = max_processes`` is enforced (the kernel
   does not enforce it for root), which bounds fork bombs; it cannot signal, trace or read the
   ``/proc/<pid>/environ`` of the trainer's processes; and it cannot become root again.
@@ -50,13 +57,18 @@ What it promises (on Linux):
 
 What it does not promise:
 
-* **Reading**: the program can read every file the trainer can (as root, via ``CAP_DAC_READ_SEARCH``)
-  except other processes' ``/proc`` entries. Do not keep secrets in files on a machine that runs it.
-* **Writing to world-writable directories** (``/tmp``, ``/dev/shm``) is stopped only by the Python-level
-  guards, i.e. not against a determined program; the number of files (inodes) it creates is not capped.
-* **When not root**: no user-id switch, no network namespace, ``RLIMIT_NPROC`` is not set (it would count
-  all of the user's processes), and a forked child that leaves the process group with ``setsid()``
-  can outlive the run (until its CPU limit).
+* **Reading**: the program can read every world-readable file, and, when it keeps
+  ``CAP_DAC_READ_SEARCH`` (see ``isolation_report()["reads_all_files"]``), every file (``/etc/shadow``
+  included) and the fd numbers (not the targets) of the trainer's ``/proc/<pid>/fd``. Do not keep
+  secrets in files on a machine that runs it.
+* **When not root**: the program runs under the trainer's own user id, so only the Python-level guards
+  stand between it and the trainer's files, processes (signals, ``/proc/<pid>/environ``, ``mem``) and
+  ``/tmp``; there is no network namespace and no private tmpfs (total disk use is capped only per file);
+  ``RLIMIT_NPROC`` is the user's current task count plus ``max_processes`` (approximate: it moves with
+  the user's other processes); and a forked child that leaves the session with ``setsid()`` can
+  outlive the run (until its CPU limit).
+* Unix sockets in the file system (e.g. ``/var/run/docker.sock``) are reachable subject to their file
+  permissions (the network namespace covers TCP/UDP and abstract sockets only).
 * No limit on disk bandwidth, on CPU share (use ``max_workers``), or on kernel-level attacks.
 
 Source: the limits follow the usual practice of code-execution harnesses for LLM evaluation (e.g.
@@ -67,6 +79,7 @@ OS-level limits of a child process.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
@@ -119,6 +132,10 @@ class SandboxResult:
             bytes of it (first and last half) plus a one-line marker when cut.
         stderr: the same for standard error.
         duration_s: wall-clock seconds from start to reaping the process, interpreter start included.
+        reason: one line saying why the run did not succeed ("" when ``ok``): the limit it hit
+            ("timeout: wall-clock limit of 1.5 s", "memory limit: ...", "killed by signal SIGXFSZ (file
+            size limit)"), its exit status and the last line of its stderr, or "sandbox failure: ..."
+            when the sandbox itself could not run it (see :func:`run_many`).
     """
 
     status: Status
@@ -126,6 +143,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     duration_s: float
+    reason: str = ""
 
     @property
     def ok(self) -> bool:
@@ -204,7 +222,7 @@ def _guards(root):
     import _posixsubprocess
     _posixsubprocess.fork_exec = refuse
 
-def _drop_privileges(libc, uid):
+def _drop_privileges(libc, uid, read_search):
     import ctypes
     PR_SET_KEEPCAPS, PR_SET_NO_NEW_PRIVS = 8, 38
     if libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0:
@@ -219,7 +237,7 @@ def _drop_privileges(libc, uid):
                     ("inheritable", ctypes.c_uint32)]
     header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
     CAP_DAC_READ_SEARCH = 2
-    data[0].effective = data[0].permitted = 1 << CAP_DAC_READ_SEARCH
+    data[0].effective = data[0].permitted = (1 << CAP_DAC_READ_SEARCH) if read_search else 0
     if libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), "capset")
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -230,6 +248,32 @@ def _drop_privileges(libc, uid):
         pass
     else:
         raise OSError("could become root again")
+
+def _private_tmp(libc, cfg):
+    # A private mount namespace (root only): fresh, size-limited tmpfs on /tmp, /var/tmp, /dev/shm and
+    # the working directory, so that nothing the program writes outlives it or fills the host's disk.
+    import ctypes
+    CLONE_NEWNS, MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x20000, 0x2, 0x4, 0x4000, 0x40000
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return False  # no privilege: the host's directories stay as they are
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    tmp = cfg["tmp"]
+    opts = ("size=%d,nr_inodes=%d,mode=1777" % (cfg["disk"], cfg["inodes"])).encode()
+    covered = False
+    for d in ("/tmp", "/var/tmp", "/dev/shm", tmp):
+        if d == tmp and covered:
+            break
+        if not os.path.isdir(d) or os.path.islink(d):
+            continue
+        if libc.mount(b"lopd-sandbox", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+            raise OSError(ctypes.get_errno(), "mount tmpfs on " + d)
+        covered = covered or tmp.startswith(d + "/")
+    os.makedirs(tmp, exist_ok=True)
+    os.chmod(tmp, 0o700)
+    if cfg["uid"] is not None:
+        os.chown(tmp, cfg["uid"], cfg["uid"])
+    return True
 
 def _setup(cfg):
     import resource as R
@@ -243,6 +287,10 @@ def _setup(cfg):
     os.dup2(null, 0)
     os.close(null)
     tmp = cfg["tmp"]
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if cfg["private_tmp"]:
+        _private_tmp(libc, cfg)
     os.chdir(tmp)
     sys.path[:] = [p for p in sys.path if p not in ("", ".", tmp)]
     def limit(which, soft, hard=None):
@@ -255,13 +303,12 @@ def _setup(cfg):
     limit(R.RLIMIT_FSIZE, cfg["fsize"])
     limit(R.RLIMIT_NOFILE, 256)
     limit(R.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1)
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
     if cfg["net"]:
         libc.unshare(0x40000000)  # CLONE_NEWNET; without the privilege the network stays as it is
-    if cfg["uid"] is not None:
+    if cfg["nproc"] is not None:
         limit(R.RLIMIT_NPROC, cfg["nproc"])
-        _drop_privileges(libc, cfg["uid"])
+    if cfg["uid"] is not None:
+        _drop_privileges(libc, cfg["uid"], cfg["read_search"])
     libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL (after the uid change, which clears it)
     if os.getppid() != cfg["ppid"]:
         os._exit(137)  # the trainer is already gone
@@ -368,6 +415,32 @@ def _surviving(*, uid: int | None = None, pgid: int | None = None) -> list[int]:
     ]
 
 
+def _user_tasks(uid: int) -> int:
+    """Processes and threads (what RLIMIT_NPROC counts) of real user ``uid`` visible in /proc."""
+    total = 0
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return 0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                status = f.read()
+        except OSError:
+            continue
+        real_uid, threads = -1, 1
+        for line in status.splitlines():
+            if line.startswith(b"Uid:"):
+                real_uid = int(line.split()[1])
+            elif line.startswith(b"Threads:"):
+                threads = int(line.split()[1])
+        if real_uid == uid:
+            total += threads
+    return total
+
+
 def _kill_everything(pgid: int, uid: int | None) -> None:
     """SIGKILL the process group ``pgid`` and every process of ``uid`` (or session ``pgid``), repeatedly
     until none is left (a fork bomb may fork between scan and kill; NPROC bounds how often)."""
@@ -415,6 +488,34 @@ def _uid_range() -> tuple[int, int] | None:
     return best
 
 
+@functools.lru_cache(maxsize=8)
+def _needs_read_search(python: str) -> bool:
+    """True unless ``python`` is this interpreter and everything it imports from (its executable, its
+    prefixes, ``sys.path``) is readable by any user: then the one-off uid needs no CAP_DAC_READ_SEARCH."""
+    import stat
+
+    if os.path.realpath(python) != os.path.realpath(sys.executable):
+        return True  # another interpreter: its files are unknown, keep the capability
+    paths = {os.path.realpath(sys.executable), sys.prefix, sys.base_prefix, sys.exec_prefix}
+    paths.update(p for p in sys.path if p and os.path.exists(p))
+    for path in paths:
+        path = os.path.realpath(path)
+        try:
+            mode = os.stat(path).st_mode
+            if not mode & stat.S_IROTH or (stat.S_ISDIR(mode) and not mode & stat.S_IXOTH):
+                return True
+            parent = os.path.dirname(path)
+            while True:
+                if not os.stat(parent).st_mode & stat.S_IXOTH:
+                    return True
+                if parent == os.path.dirname(parent):
+                    break
+                parent = os.path.dirname(parent)
+        except OSError:
+            continue
+    return False
+
+
 def _claim_uid() -> int | None:
     rng = _uid_range()
     if rng is None:
@@ -437,9 +538,12 @@ def _release_uid(uid: int | None) -> None:
 
 def _rmtree(path: str) -> None:
     def onerror(func, p, exc_info):  # a program may chmod its files read-only
-        try:
-            os.chmod(os.path.dirname(p) or p, 0o700)
-            os.chmod(p, 0o700)
+        try:  # never chmod through a symlink: the program may point one at a file of the trainer's
+            parent = os.path.dirname(p) or p
+            if not os.path.islink(parent):
+                os.chmod(parent, 0o700)
+            if not os.path.islink(p):
+                os.chmod(p, 0o700)
             func(p)
         except OSError:
             pass
@@ -452,22 +556,47 @@ def _rmtree(path: str) -> None:
 _MEMORY_SIGNS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
 
 
-def _classify(returncode: int, timed_out: bool, stderr: str, rusage, *, cpu_s: int) -> Status:
+_SIGNAL_NOTES = {
+    signal.SIGXFSZ: " (file size limit)",
+    signal.SIGXCPU: " (CPU-time limit)",
+    signal.SIGSEGV: " (segmentation fault)",
+    signal.SIGKILL: " (from outside or by itself)",
+}
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text[-4000:].splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _classify(
+    returncode: int, timed_out: bool, stderr: str, rusage, *, cpu_s: int, timeout_s: float, memory_mb: int
+) -> tuple[Status, str]:
+    """(status, reason) of a finished run; see :class:`SandboxResult`."""
     if timed_out:
-        return "timeout"
+        return "timeout", f"timeout: wall-clock limit of {timeout_s:g} s"
     if returncode == 0:
-        return "ok"
+        return "ok", ""
     if returncode == -signal.SIGXCPU:
-        return "timeout"
+        return "timeout", f"timeout: CPU-time limit of {cpu_s} s (SIGXCPU)"
     cpu_used = (rusage.ru_utime + rusage.ru_stime) if rusage is not None else 0.0
     if returncode == -signal.SIGKILL and cpu_used >= cpu_s:
-        return "timeout"
+        return "timeout", f"timeout: CPU-time limit of {cpu_s} s (SIGKILL)"
+    last = _last_line(stderr)
+    if returncode == SETUP_FAILED_EXIT and "lopd sandbox: setup failed" in stderr:
+        return "error", f"sandbox setup failed: {last}"
     # Under RLIMIT_AS an allocation fails (it does not get the process killed), so dying of the limit
     # shows as MemoryError or an allocator's message. (ru_maxrss cannot tell: it includes the RSS of
     # the forked trainer before exec.)
     if any(sign in stderr[-4000:] for sign in _MEMORY_SIGNS):
-        return "memory_limit"
-    return "error"
+        return "memory_limit", f"memory limit: {memory_mb} MiB of address space exceeded ({last})"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return "error", f"killed by signal {name}{_SIGNAL_NOTES.get(-returncode, '')}" + (f": {last}" if last else "")
+    return "error", f"exit status {returncode}" + (f": {last}" if last else "")
 
 
 def run_code(
@@ -478,7 +607,9 @@ def run_code(
     max_output_bytes: int = 64_000,
     max_processes: int = 32,
     max_file_mb: int = 16,
+    max_disk_mb: int = 64,
     isolate_network: bool = True,
+    private_tmp: bool = True,
     python_guards: bool = True,
     python: str = sys.executable,
 ) -> SandboxResult:
@@ -493,10 +624,15 @@ def run_code(
             limit is ``ceil(timeout_s) + 1`` seconds.
         memory_mb: address-space limit (RLIMIT_AS) in MiB.
         max_output_bytes: bytes of stdout and of stderr kept (first and last half when cut).
-        max_processes: RLIMIT_NPROC (processes and threads) of the program's user id; only applied
-            when running as root (see the module docstring).
+        max_processes: processes and threads the program may add (RLIMIT_NPROC of its one-off user id
+            as root; when not root, RLIMIT_NPROC is the user's current count plus this, see the module
+            docstring).
         max_file_mb: RLIMIT_FSIZE in MiB: the largest file the program may write.
+        max_disk_mb: size in MiB of each private tmpfs (working directory, ``/tmp``, ``/var/tmp``,
+            ``/dev/shm``) when ``private_tmp`` takes effect; 1024 inodes per MiB.
         isolate_network: run in a new, empty network namespace when the privilege allows it.
+        private_tmp: run in a private mount namespace with fresh, size-limited tmpfs on the working
+            directory and the world-writable directories, when the privilege allows it (root).
         python_guards: install the Python-level guards (defence in depth; see the module docstring).
         python: the interpreter to run.
 
@@ -509,11 +645,7 @@ def run_code(
         ValueError: a non-positive limit.
         OSError: the interpreter cannot be started (e.g. ``python`` does not exist).
     """
-    if not timeout_s > 0 or memory_mb <= 0 or max_output_bytes < 0 or max_processes <= 0 or max_file_mb <= 0:
-        raise ValueError(
-            f"sandbox limits must be positive: timeout_s={timeout_s}, memory_mb={memory_mb}, "
-            f"max_output_bytes={max_output_bytes}, max_processes={max_processes}, max_file_mb={max_file_mb}"
-        )
+    _check_limits(timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_disk_mb)
     data = code.encode("utf-8", errors="surrogatepass")
     cpu_s = math.ceil(timeout_s) + 1
     tmp = tempfile.mkdtemp(prefix="lopd-sandbox-")
@@ -522,6 +654,11 @@ def run_code(
         uid = _claim_uid()
         if uid is not None:
             os.chown(tmp, uid, uid)
+            nproc = int(max_processes)
+        elif sys.platform == "linux":  # the kernel counts all of the user's tasks: allow that many more
+            nproc = _user_tasks(os.getuid()) + int(max_processes)
+        else:
+            nproc = None
         os.chmod(tmp, 0o700)
         cfg = {
             "tmp": tmp,
@@ -532,7 +669,11 @@ def run_code(
             "cpu": cpu_s,
             "as": int(memory_mb) * 2**20,
             "fsize": int(max_file_mb) * 2**20,
-            "nproc": int(max_processes),
+            "disk": int(max_disk_mb) * 2**20,
+            "inodes": 1024 * int(max_disk_mb),
+            "private_tmp": bool(private_tmp) and uid is not None,
+            "nproc": nproc,
+            "read_search": uid is not None and _needs_read_search(python),
         }
         env = dict(_CHILD_ENV, HOME=tmp, TMPDIR=tmp)
         start = time.monotonic()
@@ -565,8 +706,29 @@ def run_code(
         _rmtree(tmp)
         _release_uid(uid)
     stdout, stderr = out.text(), err.text()
-    status = _classify(returncode, timed_out, stderr, rusage, cpu_s=cpu_s)
-    return SandboxResult(status, returncode, stdout, stderr, duration)
+    status, reason = _classify(
+        returncode, timed_out, stderr, rusage, cpu_s=cpu_s, timeout_s=timeout_s, memory_mb=memory_mb
+    )
+    return SandboxResult(status, returncode, stdout, stderr, duration, reason)
+
+
+_RUN_CODE_SIGNATURE = inspect.signature(run_code)
+
+
+def _check_limits(timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_disk_mb) -> None:
+    if (
+        not timeout_s > 0
+        or memory_mb <= 0
+        or max_output_bytes < 0
+        or max_processes <= 0
+        or max_file_mb <= 0
+        or max_disk_mb <= 0
+    ):
+        raise ValueError(
+            f"sandbox limits must be positive: timeout_s={timeout_s}, memory_mb={memory_mb}, "
+            f"max_output_bytes={max_output_bytes}, max_processes={max_processes}, max_file_mb={max_file_mb}, "
+            f"max_disk_mb={max_disk_mb}"
+        )
 
 
 def _supervise(proc: subprocess.Popen, data: bytes, deadline: float, *, uid: int | None, cap: int):
@@ -652,6 +814,11 @@ def _supervise(proc: subprocess.Popen, data: bytes, deadline: float, *, uid: int
 def run_many(codes: Iterable[str], *, max_workers: int | None = None, **limits) -> list[SandboxResult]:
     """Run many programs with :func:`run_code`, at most ``max_workers`` at a time.
 
+    A run that the sandbox itself loses (its worker raised: e.g. no free process slot, a full disk for
+    the working directory) does not stop the others: it is reported as a failed result, status
+    "error", returncode -1 and a ``reason`` starting "sandbox failure:". A program killed from outside
+    (its process lost mid-run) is an ordinary failed result ("killed by signal SIGKILL ...").
+
     Args:
         codes: the programs.
         max_workers: concurrent programs (threads, each waiting on one child process); default
@@ -663,6 +830,8 @@ def run_many(codes: Iterable[str], *, max_workers: int | None = None, **limits) 
 
     Raises:
         ValueError: ``max_workers < 1`` or a bad limit.
+        FileNotFoundError: the interpreter (``python=``) does not exist or cannot be executed.
+        TypeError: an unknown keyword option.
     """
     codes = list(codes)
     if max_workers is None:
@@ -671,21 +840,47 @@ def run_many(codes: Iterable[str], *, max_workers: int | None = None, **limits) 
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
     if not codes:
         return []
+    # Configuration errors raise here, once, instead of turning every program into a failed result.
+    _RUN_CODE_SIGNATURE.bind("", **limits)
+    defaults = {k: p.default for k, p in _RUN_CODE_SIGNATURE.parameters.items() if k != "code"}
+    given = {**defaults, **limits}
+    _check_limits(*(given[k] for k in ("timeout_s", "memory_mb", "max_output_bytes", "max_processes",
+                                       "max_file_mb", "max_disk_mb")))
+    python = given["python"]
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise FileNotFoundError(f"sandbox interpreter {python!r} does not exist or is not executable")
+
+    def one(code: str) -> SandboxResult:
+        start = time.monotonic()
+        try:
+            return run_code(code, **limits)
+        except Exception as error:  # noqa: BLE001 - one lost run must not lose the others
+            reason = f"sandbox failure: {type(error).__name__}: {error}"
+            return SandboxResult("error", -1, "", reason, time.monotonic() - start, reason)
+
     if max_workers == 1 or len(codes) == 1:
-        return [run_code(code, **limits) for code in codes]
+        return [one(code) for code in codes]
     workers = min(max_workers, len(codes))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lopd-sandbox") as pool:
-        return list(pool.map(lambda code: run_code(code, **limits), codes))
+        return list(pool.map(one, codes))
 
 
 _REPORT_PROGRAM = r"""
 import json, os
-def net_isolated():
+def isolated(kind, parent):
     try:
-        return os.readlink("/proc/self/ns/net") != PARENT_NET
+        return os.readlink("/proc/self/ns/" + kind) != parent
     except OSError:
         return None
-print(json.dumps({"uid": os.getuid(), "root": os.getuid() == 0, "network_isolated": net_isolated()}))
+def can_read_all():
+    try:
+        with open("/proc/self/status") as f:
+            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+        return bool(eff & (1 << 2))
+    except (OSError, StopIteration, ValueError):
+        return None
+print(json.dumps({"uid": os.getuid(), "root": os.getuid() == 0, "network_isolated": isolated("net", PARENT_NET),
+                  "private_tmp": isolated("mnt", PARENT_MNT), "reads_all_files": can_read_all()}))
 """
 
 
@@ -693,17 +888,23 @@ def isolation_report(python: str = sys.executable) -> dict[str, object]:
     """What isolation this machine gives: runs a tiny program and reports what it saw.
 
     Returns:
-        ``{"uid": int, "root": bool, "network_isolated": bool | None, "user_switch": bool}``:
-        ``user_switch`` is True when the program ran under a one-off user id (trainer is root).
+        ``{"uid": int, "root": bool, "network_isolated": bool | None, "private_tmp": bool | None,
+        "reads_all_files": bool | None, "user_switch": bool}``: ``user_switch`` is True when the program
+        ran under a one-off user id (trainer is root); ``private_tmp`` when it ran in a private mount
+        namespace with its own tmpfs directories; ``reads_all_files`` when it kept
+        ``CAP_DAC_READ_SEARCH`` (None: unknown).
 
     Raises:
         RuntimeError: the probe program failed (its stderr is in the message).
     """
-    try:
-        parent_net = os.readlink("/proc/self/ns/net")
-    except OSError:
-        parent_net = ""
-    result = run_code(f"PARENT_NET = {parent_net!r}\n" + _REPORT_PROGRAM, timeout_s=10.0, python=python)
+    parents = {}
+    for kind in ("net", "mnt"):
+        try:
+            parents[kind] = os.readlink(f"/proc/self/ns/{kind}")
+        except OSError:
+            parents[kind] = ""
+    prelude = f"PARENT_NET = {parents['net']!r}\nPARENT_MNT = {parents['mnt']!r}\n"
+    result = run_code(prelude + _REPORT_PROGRAM, timeout_s=10.0, python=python)
     if not result.ok:
         raise RuntimeError(f"sandbox probe failed ({result.status}): {result.stderr[-2000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])

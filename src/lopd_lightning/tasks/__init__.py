@@ -17,6 +17,7 @@ from lopd_lightning.tasks.base import (
     SingleTurnEpisode,
     StepResult,
     Task,
+    check_reward,
     split_examples,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "SingleTurnEpisode",
     "StepResult",
     "Task",
+    "check_reward",
     "get_task",
     "split_examples",
 ]

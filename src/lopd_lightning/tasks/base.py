@@ -11,6 +11,8 @@ Messages follow the chat-template convention of transformers: ``{"role": "system
 from __future__ import annotations
 
 import abc
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,8 +55,65 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def check_reward(value: Any, *, task: str, example_id: str) -> float:
+    """``value`` as a float in [0, 1], or a ValueError naming the task and the example.
+
+    Args:
+        value: a reward (any real number type).
+        task: the task's name. example_id: the example's id.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        ValueError: ``value`` is not a real number, is NaN, or lies outside [0, 1].
+    """
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"task {task!r} returned a reward of type {type(value).__name__} for example {example_id!r}; "
+            "rewards must be numbers in [0, 1]"
+        ) from None
+    if not (0.0 <= reward <= 1.0) or math.isnan(reward):
+        raise ValueError(
+            f"task {task!r} returned reward {reward!r} for example {example_id!r}; rewards must be in [0, 1]"
+        )
+    return reward
+
+
+def _reward_context(episode: Any) -> tuple[str, str]:
+    """(task name, example id) of an episode: what :meth:`Task.start` recorded, else its attributes."""
+    context = getattr(episode, "_lopd_reward_context", None)
+    if context is not None:
+        return context
+    task, example = getattr(episode, "task", None), getattr(episode, "example", None)
+    return (
+        str(getattr(task, "name", type(task).__name__ if task is not None else type(episode).__name__)),
+        str(getattr(example, "id", "<unknown example>")),
+    )
+
+
 class Episode(abc.ABC):
-    """A live environment for one example. Created by :meth:`Task.start`."""
+    """A live environment for one example. Created by :meth:`Task.start`.
+
+    Every subclass's :meth:`reward` is checked on the way out: a value outside [0, 1] (or NaN) raises
+    ValueError naming the task and the example (:func:`check_reward`), so a broken environment stops
+    the run where it happens instead of poisoning the advantages.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        reward = cls.__dict__.get("reward")
+        if callable(reward) and not getattr(reward, "_lopd_checked", False):
+
+            @functools.wraps(reward)
+            def checked_reward(self: Episode) -> float:
+                task, example_id = _reward_context(self)
+                return check_reward(reward(self), task=task, example_id=example_id)
+
+            checked_reward._lopd_checked = True  # type: ignore[attr-defined]
+            cls.reward = checked_reward  # type: ignore[method-assign]
 
     @abc.abstractmethod
     def step(self, reply: str) -> StepResult:
@@ -70,15 +129,26 @@ class SingleTurnEpisode(Episode):
 
     def __init__(self, task: Task, example: Example):
         self.task, self.example = task, example
-        self._reward: float | None = None
+        self._reward: Any = None
+        self._done = False
 
     def step(self, reply: str) -> StepResult:
-        if self._reward is not None:
+        """Score ``reply`` with :meth:`Task.score_with_info`; done. ``info`` carries the task's
+        diagnostics (e.g. ``{"error": "..."}`` for a malformed reply). The score is checked by
+        :meth:`reward`.
+
+        Raises:
+            RuntimeError: the episode is done.
+        """
+        if self._done:
             raise RuntimeError(f"episode of {self.example.id!r} is done; start a new one")
-        self._reward = float(self.task.score(self.example, reply))
-        return StepResult(messages=[], done=True)
+        self._reward, info = self.task.score_with_info(self.example, reply)
+        self._done = True
+        return StepResult(messages=[], done=True, info=dict(info))
 
     def reward(self) -> float:
+        """The score of the reply (0 before it). Raises ValueError, naming the task and the example,
+        when the task scored outside [0, 1]."""
         return 0.0 if self._reward is None else self._reward
 
 
@@ -142,12 +212,42 @@ class Task(abc.ABC):
         return [self.reference_solution(example)]
 
     def score(self, example: Example, completion: str) -> float:
-        """Reward in [0, 1] of one assistant reply (single-turn tasks). Never raises on bad text."""
+        """Reward in [0, 1] of one assistant reply (single-turn tasks). Never raises on bad text
+        (empty or whitespace-only replies included: they score 0).
+
+        The value is checked when it leaves the episode: :meth:`Episode.reward` raises ValueError
+        naming the task and the example if it is outside [0, 1] (:func:`check_reward`).
+        """
         raise NotImplementedError(f"{type(self).__name__} is multi-turn: use start(example).step(...)")
+
+    def score_with_info(self, example: Example, completion: str) -> tuple[float, dict[str, Any]]:
+        """The reward of one reply and diagnostics for :class:`StepResult.info` (single-turn tasks).
+
+        Override to explain a low score, e.g. ``(0.0, {"error": "malformed tool call: ..."})``; the
+        rollout records ``info["error"]`` with the trajectory. Default: ``(score(...), {})``.
+        """
+        return self.score(example, completion), {}
 
     def start(self, example: Example) -> Episode:
         """A fresh environment for ``example``. Single-turn tasks get a :class:`SingleTurnEpisode`."""
         return SingleTurnEpisode(self, example)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        start = cls.__dict__.get("start")
+        if callable(start) and not getattr(start, "_lopd_checked", False):
+
+            @functools.wraps(start)
+            def tagged_start(self: Task, example: Example) -> Episode:
+                episode = start(self, example)
+                try:  # lets the reward check name the task and example of any episode class
+                    episode._lopd_reward_context = (str(self.name), str(getattr(example, "id", "<unknown example>")))
+                except AttributeError:  # __slots__ without room: fall back to its attributes
+                    pass
+                return episode
+
+            tagged_start._lopd_checked = True  # type: ignore[attr-defined]
+            cls.start = tagged_start  # type: ignore[method-assign]
 
     def experience_text(self, example: Example, messages: list[Message]) -> str:
         """The text of an experience for the bank: the task and an observation-lite trace.

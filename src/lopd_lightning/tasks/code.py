@@ -357,6 +357,11 @@ class HumanEvalTask(Task):
         text (a non-string reply scores 0)."""
         return self.score_many([(example, completion)], max_workers=1)[0]
 
+    def score_with_info(self, example: Example, completion: str) -> tuple[float, dict]:
+        """The reward and, when it is 0, ``{"error": why}``: the sandbox's reason (timeout, memory limit,
+        crash, exit status and the last line of stderr) or "empty reply"."""
+        return self._score_many_with_info([(example, completion)], max_workers=1)[0]
+
     def score_many(
         self, pairs: Sequence[tuple[Example, str]], *, max_workers: int | None = None
     ) -> list[float]:
@@ -367,12 +372,24 @@ class HumanEvalTask(Task):
             max_workers: programs at once; default the task's ``max_workers``.
 
         Returns:
-            One reward in {0.0, 1.0} per pair, in order.
+            One reward in {0.0, 1.0} per pair, in order. A reply that is not text, or is empty or
+            whitespace only, scores 0 without running anything.
         """
+        return [reward for reward, _ in self._score_many_with_info(pairs, max_workers=max_workers)]
+
+    def _score_many_with_info(
+        self, pairs: Sequence[tuple[Example, str]], *, max_workers: int | None = None
+    ) -> list[tuple[float, dict]]:
         nonces = [secrets.token_hex(16) for _ in pairs]
+        out: list[tuple[float, dict]] = []
         programs, runnable = [], []
         for i, ((example, completion), nonce) in enumerate(zip(pairs, nonces)):
-            if isinstance(completion, str):
+            if not isinstance(completion, str):
+                out.append((0.0, {"error": f"reply is not text but {type(completion).__name__}"}))
+            elif not completion.strip():
+                out.append((0.0, {"error": "empty reply"}))
+            else:
+                out.append((0.0, {}))
                 programs.append(self.program(example, completion, nonce=nonce))
                 runnable.append(i)
         results = run_many(
@@ -381,7 +398,10 @@ class HumanEvalTask(Task):
             timeout_s=self.timeout_s,
             memory_mb=self.memory_mb,
         )
-        rewards = [0.0] * len(pairs)
         for i, result in zip(runnable, results):
-            rewards[i] = 1.0 if passed(result, nonces[i]) else 0.0
-        return rewards
+            if passed(result, nonces[i]):
+                out[i] = (1.0, {})
+            else:
+                why = result.reason or "the program ended without passing all tests"
+                out[i] = (0.0, {"error": f"tests failed: {why}", "status": result.status})
+        return out

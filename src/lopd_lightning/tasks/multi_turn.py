@@ -54,6 +54,7 @@ from lopd_lightning.tasks.tool_use import (
     parse_python_calls,
     parse_tool_calls,
     tools_system_text,
+    unparsed_reason,
     with_system,
 )
 
@@ -74,6 +75,9 @@ END_OF_TURN_REPLY = "Done."
 _FORBIDDEN = frozenset({"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"})
 
 RewardMode = Literal["all_turns", "fraction"]
+
+#: How a failed call's result starts (BFCL's wording).
+_ERROR_PREFIX = "Error during execution: "
 
 
 def _tool_class(class_name: str) -> type:
@@ -130,8 +134,8 @@ class ToolEnvironment:
             if method_name is None:
                 raise NameError(f"name {call.name!r} is not defined")
             result = self.methods[method_name](**call.arguments)
-        except Exception as err:
-            return f"Error during execution: {err}"
+        except Exception as err:  # a tool raising is an observation for the model, never a crash
+            return f"{_ERROR_PREFIX}{err}"
         if isinstance(result, str):
             return result
         if isinstance(result, dict):
@@ -361,7 +365,11 @@ class BFCLMultiTurnEpisode(Episode):
             done. ``info``: ``turn`` (index of the turn the reply belongs to), ``n_calls``, ``parsed``
             (the reply read as calls, ``[]`` included), ``turn_ended``, ``turn_passed`` and ``error``
             (why it failed) when the turn ended, ``forced_end_of_turn`` when ``max_steps_per_turn`` ended
-            it, and always ``turns_passed`` and ``fraction_passed``.
+            it, and always ``turns_passed`` and ``fraction_passed``. ``tool_errors``: per call that
+            failed (unknown function, wrong arguments, the tool raised), ``"name: Error during
+            execution: ..."``; the episode goes on with that text as the call's result. ``error``: all
+            that went wrong in this step, joined by "; " (a malformed tool call, the tool errors, why
+            the ended turn failed); absent when nothing did.
 
         Raises:
             RuntimeError: the episode is done.
@@ -373,20 +381,33 @@ class BFCLMultiTurnEpisode(Episode):
         self._steps += 1
         messages: list[Message] = []
         info: dict[str, Any] = {"turn": turn, "n_calls": len(calls or []), "parsed": calls is not None}
+        errors: list[str] = []
+        if calls is None and unparsed_reason(reply).startswith("malformed"):
+            errors.append(unparsed_reason(reply))  # a malformed call ends the turn, like prose
         if calls:
             self._called = True
+            tool_errors = []
             for call in calls:
                 result = self.model_env.execute(call)
                 self._model_results.append(result)
+                if result.startswith(_ERROR_PREFIX):
+                    tool_errors.append(f"{call.name}: {result}")
                 messages.append({"role": "tool", "name": call.name, "content": self._shown(result)})
+            if tool_errors:
+                info["tool_errors"] = tool_errors
+                errors.extend(tool_errors)
             if self._steps < self.task.max_steps_per_turn:
+                if errors:
+                    info["error"] = "; ".join(errors)[:1000]
                 return StepResult(messages=messages, done=False, info=self._info(info))
             info["forced_end_of_turn"] = True
         messages.extend(self._end_turn())
         info["turn_ended"] = True
         info["turn_passed"] = self.turn_passed[-1]
         if self.turn_errors[-1]:
-            info["error"] = self.turn_errors[-1]
+            errors.append(self.turn_errors[-1])
+        if errors:
+            info["error"] = "; ".join(errors)[:1000]
         return StepResult(messages=[] if self.done else messages, done=self.done, info=self._info(info))
 
     def reward(self) -> float:

@@ -124,6 +124,19 @@ def parse_tool_calls(text: str) -> list[ToolCall] | None:
         return None
 
 
+def unparsed_reason(text: Any) -> str:
+    """Why :func:`parse_tool_calls` read no calls from ``text`` (for diagnostics; never raises)."""
+    if not isinstance(text, str):
+        return f"malformed reply: not text but {type(text).__name__}"
+    if not text.strip():
+        return "empty reply: no tool call"
+    if "<tool_call>" in text:
+        return "malformed tool call: a <tool_call> block is neither JSON calls nor Python call syntax"
+    if text.lstrip().startswith(("[", "{", "```")):
+        return "malformed tool call: the reply is neither JSON calls nor Python call syntax"
+    return "no tool call: the reply is prose"
+
+
 def _parse(text: str) -> list[ToolCall] | None:
     if not isinstance(text, str):
         return None
@@ -696,8 +709,11 @@ class BFCLTask(Task):
     def check(self, example: Example, completion: str) -> CheckResult:
         """The checker's verdict with its reason (for diagnostics); never raises."""
         try:
+            calls = parse_tool_calls(completion)
+            if calls is None:
+                return CheckResult(False, unparsed_reason(completion))
             return check_tool_calls(
-                parse_tool_calls(completion),
+                calls,
                 example.data["ground_truth"],
                 example.data["functions"],
                 category=self.category,
@@ -707,6 +723,12 @@ class BFCLTask(Task):
 
     def score(self, example: Example, completion: str) -> float:
         return 1.0 if self.check(example, completion).valid else 0.0
+
+    def score_with_info(self, example: Example, completion: str) -> tuple[float, dict[str, Any]]:
+        """The reward and, when it is 0, ``{"error": the checker's reason}`` (e.g. "malformed tool call:
+        ...", "function name 'f' not found (got 'g')", "wrong type for 'x': ...")."""
+        verdict = self.check(example, completion)
+        return (1.0, {}) if verdict.valid else (0.0, {"error": verdict.error})
 
 
 __all__ = [
@@ -723,4 +745,5 @@ __all__ = [
     "parse_tool_calls",
     "reference_calls",
     "standardize_string",
+    "unparsed_reason",
 ]
