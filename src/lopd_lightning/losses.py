@@ -18,6 +18,8 @@ Conventions shared by every function below:
 Map to the method (METHOD.md):
 
 * :func:`topk_tail_reverse_kl`: section 5, the top-M + tail reverse KL of LOPD (also SDPO, section 6).
+* :func:`chunked_topk_tail_reverse_kl`: the same value from final hidden states and the LM head, chunk by
+  chunk, so that no (N, V) tensor is ever alive (memory O(chunk x V)).
 * :func:`privileged_margin`: section 5, the margin Delta(phi) of the composer objective.
 * :func:`masked_mean`: section 5, the global token mean (sum over micro-batches and ranks / token count).
 * :func:`generalized_jsd`: section 6, OPSD's generalized JSD (the GKD convention).
@@ -29,10 +31,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
+    "chunked_topk_tail_reverse_kl",
     "generalized_jsd",
     "masked_mean",
     "ppo_clip_fraction",
@@ -305,6 +310,104 @@ def topk_tail_reverse_kl(
         return _kl(student, teacher)
     index = teacher.detach().topk(k, dim=-1).indices  # [B, T, k]
     return _kl(topk_tail_logprobs(student, index), topk_tail_logprobs(teacher, index))
+
+
+def _chunk_topk_tail_reverse_kl(
+    student_hidden: Tensor, teacher_hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int, temperature: float
+) -> Tensor:
+    """One chunk of :func:`chunked_topk_tail_reverse_kl`: (c, d) hidden states -> (c,) KL."""
+    student_logits = F.linear(student_hidden, weight, bias)  # [c, V]
+    teacher_logits = F.linear(teacher_hidden, weight, bias)  # [c, V]
+    return topk_tail_reverse_kl(student_logits, teacher_logits, k=k, temperature=temperature)
+
+
+def chunked_topk_tail_reverse_kl(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    lm_head_weight: Tensor,
+    *,
+    k: int = 20,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    lm_head_bias: Tensor | None = None,
+) -> Tensor:
+    """:func:`topk_tail_reverse_kl` of ``hidden @ W.T (+ b)`` computed ``chunk_size`` rows at a time.
+
+    Same value and gradients as
+    ``topk_tail_reverse_kl(F.linear(student_hidden, W, b), F.linear(teacher_hidden, W, b), k=k,
+    temperature=temperature)`` (up to float rounding of the matmul), but the (N, V) logits of the two
+    sides are never materialised together: each chunk's logits, log-softmaxes and top-k + tail buckets
+    are computed, reduced to (chunk,) KL values and freed; backward recomputes them one chunk at a time
+    (``torch.utils.checkpoint``, non-reentrant). The extra peak memory is therefore O(chunk_size x V)
+    (about 8 float32 (chunk, V) buffers at once: 400 MiB at chunk 256, V = 49,152, flat in N; the
+    unchunked loss needs about 8 (N, V) buffers, 6 GiB at N = 4096; benchmarks/loss_memory.py) instead
+    of O(N x V); the cost is one more forward of the two LM-head matmuls per chunk in backward.
+
+    Gradients flow to ``student_hidden``, ``teacher_hidden``, ``lm_head_weight`` and ``lm_head_bias``,
+    to whichever of them requires grad (detach the side held constant, as for the unchunked loss). The
+    teacher's top-k indices come from its detached logits and are recomputed identically in backward.
+    A final logit soft-cap (Gemma 2) is not applied: pass such models' logits to
+    :func:`topk_tail_reverse_kl` instead.
+
+    Args:
+        student_hidden: (..., d) final hidden states of the student (after the final norm), e.g. packed
+            (N, d) at the selected positions (:func:`lopd_lightning.lm.decoder_hidden_states` indexed by
+            the assistant mask).
+        teacher_hidden: (..., d) the teacher's, aligned to the student's rows.
+        lm_head_weight: (V, d) the output head's weight (``model.get_output_embeddings().weight``).
+        k: size M of the teacher's support, >= 1 (METHOD.md: M = 20).
+        temperature: > 0; both sides use ``softmax(logits / temperature)``.
+        chunk_size: rows per chunk, >= 1; it need not divide N.
+        lm_head_bias: (V,) the head's bias, or None (SmolLM2 and Llama heads have none).
+
+    Returns:
+        (...) float32 (float64 for float64 input) per-token KL, >= 0 up to rounding; the leading shape
+        of ``student_hidden``.
+
+    Raises:
+        ValueError: the hidden states differ in shape, ``lm_head_weight`` is not (V, d) with the hidden
+            size d, the bias is not (V,), ``k`` < 1, ``chunk_size`` < 1 or the temperature is not > 0.
+
+    Source: LOPD paper, METHOD.md section 5 (L_distill, as :func:`topk_tail_reverse_kl`); chunking of the
+    LM head with recomputation as in chunked / fused linear cross-entropy kernels (e.g. Liger-Kernel's
+    fused linear cross-entropy, torchtune's chunked cross-entropy).
+    """
+    if student_hidden.shape != teacher_hidden.shape:
+        raise ValueError(
+            f"student hidden shape {tuple(student_hidden.shape)} != teacher hidden shape "
+            f"{tuple(teacher_hidden.shape)}; align the teacher rows to the student's"
+        )
+    if student_hidden.ndim == 0:
+        raise ValueError("hidden states need a hidden dimension (..., d), got scalars")
+    d = student_hidden.shape[-1]
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != d:
+        raise ValueError(f"lm_head_weight must be (V, d={d}), got shape {tuple(lm_head_weight.shape)}")
+    if lm_head_bias is not None and tuple(lm_head_bias.shape) != (lm_head_weight.shape[0],):
+        raise ValueError(f"lm_head_bias must be (V={lm_head_weight.shape[0]},), got {tuple(lm_head_bias.shape)}")
+    _check_temperature(temperature)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lead = student_hidden.shape[:-1]
+    student_rows = student_hidden.reshape(-1, d)  # [N, d]
+    teacher_rows = teacher_hidden.reshape(-1, d)  # [N, d]
+    n = student_rows.shape[0]
+    cdtype = _compute_dtype(torch.promote_types(student_hidden.dtype, lm_head_weight.dtype))
+    if n == 0:
+        return torch.zeros(lead, dtype=cdtype, device=student_hidden.device)
+    grad_needed = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (student_hidden, teacher_hidden, lm_head_weight, lm_head_bias)
+    )
+    parts = []
+    for start in range(0, n, chunk_size):
+        s, t = student_rows[start:start + chunk_size], teacher_rows[start:start + chunk_size]  # [c, d]
+        args = (s, t, lm_head_weight, lm_head_bias, int(k), float(temperature))
+        if grad_needed:
+            parts.append(checkpoint(_chunk_topk_tail_reverse_kl, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_topk_tail_reverse_kl(*args))
+    return torch.cat(parts).reshape(lead)
 
 
 # --------------------------------------------------------------------------------------------------

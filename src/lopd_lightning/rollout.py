@@ -636,7 +636,7 @@ _ALTERING_GENERATION = (
 
 
 def _generation_config(model: Any, *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-                       stop_strings: list[str] | None) -> Any:
+                       stop_strings: list[str] | None, use_cache: bool = True) -> Any:
     """A copy of ``model.generation_config`` for :func:`generate_rollouts` (the model's is never changed)."""
     cfg = copy.deepcopy(model.generation_config)
     for name, value in _NEUTRAL_GENERATION.items():
@@ -650,7 +650,7 @@ def _generation_config(model: Any, *, max_new_tokens: int, eos_ids: list[int], p
     cfg.eos_token_id = eos_ids
     cfg.pad_token_id = pad_id
     cfg.stop_strings = stop_strings
-    cfg.use_cache = True
+    cfg.use_cache = bool(use_cache)
     return cfg
 
 
@@ -724,6 +724,7 @@ def generate_rollouts(
     greedy: bool = False,
     stop_strings: Sequence[str] | None = None,
     generation_batch_size: int | None = None,
+    use_cache: bool = True,
 ) -> RolloutBatch:
     """Sample rollouts of ``model`` in ``task``: batched generation (KV cache) and the multi-turn loop.
 
@@ -771,6 +772,9 @@ def generate_rollouts(
         stop_strings: extra strings that end a reply (transformers' ``stop_strings``); the reply keeps
             the stop string and has no EOS, so the template's EOS follows it with mask 0.
         generation_batch_size: most rows per ``generate`` call (None = all active rows).
+        use_cache: generate with the key-value cache (the default); False recomputes the whole context for
+            every new token (benchmarks/rollouts.py measures the difference). Same tokens up to floating-point
+            differences between the two computations.
 
     Returns:
         A right-padded :class:`RolloutBatch` on CPU with ``stats``.
@@ -805,7 +809,8 @@ def generate_rollouts(
             eos_ids.append(int(e))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     gen_cfg = _generation_config(
-        model, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, stop_strings=stop_list
+        model, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, stop_strings=stop_list,
+        use_cache=use_cache,
     )
     device = next(model.parameters()).device
     max_positions = getattr(model.config, "max_position_embeddings", None)

@@ -1,4 +1,4 @@
-"""The experience bank: past (task, trace, reward) records and exact cosine retrieval with FAISS.
+"""The experience bank: past (task, trace, reward) records and cosine retrieval with FAISS (exact by default).
 
 METHOD.md section 2: entries are (task text x_i, observation-lite trace tau_i, reward); retrieval is a
 text embedder with unit-normalised vectors and a FAISS ``IndexFlatIP`` (exact cosine), top-J (J = 3);
@@ -19,6 +19,12 @@ Choices (documented once here, repeated where they act):
   New records can be evicted by the same rule as old ones.
 * Missing results: index -1, id -1, score -1.0 (the smallest cosine; use ``num_found`` or
   ``indices >= 0`` as the mask, never the score). No nan or inf.
+* Index type (``index=``): ``"flat"`` is exact (``IndexFlatIP``); ``"ivf"`` (``IndexIVFFlat``, inner
+  product, ``nlist = sqrt(N)`` lists, ``nprobe`` probed) and ``"hnsw"`` (``IndexHNSWFlat``, M = 32) are
+  approximate; ``"auto"`` (default) is flat below ``approximate_above`` records (20,000) and IVF from
+  there, chosen from ``benchmarks/results/retrieval.json`` (recall@10 and latency per size, README).
+  So every bank below the threshold retrieves exactly, as before. An approximate index may miss a true
+  top-k record (recall < 1): self-exclusion then filters what it found, and a row can come back short.
 """
 
 from __future__ import annotations
@@ -38,12 +44,27 @@ import torch
 
 from lopd_lightning.memory.embed import TextEmbedder, embed_texts
 
-__all__ = ["Experience", "ExperienceBank", "SearchResult"]
+__all__ = ["Experience", "ExperienceBank", "SearchResult", "build_ivf"]
 
 log = logging.getLogger(__name__)
 
 EvictionRule = Literal["oldest", "lowest_reward"]
 EmbedField = Literal["task", "task_and_trace"]
+IndexKind = Literal["auto", "flat", "ivf", "hnsw"]
+
+#: ``index="auto"``: exact flat search below this many records, :data:`AUTO_APPROXIMATE_KIND` from here.
+AUTO_APPROXIMATE_ABOVE = 20_000
+#: The approximate index of ``index="auto"``. benchmarks/retrieval.py (100k x 384, one core): IVF builds
+#: in ~1 s against ~100 s for HNSW, searches in 0.5 ms/query against 9 ms for the flat index, refills
+#: cheaply after eviction (no retraining) and runs on FAISS GPU (HNSW does not).
+AUTO_APPROXIMATE_KIND = "ivf"
+#: IVF lists probed per query. Measured recall@10 at 10k-100k: 1.0 on clustered data (500 centres),
+#: 0.15-0.35 on structureless random unit vectors (the worst case; use ``index="flat"`` for exactness).
+IVF_NPROBE = 16
+#: HNSW graph degree and search breadth.
+HNSW_M = 32
+HNSW_EF_SEARCH = 128
+HNSW_EF_CONSTRUCTION = 80
 
 #: Missing entries of ``SearchResult.scores``.
 MISSING_SCORE = -1.0
@@ -114,7 +135,7 @@ class SearchResult:
 
 
 class ExperienceBank:
-    """Records of past experiences with an exact cosine index over their embeddings.
+    """Records of past experiences with a cosine index over their embeddings (exact below ``approximate_above``).
 
     Args:
         embedder: a :class:`~lopd_lightning.memory.embed.TextEmbedder` (used for records and queries).
@@ -127,13 +148,20 @@ class ExperienceBank:
             rollouts only: set it to the success threshold, e.g. 1.0 for code). Default 0.0 keeps all.
         embed_field: ``"task"`` embeds ``task_text`` (retrieval by task similarity), ``"task_and_trace"``
             embeds ``task_text + "\\n\\n" + trace``.
-        use_gpu: put the FAISS index on GPU 0. None: when ``faiss.get_num_gpus() > 0``.
+        use_gpu: put the FAISS index on GPU 0. None: when ``faiss.get_num_gpus() > 0``. FAISS has no GPU
+            HNSW: an ``"hnsw"`` index stays on the CPU.
+        index: ``"auto"`` (flat below ``approximate_above`` records, else IVF), ``"flat"`` (exact),
+            ``"ivf"`` or ``"hnsw"`` (approximate). See the module docstring.
+        approximate_above: the record count from which ``"auto"`` switches to the approximate index.
+        nprobe: IVF lists searched per query (more: higher recall, slower).
 
     Raises:
-        ValueError: invalid capacity, eviction or embed_field; ``use_gpu=True`` without a FAISS GPU build.
+        ValueError: invalid capacity, eviction, embed_field, index, approximate_above or nprobe;
+            ``use_gpu=True`` without a FAISS GPU build.
 
-    The index is a ``faiss.IndexFlatIP`` whose row i is record i. ``add`` appends to it; eviction
-    rebuilds it from the kept embeddings (a flat index has no cheap delete; a rebuild is simple and exact).
+    Row i of the index is record i. ``add`` appends to it (re-building when ``"auto"`` crosses the
+    threshold, or an IVF index has grown to 4x the size it was trained at); eviction rebuilds it from the
+    kept embeddings (no cheap delete; a trained IVF index is emptied and refilled without retraining).
     """
 
     def __init__(
@@ -146,6 +174,9 @@ class ExperienceBank:
         min_reward: float = 0.0,
         embed_field: EmbedField = "task",
         use_gpu: bool | None = None,
+        index: IndexKind = "auto",
+        approximate_above: int = AUTO_APPROXIMATE_ABOVE,
+        nprobe: int = IVF_NPROBE,
     ) -> None:
         if capacity is not None and int(capacity) < 1:
             raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
@@ -153,6 +184,10 @@ class ExperienceBank:
             raise ValueError(f"eviction must be 'oldest' or 'lowest_reward', got {eviction!r}")
         if embed_field not in ("task", "task_and_trace"):
             raise ValueError(f"embed_field must be 'task' or 'task_and_trace', got {embed_field!r}")
+        if index not in ("auto", "flat", "ivf", "hnsw"):
+            raise ValueError(f"index must be 'auto', 'flat', 'ivf' or 'hnsw', got {index!r}")
+        if int(approximate_above) < 1 or int(nprobe) < 1:
+            raise ValueError(f"approximate_above and nprobe must be >= 1, got {approximate_above}, {nprobe}")
         num_gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
         if use_gpu and num_gpus == 0:
             raise ValueError("use_gpu=True but FAISS sees no GPU (faiss-cpu build or no CUDA device)")
@@ -162,6 +197,9 @@ class ExperienceBank:
         self.allow_self_retrieval = bool(allow_self_retrieval)
         self.min_reward = float(min_reward)
         self.embed_field: EmbedField = embed_field
+        self.index: IndexKind = index
+        self.approximate_above = int(approximate_above)
+        self.nprobe = int(nprobe)
         self.use_gpu = num_gpus > 0 if use_gpu is None else bool(use_gpu)
         self.dim = int(embedder.dim)
         self._records: list[Experience] = []
@@ -177,20 +215,60 @@ class ExperienceBank:
         self._suppressed_warnings = 0
         #: seconds between two "fewer than k" warnings (others go to DEBUG and are counted).
         self.warning_interval_s = 60.0
-        self._index = self._new_index()
+        self._index_kind = "flat"  # the kind of self._index ("flat", "ivf", "hnsw")
+        self._trained_size = 0  # records an IVF index was trained on
+        self._index = self._new_index(self._embeddings)
 
     # ------------------------------------------------------------------ index
-    def _new_index(self) -> Any:
-        index = faiss.IndexFlatIP(self.dim)
+    def _kind_for(self, n: int) -> str:
+        """The index kind for ``n`` records."""
+        if self.index == "auto":
+            return "flat" if n < self.approximate_above else AUTO_APPROXIMATE_KIND
+        return self.index
+
+    @property
+    def index_kind(self) -> str:
+        """The kind of the index in use now: ``"flat"``, ``"ivf"`` or ``"hnsw"``."""
+        return self._index_kind
+
+    def _new_index(self, vectors: np.ndarray) -> Any:
+        """A fresh index of the kind for ``len(vectors)`` (trained on them for IVF), empty."""
+        kind = self._kind_for(len(vectors))
+        if kind == "ivf" and len(vectors) == 0:
+            kind = "flat"  # nothing to train on yet; built again once records arrive
+        if kind == "hnsw":
+            index = faiss.IndexHNSWFlat(self.dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+            index.hnsw.efSearch = HNSW_EF_SEARCH
+            self._index_kind = "hnsw"
+            return index  # FAISS has no GPU HNSW
+        if kind == "ivf":
+            index = build_ivf(vectors, nprobe=self.nprobe)
+            self._trained_size = len(vectors)
+        else:
+            index = faiss.IndexFlatIP(self.dim)
+        self._index_kind = kind
         if self.use_gpu:
             if self._gpu_resources is None:
                 self._gpu_resources = faiss.StandardGpuResources()
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
+            if kind == "ivf":
+                faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", self.nprobe)
         return index
 
+    def _needs_new_index(self, n: int) -> bool:
+        kind = self._kind_for(n)
+        if kind != self._index_kind:
+            return not (kind == "ivf" and n == 0)
+        return kind == "ivf" and (n > 4 * self._trained_size or 4 * n < self._trained_size)
+
     def _rebuild_index(self) -> None:
-        self._index = self._new_index()
-        if len(self._records):
+        n = len(self._records)
+        if self._index_kind == "ivf" and not self._needs_new_index(n):
+            self._index.reset()  # keeps the trained centroids
+        else:
+            self._index = self._new_index(self._embeddings)
+        if n:
             self._index.add(self._embeddings)
 
     def _text_of(self, experience: Experience) -> str:
@@ -268,7 +346,11 @@ class ExperienceBank:
         self._keys.update((e.task_id, e.trace) for e in fresh)
         self._task_counts.update(e.task_id for e in fresh)
         self._total_added += len(fresh)
-        self._index.add(vectors)
+        if self._needs_new_index(len(self._records)):
+            self._index = self._new_index(self._embeddings)
+            self._index.add(self._embeddings)
+        else:
+            self._index.add(vectors)
         self._enforce_capacity()
         return int(np.isin(new_ids, self._ids).sum())
 
@@ -311,7 +393,7 @@ class ExperienceBank:
 
     # ------------------------------------------------------------------ search
     def _top(self, queries: np.ndarray, fetch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(B, dim) unit queries -> (B, fetch) scores and positions, best first (exact)."""
+        """(B, dim) unit queries -> (B, fetch) scores and positions, best first (exact for a flat index)."""
         if self.use_gpu and fetch > _GPU_MAX_K:
             sims = queries @ self._embeddings.T  # [B, N]
             order = np.argsort(-sims, axis=1, kind="stable")[:, :fetch]
@@ -334,10 +416,11 @@ class ExperienceBank:
             log.debug("bank: fewer than k=%d results for %d of %d queries", k, short, batch)
 
     def search(self, task_ids: list[str], queries: list[str], k: int) -> SearchResult:
-        """Exact top-k records by cosine similarity of ``embed(query)`` with the stored embeddings.
+        """Top-k records by cosine similarity of ``embed(query)`` with the stored embeddings (exact with a flat
+        index: always below ``approximate_above`` records with ``index="auto"``; approximate with IVF/HNSW).
 
         Records whose ``task_id`` equals the query's are excluded unless ``allow_self_retrieval``; the
-        search over-fetches ``k + max_b (records of task b)`` and filters, so the result is the exact
+        search over-fetches ``k + max_b (records of task b)`` and filters, so the result is (flat index) the exact
         top-k among the allowed records. When fewer than k are allowed (small or empty bank), the row
         is padded (index -1, score -1.0), ``num_found`` says how many are real, and one warning is
         logged for the call (at most one per ``warning_interval_s``; the rest at DEBUG).
@@ -404,6 +487,9 @@ class ExperienceBank:
             "allow_self_retrieval": self.allow_self_retrieval,
             "min_reward": self.min_reward,
             "embed_field": self.embed_field,
+            "index": self.index,
+            "approximate_above": self.approximate_above,
+            "nprobe": self.nprobe,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -551,8 +637,36 @@ class ExperienceBank:
     def __repr__(self) -> str:
         return (
             f"ExperienceBank(size={len(self)}, embedder={self.embedder_name!r}, capacity={self.capacity}, "
-            f"eviction={self.eviction!r}, embed_field={self.embed_field!r}, gpu={self.use_gpu})"
+            f"eviction={self.eviction!r}, embed_field={self.embed_field!r}, index={self._index_kind!r}, "
+            f"gpu={self.use_gpu})"
         )
+
+
+def build_ivf(vectors: np.ndarray, *, nprobe: int = IVF_NPROBE, nlist: int | None = None, seed: int = 0) -> Any:
+    """An empty, trained ``faiss.IndexIVFFlat`` (inner product) for ``vectors``.
+
+    Args:
+        vectors: (N, dim) float32 unit rows, N >= 1; the k-means training set (at most 64 per list are
+            sampled, 10 iterations: about a second at N = 100k, dim 384, one core).
+        nprobe: lists searched per query (clipped to ``nlist``).
+        nlist: inverted lists; default ``round(sqrt(N))``, at most ``N // 39`` (FAISS's minimum of 39
+            training points per list), at least 1 (one list: exact search).
+        seed: k-means seed.
+
+    Returns:
+        The CPU index, trained, with no vectors added.
+    """
+    n, dim = vectors.shape
+    if nlist is None:
+        nlist = max(1, min(int(round(math.sqrt(n))), n // 39))
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    index.cp.niter = 10
+    index.cp.max_points_per_centroid = 64
+    index.cp.seed = seed
+    index.train(np.ascontiguousarray(vectors, dtype=np.float32))
+    index.nprobe = min(int(nprobe), nlist)
+    return index
 
 
 def _as_numpy(value: Any) -> np.ndarray:
