@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     folder = smollm2_folder() if name_or_path == SMOLLM2_NAME else Path(name_or_path)
     if not folder.exists():
         raise FileNotFoundError(
-            f"model folder {str(folder)!r} does not exist; give a local Hugging Face folder, "
-            f"{SMOLLM2_NAME!r} (packaged) or 'tiny'"
+            f"model folder {str(folder)!r} does not exist (model.init_args.model); give a local Hugging Face "
+            f"folder, {SMOLLM2_NAME!r} (packaged) or 'tiny'"
         )
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if tokenizer.pad_token is None:
@@ -203,17 +203,25 @@ def load_student(
         model = tiny_model(vocab_size=len(tokenizer), seed=seed).to(dtype)
     else:
         folder = smollm2_folder() if name_or_path == SMOLLM2_NAME else Path(name_or_path)
+        # the vocabulary check reads config.json only: a mismatch fails before the weights load
+        config_vocab = getattr(AutoConfig.from_pretrained(folder, local_files_only=True), "vocab_size", None)
+        _check_vocab(len(tokenizer), config_vocab, name_or_path)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) > vocab:
-        raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: "
-            f"model and tokenizer of {name_or_path!r} do not match"
-        )
+    _check_vocab(len(tokenizer), model.get_input_embeddings().weight.shape[0], name_or_path)
     model.config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def _check_vocab(tokens: int, rows: int | None, name_or_path: str) -> None:
+    """Raise ValueError when a tokenizer has more tokens than the model has embedding rows."""
+    if rows is not None and tokens > int(rows):
+        raise ValueError(
+            f"the tokenizer in {name_or_path!r} has {tokens} tokens but the model has {rows} embedding rows: "
+            f"model and tokenizer do not match; put the model's own tokenizer files in the folder "
+            f"(model.init_args.model)"
+        )
 
 
 def describe(model: PreTrainedModel) -> str:

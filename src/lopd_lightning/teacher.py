@@ -204,6 +204,11 @@ class SelfTeacher(nn.Module):
             placeholder_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.placeholder_id = int(placeholder_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        config = backbone.get_base_model().config if hasattr(backbone, "get_base_model") else getattr(backbone, "config", None)
+        #: the longest teacher sequence (the model's context); None: no limit known.
+        self.max_length: int | None = getattr(config, "max_position_embeddings", None)
+        #: rows whose privileged context was cut to fit ``max_length`` (see :meth:`insert_context`).
+        self.contexts_cut = 0
         self.lora_student = is_lora_student(backbone)
         self.shadow: nn.Module | None = None
         if mode == "ema" and self.lora_student:
@@ -384,6 +389,7 @@ class SelfTeacher(nn.Module):
         else:
             contexts = [[] for _ in range(batch)]
 
+        contexts, num_slots, latent_mask = self._fit_contexts(contexts, num_slots, latent_mask, attention_mask)
         ctx_len = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=device)  # [B]
         max_ctx = int(ctx_len.max()) if batch else 0
         left_padded = bool((attention_mask[:, 0] == 0).any()) if length else False
@@ -431,6 +437,43 @@ class SelfTeacher(nn.Module):
         return TeacherInputs(
             teacher_ids, inputs_embeds, teacher_mask, position_ids, index_map, context_mask, latent_slots
         )
+
+    def _fit_contexts(
+        self, contexts: list[list[int]], num_slots: list[int], latent_mask: Tensor | None, attention_mask: Tensor
+    ) -> tuple[list[list[int]], list[int], Tensor | None]:
+        """Cut each row's privileged context so that the teacher's row fits ``max_length`` tokens.
+
+        The student's own tokens (the question, the replies, the observations) are never cut: the
+        retrieved or privileged context goes first. A text context keeps its beginning; latents keep
+        their first slots (the first experiences', in retrieval order) inside the framing, and a row
+        with no room for the framing and one slot gets no context. Each cut is counted and logged.
+        """
+        if self.max_length is None:
+            return contexts, num_slots, latent_mask
+        lengths = attention_mask.sum(dim=1).tolist()
+        framing = len(self.prefix_ids) + len(self.suffix_ids)
+        cloned = False
+        for b, context in enumerate(contexts):
+            room = int(self.max_length) - int(lengths[b])
+            if len(context) <= room:
+                continue
+            self.contexts_cut += 1
+            if latent_mask is None:  # a text context: keep what fits
+                contexts[b] = context[: max(room, 0)]
+            else:
+                keep = max(room - framing, 0)
+                num_slots[b] = keep
+                contexts[b] = self.prefix_ids + [self.placeholder_id] * keep + self.suffix_ids if keep > 0 else []
+                if not cloned:
+                    latent_mask, cloned = latent_mask.clone(), True  # the caller's mask is not changed
+                on = latent_mask[b].nonzero(as_tuple=True)[0]
+                latent_mask[b, on[keep:]] = False
+            log.warning(
+                "teacher row %d: %d context tokens do not fit the model's %d positions next to the student's %d "
+                "tokens; the context is cut to %d (%d rows so far)",
+                b, len(context), self.max_length, lengths[b], len(contexts[b]), self.contexts_cut,
+            )
+        return contexts, num_slots, latent_mask
 
     # ---------------------------------------------------------------- forward
     def forward_inputs(self, inputs: TeacherInputs) -> Tensor:

@@ -155,8 +155,9 @@ class OnPolicyModule(LightningModule):
         self.is_lora_student = lora is not None
         log.info("student %s (%s)", model, describe(backbone))
         self.rollouts_consumed = 0
-        #: optimiser updates skipped because a gradient norm was not finite.
+        #: training steps whose update was skipped because a loss or a gradient norm was not finite.
         self.non_finite_steps = 0
+        self._skip_update = False  # set by manual_backward on a non-finite loss, read by clip_and_step
         self.step_timings: dict[str, float] = {}
         self.val_reward = MeanMetric()
         self.val_success = MeanMetric()
@@ -371,6 +372,41 @@ class OnPolicyModule(LightningModule):
         finally:
             self.step_timings[phase] = self.step_timings.get(phase, 0.0) + time.perf_counter() - start
 
+    def vocab_size(self) -> int:
+        """Rows of the student's input embedding (the vocabulary the logits range over)."""
+        return int(self.backbone.get_input_embeddings().weight.shape[0])
+
+    def check_top_k(self, name: str, k: int) -> None:
+        """Raise ValueError naming ``model.init_args.<name>`` when ``k`` exceeds the vocabulary."""
+        vocab = self.vocab_size()
+        if k > vocab:
+            raise ValueError(f"{name}={k} is larger than the vocabulary ({vocab} tokens); set model.init_args.{name} <= {vocab}")
+
+    def all_ranks_true(self, flag: bool) -> bool:
+        """True when ``flag`` holds on every rank (one all-reduce under DDP; ``flag`` itself otherwise)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor(0.0 if flag else 1.0, device=self.device)
+            dist.all_reduce(t)
+            return bool(t.item() == 0)
+        return bool(flag)
+
+    @override
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward of ``loss``, unless it is not finite on some rank: then no rank runs it, a warning is
+        logged, ``non_finite_steps`` counts the step and :meth:`clip_and_step` skips this step's updates,
+        so a NaN or inf (from the logits, a reward or the loss) never reaches the weights. The decision is
+        all-reduced, so DDP ranks skip together and never wait on each other."""
+        if self.all_ranks_true(bool(torch.isfinite(loss.detach()).all())):
+            super().manual_backward(loss, *args, **kwargs)
+            return
+        if not self._skip_update:
+            self.non_finite_steps += 1
+            log.warning(
+                "non-finite loss at step %d (%s on this rank): the step's update is skipped (%d skipped so far)",
+                self.global_step, float(loss.detach().float().sum()), self.non_finite_steps,
+            )
+        self._skip_update = True
+
     def clip_and_step(self, optimizer, params, max_norm: float) -> Tensor:
         """Clip ``params``' grad norm to ``max_norm`` (0: no clip), step and zero the optimiser.
 
@@ -379,9 +415,15 @@ class OnPolicyModule(LightningModule):
         norm skips the update but still counts the step, so ``max_steps`` means training steps.
 
         Returns:
-            () float: the grad norm before clipping (inf/nan when non-finite; the step is then skipped).
+            () float: the grad norm before clipping (inf/nan when non-finite, or nan when
+            :meth:`manual_backward` skipped a non-finite loss; the update is then skipped).
         """
         params = [p for p in params if p.grad is not None]
+        if self._skip_update:  # a non-finite loss this step (manual_backward): no update, the step counts
+            self._skip_update = False
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            return torch.tensor(float("nan"))
         if not params:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -404,6 +446,7 @@ class OnPolicyModule(LightningModule):
             "train/reward_mean": self.global_mean(rewards.mean()),
             "train/success_rate": self.global_mean(success.mean()),
             "train/rollouts": float(self.rollouts_consumed),
+            "train/non_finite_steps": float(self.non_finite_steps),
         }
         values = {**shared, **{k: (v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}}
         for phase, seconds in self.step_timings.items():

@@ -114,9 +114,7 @@ class LOPDModule(OnPolicyModule):
         self._composer_lora = dict(DEFAULT_COMPOSER_LORA if composer_lora is None else composer_lora)
         super().__init__(model, **kwargs)
         self.save_hyperparameters()
-        vocab = self.backbone.get_input_embeddings().weight.shape[0]
-        if top_m > vocab:
-            raise ValueError(f"top_m={top_m} is larger than the vocabulary ({vocab}); use top_m <= {vocab}")
+        self.check_top_k("top_m", top_m)
         composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
         self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
@@ -131,6 +129,12 @@ class LOPDModule(OnPolicyModule):
             self.bank = ExperienceBank.load(
                 bank_path, embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
             )
+            if len(self.bank) < num_experiences:
+                raise ValueError(
+                    f"num_experiences J={num_experiences} is larger than the bank at {bank_path!r} "
+                    f"({len(self.bank)} experiences); set model.init_args.num_experiences <= {len(self.bank)} "
+                    f"or build a larger bank (`lopd build-memory`)"
+                )
         else:
             self.bank = ExperienceBank(
                 embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
@@ -236,14 +240,17 @@ class LOPDModule(OnPolicyModule):
         with self.timed("backward"):
             self.manual_backward(loss_student + loss_composer)
 
+        skipped = self._skip_update  # a non-finite loss: manual_backward ran no backward on any rank
         with self.timed("student_step"):
             student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
 
         with self.timed("composer_step"):
             norms = clip_composer_grads(
                 self.composer, resampler_clip=self.hparams.composer_clip_resampler, lora_clip=self.hparams.composer_clip_lora
-            )
-            if all(torch.isfinite(torch.as_tensor(n)) for n in norms):
+            ) if not skipped else (float("nan"),)
+            if skipped:
+                pass  # counted and logged once by manual_backward
+            elif all(torch.isfinite(torch.as_tensor(n)) for n in norms):
                 # the raw optimiser: a LightningOptimizer step would advance global_step a second time
                 opt_composer.optimizer.step()
             else:
@@ -254,7 +261,8 @@ class LOPDModule(OnPolicyModule):
         rows_with_latents = self.global_count(has_latents.sum())
         delta_global = self.global_mean(delta)
         beta_before = self.beta
-        if rows_with_latents > 0:  # dual ascent only when some teacher saw latents (METHOD.md 5)
+        if rows_with_latents > 0 and not skipped and bool(torch.isfinite(delta_global)):
+            # dual ascent only when some teacher saw latents (METHOD.md 5) and the margin is a number
             self.beta = max(0.0, self.beta + self.hparams.dual_lr * (self.margin - float(delta_global)))
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()

@@ -154,6 +154,8 @@ class SDPOModule(OnPolicyModule):
             raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
         super().__init__(model, rollouts_per_example=rollouts_per_example, **kwargs)
         self.save_hyperparameters()
+        if divergence == "topk_reverse_kl":
+            self.check_top_k("top_k_distill", top_k_distill)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode="ema", ema_rate=teacher_ema_rate)
 
     # ------------------------------------------------------------------ the teacher's context
