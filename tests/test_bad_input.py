@@ -209,3 +209,14 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
     resumed.fit(fresh, OnPolicyDataModule("toy", examples_per_step=2, val_examples=4, val_batch_size=4),
                 ckpt_path=str(ckpt_dir / "last.ckpt"))
     assert resumed.global_step == 2
+
+
+def test_lopd_under_deepspeed_names_the_fix():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    module = LOPDModule("tiny", **TINY_LOPD)
+    module._trainer = SimpleNamespace(strategy=object.__new__(DeepSpeedStrategy))  # no deepspeed install needed
+    with pytest.raises(ValueError, match="two optimisers .* use configs/trainer/fsdp.yaml"):
+        module.setup("fit")

@@ -475,7 +475,7 @@ def test_top_m_larger_than_vocabulary_fails_before_the_composer(monkeypatch):
 
     monkeypatch.setattr("lopd_lightning.modules.lopd.LatentComposer", refuse)
     # the tiny tokenizer has 259 ids: top_m = 259 is allowed, 260 is not
-    with pytest.raises(ValueError, match=r"top_m=260 is larger than the vocabulary \(259\)"):
+    with pytest.raises(ValueError, match=r"top_m=260 is larger than the vocabulary \(259 tokens\); set model.init_args.top_m <= 259"):
         make_module(None, top_m=260)
     with pytest.raises(AssertionError, match="composer was built"):
         make_module(None, top_m=259)

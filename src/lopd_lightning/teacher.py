@@ -53,7 +53,7 @@ from lopd_lightning.adapters import (
     is_lora_student,
     use_adapter,
 )
-from lopd_lightning.lm import selected_logits
+from lopd_lightning.lm import Head, lm_head_parameters, selected_hidden_states, selected_logits
 from lopd_lightning.losses import token_logps
 
 log = logging.getLogger(__name__)
@@ -533,6 +533,56 @@ class SelfTeacher(nn.Module):
         logits = self.forward_inputs(inputs)  # [B, T', V]
         index = inputs.index_map[..., None].expand(-1, -1, logits.shape[-1])
         return logits.gather(1, index)
+
+    def hidden_on_student_positions(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        context_position: Tensor | Sequence[int],
+        *,
+        positions: Tensor,
+        context_ids: Sequence[Sequence[int] | None] | None = None,
+        latents: Tensor | None = None,
+        latent_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The teacher's final hidden states (after the final norm) at the student's ``positions``, packed (N, d).
+
+        ``F.linear(out, *self.head_parameters())`` equals ``logits_on_student_positions(..., positions=positions)``
+        (same rows, same order); the caller applies the head chunk by chunk (peak memory O(chunk x V)
+        instead of O(N x V)). Differentiable in ``latents`` only; the backbone is constant.
+
+        Args:
+            positions: (B, T) bool on student positions (required).
+            others: as in :meth:`insert_context`.
+
+        Returns:
+            (N, d) float in the model's dtype, row-major order of ``positions``.
+        """
+        if tuple(positions.shape) != tuple(input_ids.shape):
+            raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
+        inputs = self.insert_context(
+            input_ids,
+            attention_mask,
+            context_position,
+            context_ids=context_ids,
+            latents=latents,
+            latent_mask=latent_mask,
+        )
+        teacher_positions = torch.zeros(inputs.attention_mask.shape, dtype=torch.bool, device=input_ids.device)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(inputs.index_map)
+        teacher_positions[rows[positions.bool()], inputs.index_map[positions.bool()]] = True
+        needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
+        with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
+            return selected_hidden_states(model, teacher_positions, **inputs.model_kwargs())
+
+    def head_parameters(self) -> Head:
+        """(weight, bias) of the teacher model's output head, see :func:`lopd_lightning.lm.lm_head_parameters`.
+
+        The shared backbone's head for a LoRA student or ``live`` mode, else the frozen copy's. For a
+        full-parameter student in ``live`` mode the weight requires grad outside :meth:`teacher_scope`:
+        hold it constant with :func:`lopd_lightning.lm.constant_head`.
+        """
+        return lm_head_parameters(self.model)
 
     def teacher_logps(
         self,

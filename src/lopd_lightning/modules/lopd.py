@@ -25,7 +25,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.adapters import copy_adapter
-from lopd_lightning.lm import unpack
+from lopd_lightning.lm import (
+    chunked_head_kl,
+    chunked_token_logps,
+    constant_head,
+    lm_head_parameters,
+    selected_hidden_states,
+    unpack,
+)
 from lopd_lightning.losses import privileged_margin, token_logps, topk_tail_reverse_kl
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.composer import LatentComposer, clip_composer_grads
@@ -33,7 +40,7 @@ from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
-from lopd_lightning.teacher import SelfTeacher, warm_start_loss
+from lopd_lightning.teacher import SelfTeacher, position_ids_from_mask, warm_start_loss
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,17 @@ class LOPDModule(OnPolicyModule):
             the start of fit when the composer is fresh (paper: about 1000; 0 skips).
         warm_start_batch_size: trajectories per warm-start step.
         distill_temperature: temperature of both distributions in the KL (1.0 in the paper).
+        distill_chunk_size: None (default) computes the student's and the teacher's logits packed (N, V)
+            at the N assistant positions, as before. An int c >= 1 keeps only their final hidden states
+            (N, d) and applies the LM head c rows at a time, in the distillation KL of both losses and
+            in the sampled-token log-probs of the margin Delta (:func:`~lopd_lightning.lm.chunked_head_kl`,
+            :func:`~lopd_lightning.losses.chunked_topk_tail_reverse_kl`,
+            :func:`~lopd_lightning.lm.chunked_token_logps`): same values and gradients up to float
+            rounding, and the extra peak memory of the losses is O(c x V) instead of O(N x V) (flat in
+            the sequence length: benchmarks/results/loss_memory.json, about 400 MiB at c = 256,
+            V = 49,152 against 1.5 GiB unchunked at N = 1024 and growing linearly). The price is
+            recomputing the LM-head matmuls (and softmaxes) of every chunk in backward, a slower
+            loss. Needs a plain linear LM head without logit soft-capping (checked at construction).
     """
 
     def __init__(
@@ -104,6 +122,7 @@ class LOPDModule(OnPolicyModule):
         warm_start_steps: int = 0,
         warm_start_batch_size: int = 4,
         distill_temperature: float = 1.0,
+        distill_chunk_size: int | None = None,
         **kwargs: Any,
     ):
         # checks that need no model run before the student is loaded
@@ -111,6 +130,9 @@ class LOPDModule(OnPolicyModule):
             raise ValueError(f"need num_experiences >= 0 and num_latents >= 1, got J={num_experiences}, K={num_latents}")
         if top_m < 1:
             raise ValueError(f"top_m must be >= 1, got {top_m}")
+        chunk = distill_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"distill_chunk_size must be None or an int >= 1, got {distill_chunk_size!r}")
         self._composer_lora = dict(DEFAULT_COMPOSER_LORA if composer_lora is None else composer_lora)
         super().__init__(model, **kwargs)
         self.save_hyperparameters()
@@ -118,6 +140,9 @@ class LOPDModule(OnPolicyModule):
         composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
         self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
+        if distill_chunk_size is not None:  # the chunked losses need plain linear heads on both sides
+            lm_head_parameters(self.backbone)
+            self.teacher.head_parameters()
         embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
         if bank_path:
             if not (Path(bank_path) / "meta.json").exists():
@@ -186,40 +211,87 @@ class LOPDModule(OnPolicyModule):
         self.anchor_composer.requires_grad_(False)
 
     # ------------------------------------------------------------------ training
-    @override
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        opt_student, opt_composer = self.optimizers()
+    def student_hidden(self, batch: RolloutBatch, positions: Tensor) -> Tensor:
+        """The student's final hidden states (after the final norm) at ``positions`` ((B, T-1) shifted
+        coordinates, as :meth:`student_logits`), packed (N, d); the LM head is left to the caller."""
+        with self.student_context():
+            return selected_hidden_states(
+                self.backbone,
+                self.unshift(positions),
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=position_ids_from_mask(batch.attention_mask),
+            )
+
+    def losses(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        """The step's forward passes and losses, no backward (steps 2-5 of the module docstring).
+
+        Returns:
+            ``loss_student`` and ``loss_composer`` (the two scalars to backpropagate, summed), ``distill_c``
+            (the composer's KL term), ``delta`` (the margin Delta, differentiable in the latents),
+            ``anchor`` and ``has_latents`` ((B,) bool: rows whose teacher saw latents).
+            With ``distill_chunk_size`` set, logits exist only ``distill_chunk_size`` rows at a time.
+        """
         targets, mask = self.shifted(batch)
         num_tokens = self.num_loss_tokens(batch)
         k, tau = self.hparams.top_m, self.hparams.distill_temperature
+        chunk = self.hparams.get("distill_chunk_size")
 
-        # logits only on assistant tokens (packed N x V): the LM head never runs on prompt or padding
+        # logits (or hidden states) only on assistant tokens (packed N x V / N x d): the LM head never
+        # runs on prompt or padding
         tokens = targets[mask]  # [N]
         with self.timed("teacher"):
             composed = self.compose(batch)
-            teacher_logits = self.teacher.logits_on_student_positions(
-                batch.input_ids,
-                batch.attention_mask,
-                batch.context_position,
-                latents=composed.latents,
-                latent_mask=composed.latent_mask,
-                positions=self.unshift(mask),
-            )[None]  # [1, N, V]
+            teacher_inputs = dict(latents=composed.latents, latent_mask=composed.latent_mask, positions=self.unshift(mask))
+            if chunk is None:
+                teacher_logits = self.teacher.logits_on_student_positions(
+                    batch.input_ids, batch.attention_mask, batch.context_position, **teacher_inputs
+                )[None]  # [1, N, V]
+            else:
+                teacher_hidden = self.teacher.hidden_on_student_positions(
+                    batch.input_ids, batch.attention_mask, batch.context_position, **teacher_inputs
+                )  # [N, d]
 
         with self.timed("student_step"):
-            student_logits = self.student_logits(batch, mask)[None]  # [1, N, V]
-            distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
+            if chunk is None:
+                student_logits = self.student_logits(batch, mask)[None]  # [1, N, V]
+                distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
+            else:
+                student_hidden = self.student_hidden(batch, mask)  # [N, d]
+                # the heads: the student's trains with a full-parameter student (through the student's
+                # side only, as in the unchunked loss); the teacher's is a constant everywhere, and the
+                # composer's loss must not reach the student's head either
+                student_head = lm_head_parameters(self.backbone)
+                student_const = constant_head(student_head)
+                teacher_head = self.teacher.head_parameters()
+                same_head = teacher_head[0] is student_head[0] and teacher_head[1] is student_head[1]
+                teacher_const = student_const if same_head else constant_head(teacher_head)
+                distill = chunked_head_kl(
+                    student_hidden, teacher_hidden.detach(), student_head, teacher_const,
+                    k=k, temperature=tau, chunk_size=chunk,
+                )[None]  # [1, N]
             loss_student = distill.sum() / num_tokens  # the global token mean (METHOD.md 5)
 
         with self.timed("composer_step"):
-            student_detached = student_logits.detach()
-            distill_c = topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau).sum() / num_tokens
+            if chunk is None:
+                student_detached = student_logits.detach()
+                distill_c = topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau).sum() / num_tokens
+                teacher_tok = token_logps(teacher_logits, tokens[None])[0]
+                student_tok = token_logps(student_detached, tokens[None])[0]
+            else:
+                student_detached = student_hidden.detach()
+                distill_c = chunked_head_kl(
+                    student_detached, teacher_hidden, student_const, teacher_const, k=k, temperature=tau, chunk_size=chunk
+                ).sum() / num_tokens
+                teacher_tok = chunked_token_logps(teacher_hidden, tokens, teacher_const, chunk_size=chunk)
+                with torch.no_grad():
+                    student_tok = chunked_token_logps(student_detached, tokens, student_const, chunk_size=chunk)
             # Delta only over rollouts whose teacher saw latents: without them delta is 0 by construction
             # (live mode) and would pull Delta to 0 and wind beta up with no signal
             has_latents = composed.latent_mask.any(dim=-1)  # [B]
             delta = privileged_margin(
-                unpack(token_logps(teacher_logits, tokens[None])[0], mask),
-                unpack(token_logps(student_detached, tokens[None])[0], mask),
+                unpack(teacher_tok, mask),
+                unpack(student_tok, mask),
                 batch.rewards,
                 mask & has_latents[:, None],
             )
@@ -230,6 +302,21 @@ class LOPDModule(OnPolicyModule):
             # every composer parameter joins the graph (a zero term when no row has latents), so DDP's
             # gradient all-reduce sees the same parameters on every rank and every step
             loss_composer = loss_composer + 0.0 * sum(p.sum() for p in self.composer.trainable_parameters())
+        return dict(
+            loss_student=loss_student,
+            loss_composer=loss_composer,
+            distill_c=distill_c,
+            delta=delta,
+            anchor=anchor,
+            has_latents=has_latents,
+        )
+
+    @override
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        opt_student, opt_composer = self.optimizers()
+        out = self.losses(batch)
+        loss_student, loss_composer = out["loss_student"], out["loss_composer"]
+        delta, anchor, has_latents = out["delta"], out["anchor"], out["has_latents"]
 
         # One backward pass of the sum: the two graphs touch disjoint trainable parameters (the student's
         # loss sees the teacher detached, the composer's sees the student detached), so each optimiser
@@ -282,6 +369,16 @@ class LOPDModule(OnPolicyModule):
             },
         )
         return loss_student.detach()
+
+    @override
+    def setup(self, stage: str) -> None:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            raise ValueError(
+                "LOPDModule trains two optimisers (student and composer) and Lightning's DeepSpeed strategy "
+                "supports one; use configs/trainer/fsdp.yaml (FSDP) or DDP for LOPD"
+            )
 
     @override
     def on_fit_start(self) -> None:

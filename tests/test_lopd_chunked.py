@@ -1,0 +1,250 @@
+"""LOPDModule(distill_chunk_size=c): the LM head applied c rows at a time gives the unchunked step.
+
+The chunked path keeps only final hidden states (N, d) of the student and the teacher and computes the
+distillation KL of both losses and the margin's token log-probs chunk by chunk (the LM head recomputed
+in backward). These tests check, on the tiny model and the toy task (CPU, seeded), that one training
+step logs the same losses and produces the same gradients (student LoRA or every backbone weight with
+the LM head, composer LoRA, resampler) as ``distill_chunk_size=None``, with a chunk that does not
+divide N; and the building blocks (lm.py, teacher.py) against their unchunked references.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lopd_lightning.adapters import adapter_parameters, base_parameters, prepare_backbone
+from lopd_lightning.lm import (
+    chunked_head_kl,
+    chunked_token_logps,
+    constant_head,
+    lm_head_logits,
+    lm_head_parameters,
+    selected_hidden_states,
+    selected_logits,
+)
+from lopd_lightning.losses import token_logps, topk_tail_reverse_kl
+from lopd_lightning.memory.bank import ExperienceBank
+from lopd_lightning.memory.embed import get_embedder
+from lopd_lightning.models import tiny_model, tiny_tokenizer
+from lopd_lightning.tasks.toy import ToyTask
+from lopd_lightning.teacher import SelfTeacher
+
+from test_lopd_module import LORA, EvenToy, Recorder, make_dm, make_module, make_trainer, reference_experiences
+
+LOGGED = ["train/loss", "train/distill_kl", "train/composer_loss", "train/margin_delta", "train/composer_anchor"]
+
+
+@pytest.fixture(scope="module")
+def bank_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bank_chunked")
+    bank = ExperienceBank(get_embedder("hashing"))
+    bank.add(reference_experiences(ToyTask()))
+    bank.save(folder)
+    return folder
+
+
+# ------------------------------------------------------------------------------ one training step
+def grad_groups(module) -> dict[str, list[torch.nn.Parameter]]:
+    groups = {
+        "composer_lora": module.composer.lora_parameters(),
+        "resampler": module.composer.resampler_parameters(),
+    }
+    if module.is_lora_student:
+        groups["student_lora"] = adapter_parameters(module.backbone, "student")
+    else:
+        groups["backbone"] = base_parameters(module.backbone)
+        groups["lm_head"] = [module.backbone.get_base_model().get_output_embeddings().weight]
+    return groups
+
+
+def one_step(tmp_path: Path, bank_dir: Path, chunk: int | None, **overrides) -> dict:
+    """One seeded training step; the logged scalars, the batch and every gradient right after backward."""
+    torch.manual_seed(0)
+    module = make_module(bank_dir, distill_chunk_size=chunk, margin=1.0, beta_init=0.7, **overrides)
+    groups = grad_groups(module)
+    grads: dict[str, list] = {}
+    original = module.manual_backward
+
+    def manual_backward(loss, *args, **kwargs):
+        original(loss, *args, **kwargs)
+        for name, params in groups.items():
+            grads[name] = [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+    module.manual_backward = manual_backward
+    rec = Recorder()
+    make_trainer(tmp_path / str(chunk), max_steps=1, callbacks=[rec]).fit(module, make_dm(EvenToy(), examples_per_step=2))
+    step = rec.steps[0]
+    return {"logged": step["logged"], "batch": step["batch"], "grads": grads}
+
+
+def non_dividing_chunk(n: int) -> int:
+    """The smallest chunk >= 3 that leaves a short last chunk and makes at least two chunks."""
+    for c in range(3, n):
+        if n % c:
+            return c
+    raise AssertionError(f"no chunk size fits N={n}")
+
+
+@pytest.mark.parametrize("student", ["lora", "full"])
+def test_chunked_step_equals_unchunked_step(tmp_path, bank_dir, student):
+    options = dict(lora=LORA if student == "lora" else None)
+    ref = one_step(tmp_path, bank_dir, None, **options)
+    n = int(ref["batch"].assistant_mask[:, 1:].sum())
+    chunk = non_dividing_chunk(n)
+    assert n > chunk and n % chunk != 0
+    got = one_step(tmp_path, bank_dir, chunk, **options)
+
+    # the same rollouts
+    assert torch.equal(ref["batch"].input_ids, got["batch"].input_ids)
+    assert torch.equal(ref["batch"].rewards, got["batch"].rewards)
+    # the same logged losses; the margin term is live (beta > 0, latents present)
+    for tag in LOGGED:
+        assert got["logged"][tag] == pytest.approx(ref["logged"][tag], rel=1e-5, abs=1e-7), tag
+    assert ref["logged"]["train/margin_delta"] != 0.0 and ref["logged"]["train/loss"] > 0
+    # the same gradients, parameter by parameter
+    assert set(got["grads"]) == set(ref["grads"])
+    for name, ref_grads in ref["grads"].items():
+        assert any(g is not None and g.abs().sum() > 0 for g in ref_grads), f"{name}: no gradient"
+        for i, (a, b) in enumerate(zip(ref_grads, got["grads"][name], strict=True)):
+            assert (a is None) == (b is None), f"{name}[{i}]"
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=f"{name}[{i}]")
+
+
+def test_chunked_step_with_a_frozen_teacher_copy(tmp_path, bank_dir):
+    """Full student, teacher_mode="base": the teacher's LM head is its frozen copy's, apart from the student's."""
+    options = dict(lora=None, teacher_mode="base")
+    ref = one_step(tmp_path, bank_dir, None, **options)
+    n = int(ref["batch"].assistant_mask[:, 1:].sum())
+    got = one_step(tmp_path, bank_dir, non_dividing_chunk(n), **options)
+    for tag in LOGGED:
+        assert got["logged"][tag] == pytest.approx(ref["logged"][tag], rel=1e-5, abs=1e-7), tag
+    for name, ref_grads in ref["grads"].items():
+        for a, b in zip(ref_grads, got["grads"][name], strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, 3.0, True])
+def test_bad_chunk_size_fails_before_loading_the_model(monkeypatch, bad):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the student was loaded before the config error was raised")
+
+    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
+    with pytest.raises(ValueError, match="distill_chunk_size must be None or an int >= 1"):
+        make_module(None, distill_chunk_size=bad)
+
+
+# ----------------------------------------------------------------------------------- building blocks
+def test_selected_hidden_states_through_the_head_equal_selected_logits():
+    model = tiny_model(seed=1)
+    ids = torch.randint(3, 259, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    positions = torch.rand(3, 11, generator=torch.Generator().manual_seed(1)) > 0.5
+    hidden = selected_hidden_states(model, positions, input_ids=ids, attention_mask=mask)
+    assert hidden.shape == (int(positions.sum()), 64)
+    expected = selected_logits(model, positions, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(lm_head_logits(model, hidden), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(F.linear(hidden, *lm_head_parameters(model)), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="positions has shape"):
+        selected_hidden_states(model, positions[:, :-1], input_ids=ids, attention_mask=mask)
+
+
+def test_teacher_hidden_through_its_head_equal_its_packed_logits():
+    torch.manual_seed(0)
+    backbone = prepare_backbone(tiny_model(seed=2), student_lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    teacher = SelfTeacher(backbone, tiny_tokenizer(), mode="live")
+    ids = torch.randint(3, 259, (2, 9), generator=torch.Generator().manual_seed(3))
+    attn = torch.ones_like(ids)
+    attn[1, 7:] = 0
+    latents = torch.randn(2, 4, 64, requires_grad=True)
+    positions = torch.zeros(2, 9, dtype=torch.bool)
+    positions[0, 4:8] = True
+    positions[1, 3:6] = True
+    kwargs = dict(latents=latents, latent_mask=torch.ones(2, 4, dtype=torch.bool), positions=positions)
+    logits = teacher.logits_on_student_positions(ids, attn, torch.tensor([2, 1]), **kwargs)
+    hidden = teacher.hidden_on_student_positions(ids, attn, torch.tensor([2, 1]), **kwargs)
+    torch.testing.assert_close(F.linear(hidden, *teacher.head_parameters()), logits, atol=1e-5, rtol=1e-5)
+    hidden.sum().backward()
+    assert latents.grad is not None and latents.grad.abs().sum() > 0
+    assert all(p.grad is None for p in backbone.parameters())  # the backbone is constant
+
+
+def test_a_lora_on_the_lm_head_is_refused():
+    backbone = prepare_backbone(tiny_model(seed=2), student_lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]})
+    with pytest.raises(ValueError, match="not an nn.Linear"):
+        lm_head_parameters(backbone)
+
+
+def _head_case(seed: int = 0, n: int = 7, d: int = 5, v: int = 13, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    ht = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
+    wt = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
+    bs = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    bt = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    return hs, ht, ws, bs, wt, bt
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None and t.requires_grad], allow_unused=True)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 100])
+def test_chunked_head_kl_two_heads_equal_the_dense_kl(chunk):
+    hs, ht, ws, bs, wt, bt = _head_case()
+    upstream = torch.linspace(0.5, 2.0, hs.shape[0], dtype=torch.float64)
+    dense = topk_tail_reverse_kl(F.linear(hs, ws, bs), F.linear(ht, wt, bt), k=4, temperature=0.7)
+    got = chunked_head_kl(hs, ht, (ws, bs), (wt, bt), k=4, temperature=0.7, chunk_size=chunk)
+    torch.testing.assert_close(got, dense)
+    leaves = (hs, ht, ws, bs, wt, bt)
+    for a, b in zip(_grads((got * upstream).sum(), leaves), _grads((dense * upstream).sum(), leaves), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_chunked_head_kl_reaches_only_the_heads_that_need_grad():
+    """The student's call of a full student: the teacher side (hidden and head) constant, one shared weight."""
+    hs, ht, ws, bs, _, _ = _head_case()
+    student_head = (ws, bs)
+    teacher_head = constant_head(student_head)
+    assert teacher_head[0] is not ws and not teacher_head[0].requires_grad
+    got = chunked_head_kl(hs, ht.detach(), student_head, teacher_head, k=3, chunk_size=2)
+    dense = topk_tail_reverse_kl(F.linear(hs, ws, bs), F.linear(ht, ws, bs).detach(), k=3)
+    torch.testing.assert_close(got, dense)
+    for a, b in zip(_grads(got.sum(), (hs, ws, bs)), _grads(dense.sum(), (hs, ws, bs)), strict=True):
+        torch.testing.assert_close(a, b)
+    # a constant head is passed through untouched
+    frozen = (ws.detach(), None)
+    assert constant_head(frozen)[0] is frozen[0]
+    # the same tensors on both sides: the library's chunked loss, gradient to the teacher's hidden states
+    got_c = chunked_head_kl(hs.detach(), ht, teacher_head, teacher_head, k=3, chunk_size=2)
+    dense_c = topk_tail_reverse_kl(F.linear(hs, ws, bs).detach(), F.linear(ht, *teacher_head), k=3)
+    torch.testing.assert_close(got_c, dense_c)
+    torch.testing.assert_close(_grads(got_c.sum(), (ht,))[0], _grads(dense_c.sum(), (ht,))[0])
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 50])
+def test_chunked_token_logps_equal_token_logps(chunk):
+    hs, _, ws, bs, _, _ = _head_case(seed=1, n=9)
+    tokens = torch.randint(0, 13, (9,), generator=torch.Generator().manual_seed(2))
+    dense = token_logps(F.linear(hs, ws, bs)[None], tokens[None], temperature=1.3)[0]
+    got = chunked_token_logps(hs, tokens, (ws, bs), temperature=1.3, chunk_size=chunk)
+    torch.testing.assert_close(got, dense)
+    upstream = torch.linspace(-1.0, 1.0, 9, dtype=torch.float64)
+    for a, b in zip(_grads((got * upstream).sum(), (hs, ws, bs)), _grads((dense * upstream).sum(), (hs, ws, bs)), strict=True):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_token_logps(hs, tokens, (ws, bs), temperature=1.3, chunk_size=chunk), dense.detach())
+
+
+def test_empty_rows_give_empty_results():
+    hs, ht, ws, bs, wt, bt = _head_case(n=0)
+    assert chunked_head_kl(hs, ht, (ws, bs), (wt, bt), k=3, chunk_size=2).shape == (0,)
+    assert chunked_token_logps(hs, torch.zeros(0, dtype=torch.long), (ws, bs), chunk_size=2).shape == (0,)
