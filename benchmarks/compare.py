@@ -24,7 +24,8 @@ deviation across seeds) and ``compare.md`` (a table).
 The efficiency number (METHOD.md section 7: LOPD passes GRPO's final reward after 20% of its budget):
 each method's seed-mean reward curve is smoothed with a trailing mean over ``--smooth`` steps; GRPO's
 final reward is its smoothed curve's last value; ``lopd_budget_fraction_to_grpo_final`` is the first
-trajectory count at which LOPD's smoothed curve reaches it, divided by GRPO's total, or null.
+trajectory count at which LOPD's smoothed curve (from its first full window on) reaches it, divided by
+GRPO's total, or null.
 """
 
 from __future__ import annotations
@@ -68,9 +69,13 @@ def method_config(config_dir: Path, method: str) -> dict[str, Any]:
 
 def trajectories_per_step(config: dict[str, Any]) -> int:
     """Trajectories one training step generates: examples per step x rollouts per example."""
-    examples = int(config.get("data", {}).get("init_args", {}).get("examples_per_step", 8))
-    rollouts = int(config.get("model", {}).get("init_args", {}).get("rollouts_per_example", 1))
-    return examples * rollouts
+    data = config.get("data", {}).get("init_args", {})
+    model = config.get("model", {}).get("init_args", {})
+    missing = [name for name, part in (("data.init_args.examples_per_step", data), ("model.init_args.rollouts_per_example", model))
+               if name.rsplit(".", 1)[1] not in part]
+    if missing:  # the budget is counted in trajectories: both factors must be explicit, not class defaults
+        raise ValueError(f"the comparison config must set {' and '.join(missing)} (trajectories per step)")
+    return int(data["examples_per_step"]) * int(model["rollouts_per_example"])
 
 
 def run_config(
@@ -228,8 +233,9 @@ def budget_fraction(lopd: dict[str, Any], grpo: dict[str, Any], window: int) -> 
     if not lopd["rollouts"] or not grpo["rollouts"]:
         return None
     target = smooth(grpo["reward"], window)[-1]
-    for x, y in zip(lopd["rollouts"], smooth(lopd["reward"], window)):
-        if y >= target - 1e-9:
+    for i, (x, y) in enumerate(zip(lopd["rollouts"], smooth(lopd["reward"], window))):
+        # only where a full window exists: one lucky early batch is not "reaching" GRPO's final reward
+        if i >= min(window, len(lopd["reward"])) - 1 and y >= target - 1e-9:
             return x / grpo["rollouts"][-1]
     return None
 

@@ -58,6 +58,13 @@ def test_budget_smaller_than_one_step_fails_before_any_run(compare, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_trajectories_per_step_must_be_explicit(compare):
+    with pytest.raises(ValueError, match="must set model.init_args.rollouts_per_example"):
+        compare.trajectories_per_step({"data": {"init_args": {"examples_per_step": 2}}, "model": {"init_args": {}}})
+    assert compare.trajectories_per_step(
+        {"data": {"init_args": {"examples_per_step": 2}}, "model": {"init_args": {"rollouts_per_example": 4}}}) == 8
+
+
 def test_unknown_method_is_named(compare, tmp_path):
     with pytest.raises(SystemExit, match="no config for \\['ppo'\\]"):
         compare.main(["--config-dir", str(TINY), "--methods", "ppo", "--root", str(tmp_path)])
@@ -69,6 +76,9 @@ def test_budget_fraction_on_hand_made_curves(compare):
     lopd = {"rollouts": [4, 8, 12, 16, 20], "reward": [0.25, 0.5, 0.75, 0.75, 1.0]}
     # LOPD smoothed: 0.25, 0.375, 0.625 -> first >= 0.5 at 12 trajectories: 12 / 20
     assert compare.budget_fraction(lopd, grpo, 2) == pytest.approx(0.6)
+    # one lucky first batch is not a full window: LOPD [0.75, 0, 0.25, 0.25, 0.25] never holds 0.5
+    lucky = {"rollouts": [4, 8, 12, 16, 20], "reward": [0.75, 0.0, 0.25, 0.25, 0.25]}
+    assert compare.budget_fraction(lucky, grpo, 2) is None
     never = {"rollouts": [4, 8], "reward": [0.0, 0.25]}
     assert compare.budget_fraction(never, grpo, 2) is None
     assert compare.smooth([1.0, 0.0, 1.0], 2) == [1.0, 0.5, 0.5]

@@ -54,9 +54,9 @@ def naive_jsd(student_logits, teacher_logits, beta, temperature=1.0):
     return beta * naive_kl(t, m) + (1 - beta) * naive_kl(s, m)
 
 
-def naive_bucketed_reverse_kl(student_logits, teacher_logits, k, temperature=1.0):
+def naive_bucketed_reverse_kl(student_logits, teacher_logits, k, temperature=1.0, support="teacher"):
     s, t = naive_probs(student_logits, temperature), naive_probs(teacher_logits, temperature)
-    idx = t.topk(k, dim=-1).indices
+    idx = (t if support == "teacher" else s).topk(k, dim=-1).indices
     s_top, t_top = s.gather(-1, idx), t.gather(-1, idx)
     s_b = torch.cat([s_top, 1 - s_top.sum(-1, keepdim=True)], dim=-1)
     t_b = torch.cat([t_top, 1 - t_top.sum(-1, keepdim=True)], dim=-1)
@@ -662,3 +662,12 @@ class TestPPOClipLoss:
             ppo_clip_loss(torch.zeros(2, 3), torch.zeros(2, 2), torch.zeros(2))
         with pytest.raises(ValueError, match="eps_low"):
             ppo_clip_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), eps_low=1.0)
+
+
+def test_topk_tail_reverse_kl_with_the_students_support_matches_the_naive_formula():
+    student, teacher = random_logits(2, 5, 11, seed=3, scale=2.0), random_logits(2, 5, 11, seed=4, scale=2.0)
+    got = topk_tail_reverse_kl(student, teacher, k=3, support="student")
+    torch.testing.assert_close(got, naive_bucketed_reverse_kl(student, teacher, 3, support="student").float(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, topk_tail_reverse_kl(student, teacher, k=3))  # a different support
+    with pytest.raises(ValueError, match="support must be 'teacher' or 'student'"):
+        topk_tail_reverse_kl(student, teacher, k=3, support="both")

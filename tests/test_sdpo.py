@@ -151,7 +151,8 @@ def test_loss_equals_naive_divergence_over_kept_rows(divergence):
     if divergence == "jsd":
         expected = generalized_jsd(student, teacher, beta=0.3).sum() / student.shape[1]
     else:
-        expected = topk_tail_reverse_kl(student, teacher, k=8).sum() / student.shape[1]
+        # SDPO's support: the student's top-k
+        expected = topk_tail_reverse_kl(student, teacher, k=8, support="student").sum() / student.shape[1]
     _, mask = module.shifted(batch)
     assert student.shape[1] == int((mask & kept[:, None]).sum())  # the kept rows' tokens only
     logged = run_step(module, batch)

@@ -264,7 +264,7 @@ def topk_tail_logprobs(logprobs: Tensor, index: Tensor) -> Tensor:
 
 
 def topk_tail_reverse_kl(
-    student_logits: Tensor, teacher_logits: Tensor, *, k: int = 20, temperature: float = 1.0
+    student_logits: Tensor, teacher_logits: Tensor, *, k: int = 20, temperature: float = 1.0, support: str = "teacher"
 ) -> Tensor:
     """Reverse KL between student and teacher restricted to the teacher's top-k plus a tail bucket.
 
@@ -288,13 +288,15 @@ def topk_tail_reverse_kl(
         teacher_logits: (B, T, V) float logits of the teacher, aligned to the student's positions.
         k: size M of the teacher's support, >= 1 (METHOD.md: M = 20).
         temperature: > 0; both sides use ``softmax(logits / temperature)``.
+        support: whose top-k forms ``V^k``: ``"teacher"`` (LOPD, METHOD.md 5) or ``"student"`` (SDPO's
+            implementation: the student's most likely tokens, detached).
 
     Returns:
         (B, T) float32 (float64 for float64 input) per-token KL, >= 0 up to rounding.
 
     Raises:
         ValueError: vocabulary sizes or leading shapes differ (the message names both), ``k`` < 1,
-            or the temperature is not > 0.
+            the temperature is not > 0, or an unknown ``support``.
 
     Source: LOPD paper, METHOD.md section 5: L_distill, the top-M + tail reverse KL
     KL(p~_S || p~_T); the same top-k + tail form as SDPO (Hubotter et al. 2026), with the support
@@ -304,11 +306,13 @@ def topk_tail_reverse_kl(
     _check_temperature(temperature)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if support not in ("teacher", "student"):
+        raise ValueError(f"support must be 'teacher' or 'student', got {support!r}")
     student = _log_softmax(student_logits, temperature)  # [B, T, V]
     teacher = _log_softmax(teacher_logits, temperature)  # [B, T, V]
     if k >= student.shape[-1]:
         return _kl(student, teacher)
-    index = teacher.detach().topk(k, dim=-1).indices  # [B, T, k]
+    index = (teacher if support == "teacher" else student).detach().topk(k, dim=-1).indices  # [B, T, k]
     return _kl(topk_tail_logprobs(student, index), topk_tail_logprobs(teacher, index))
 
 

@@ -444,7 +444,8 @@ class SelfTeacher(nn.Module):
         """Cut each row's privileged context so that the teacher's row fits ``max_length`` tokens.
 
         The student's own tokens (the question, the replies, the observations) are never cut: the
-        retrieved or privileged context goes first. A text context keeps its beginning; latents keep
+        retrieved or privileged context goes first. A text context keeps its beginning and its end (its
+        framing: what it is, and what to do next) and loses its middle; latents keep
         their first slots (the first experiences', in retrieval order) inside the framing, and a row
         with no room for the framing and one slot gets no context. Each cut is counted and logged.
         """
@@ -458,8 +459,9 @@ class SelfTeacher(nn.Module):
             if len(context) <= room:
                 continue
             self.contexts_cut += 1
-            if latent_mask is None:  # a text context: keep what fits
-                contexts[b] = context[: max(room, 0)]
+            if latent_mask is None:  # a text context: keep its beginning and its end (the framing), cut the middle
+                head = max(room, 0) // 2
+                contexts[b] = context[:head] + context[len(context) - (max(room, 0) - head):] if room > 0 else []
             else:
                 keep = max(room - framing, 0)
                 num_slots[b] = keep

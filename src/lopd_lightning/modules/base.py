@@ -547,12 +547,17 @@ class OnPolicyModule(LightningModule):
     # ------------------------------------------------------------------ checkpoints
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lopd_state"] = {"rollouts_consumed": self.rollouts_consumed, **self.method_state()}
+        checkpoint["lopd_state"] = {
+            "rollouts_consumed": self.rollouts_consumed,
+            "non_finite_steps": self.non_finite_steps,
+            **self.method_state(),
+        }
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lopd_state", {})
         self.rollouts_consumed = int(state.get("rollouts_consumed", 0))
+        self.non_finite_steps = int(state.get("non_finite_steps", 0))
         self.load_method_state(state)
 
     def method_state(self) -> dict[str, Any]:

@@ -297,6 +297,8 @@ class GRPOModule(OnPolicyModule):
     def _raw_step(self, optimizer, params) -> None:
         """Clip and step the raw optimiser (not counted by Lightning: no global_step advance), then zero."""
         with_grad = [p for p in params if p.grad is not None]
+        if self._skip_update:  # a non-finite loss in this step: no pass of it may update the weights
+            with_grad = []
         if with_grad:
             max_norm = self.hparams.grad_clip if self.hparams.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)

@@ -94,6 +94,8 @@ class SDPOModule(OnPolicyModule):
         divergence: ``"topk_reverse_kl"`` (KL(p~_S || p~_T) on the teacher's top-k + a tail bucket;
             SDPO's default) or ``"jsd"`` (the generalized JSD with ``jsd_alpha``, full vocabulary).
         top_k_distill: k of ``"topk_reverse_kl"`` (SDPO: 20).
+        topk_support: whose top-k is the support of ``"topk_reverse_kl"``: ``"student"`` (SDPO's
+            implementation, default) or ``"teacher"`` (LOPD's).
         jsd_alpha: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
             0 forward KL(T || S), 1 reverse KL(S || T)).
         is_clip: clip of the per-token importance weight ``min(pi_S / pi_old, is_clip)`` (detached);
@@ -126,6 +128,7 @@ class SDPOModule(OnPolicyModule):
         teacher_ema_rate: float = 0.05,
         divergence: SDPODivergence = "topk_reverse_kl",
         top_k_distill: int = 20,
+        topk_support: str = "student",
         jsd_alpha: float = 0.5,
         is_clip: float | None = 2.0,
         allow_self_demo: bool = False,
@@ -146,6 +149,8 @@ class SDPOModule(OnPolicyModule):
             raise ValueError(f"divergence must be 'topk_reverse_kl' or 'jsd', got {divergence!r}")
         if top_k_distill < 1:
             raise ValueError(f"top_k_distill must be >= 1, got {top_k_distill}")
+        if topk_support not in ("student", "teacher"):
+            raise ValueError(f"topk_support must be 'student' or 'teacher', got {topk_support!r}")
         if not 0.0 <= jsd_alpha <= 1.0:
             raise ValueError(f"jsd_alpha must be in [0, 1], got {jsd_alpha}")
         if is_clip is not None and is_clip <= 0:
@@ -226,7 +231,9 @@ class SDPOModule(OnPolicyModule):
         hp = self.hparams
         if hp.divergence == "jsd":
             return generalized_jsd(student_logits, teacher_logits, beta=hp.jsd_alpha, temperature=hp.distill_temperature)
-        return topk_tail_reverse_kl(student_logits, teacher_logits, k=hp.top_k_distill, temperature=hp.distill_temperature)
+        return topk_tail_reverse_kl(
+            student_logits, teacher_logits, k=hp.top_k_distill, temperature=hp.distill_temperature, support=hp.topk_support
+        )
 
     def behaviour_logps(self, batch: RolloutBatch, current_logps: Tensor) -> Tensor:
         """log pi_old of the kept tokens, (N,) packed like ``current_logps``: the current student, detached.
