@@ -220,3 +220,22 @@ def test_lopd_under_deepspeed_names_the_fix():
     module._trainer = SimpleNamespace(strategy=object.__new__(DeepSpeedStrategy))  # no deepspeed install needed
     with pytest.raises(ValueError, match="two optimisers .* use configs/trainer/fsdp.yaml"):
         module.setup("fit")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_teacher_pass_runs_on_every_rank_under_a_sharded_strategy(sharded, tmp_path, monkeypatch):
+    """FSDP/DeepSpeed all-gather each layer in every forward: a rank with no row to distil must still
+    run the teacher pass (on no positions), or the other ranks would wait for it forever."""
+    monkeypatch.setattr(OPSDModule, "sharded", property(lambda self: sharded))
+    module = OPSDModule("tiny", lora=LORA, max_new_tokens=8)
+    monkeypatch.setattr(module, "reference_texts", lambda batch: [None] * len(batch))  # nothing to distil
+    calls = []
+    original = module.teacher.logits_on_student_positions
+    monkeypatch.setattr(module.teacher, "logits_on_student_positions", lambda *a, **k: calls.append(1) or original(*a, **k))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, OnPolicyDataModule("toy", examples_per_step=2, val_examples=4, val_batch_size=4))
+    assert len(calls) == (1 if sharded else 0)
+    assert float(trainer.callback_metrics["train/loss"]) == 0.0
+    assert float(trainer.callback_metrics["train/rows_with_reference"]) == 0.0

@@ -372,6 +372,16 @@ class OnPolicyModule(LightningModule):
         finally:
             self.step_timings[phase] = self.step_timings.get(phase, 0.0) + time.perf_counter() - start
 
+    @property
+    def sharded(self) -> bool:
+        """True under a sharded strategy (FSDP, DeepSpeed), where every rank must run every forward of
+        the backbone (each layer's all-gather is a collective): no rank may skip a teacher pass."""
+        if self._trainer is None:
+            return False
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+        return isinstance(self.trainer.strategy, (FSDPStrategy, DeepSpeedStrategy))
+
     def vocab_size(self) -> int:
         """Rows of the student's input embedding (the vocabulary the logits range over)."""
         return int(self.backbone.get_input_embeddings().weight.shape[0])

@@ -154,7 +154,7 @@ class OPSDModule(OnPolicyModule):
 
         with self.timed("teacher"):
             teacher_logits = None
-            if bool(kept.any()):
+            if bool(kept.any()) or self.sharded:  # sharded: every rank runs the pass
                 teacher_logits = self.teacher.logits_on_student_positions(
                     batch.input_ids,
                     batch.attention_mask,

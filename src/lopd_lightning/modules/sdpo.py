@@ -262,7 +262,7 @@ class SDPOModule(OnPolicyModule):
 
         with self.timed("teacher"):
             teacher_logits = None
-            if bool(kept.any()):
+            if bool(kept.any()) or self.sharded:  # sharded: every rank runs the pass
                 context_ids = self.teacher.encode_text_context(texts, prefix="", suffix="")
                 teacher_logits = self.teacher.logits_on_student_positions(
                     batch.input_ids,

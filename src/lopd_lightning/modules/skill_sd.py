@@ -283,7 +283,7 @@ class SkillSDModule(GRPOModule):
         texts = [meta.get("skill_text") or None for meta in batch.metadata]
         has_skill = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=mask.device)
         rows_mask = mask & has_skill[:, None]
-        if not bool(rows_mask.any()):
+        if not bool(rows_mask.any()) and not self.sharded:  # sharded: every rank runs the pass
             return torch.zeros(mask.shape, device=mask.device), has_skill
         context_ids = self.teacher.encode_text_context(texts, prefix=SKILL_CONTEXT_PREFIX, suffix=SKILL_CONTEXT_SUFFIX)
         logits = self.teacher.logits_on_student_positions(
