@@ -31,7 +31,6 @@ GRPO's total, or null.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import subprocess

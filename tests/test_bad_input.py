@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import lightning as L
@@ -25,6 +24,7 @@ from lopd_lightning.models import load_student, tiny_model, tiny_tokenizer
 from lopd_lightning.modules import GRPOModule, LOPDModule, OPSDModule, SDPOModule
 from lopd_lightning.teacher import SelfTeacher
 from lopd_lightning.tasks.toy import ToyTask
+from toy_tasks import ParityToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 TINY_LOPD = dict(lora=LORA, rollouts_per_example=2, max_new_tokens=8, num_latents=4, num_experiences=2,
@@ -76,12 +76,6 @@ def test_more_experiences_than_the_bank_holds_names_the_field(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ numbers
-class ParityToy(ToyTask):
-    """Reward 1 when the completion has an even length: rewards vary inside a group (GRPO has a signal)."""
-
-    def score(self, example, completion: str) -> float:
-        return float(len(completion) % 2 == 0)
-
 
 class NaNAtStep(L.Callback):
     """Makes the student's logits NaN during the given step (a stand-in for an overflow)."""

@@ -15,19 +15,13 @@ from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
-from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
+from toy_tasks import EvenToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 
-
-class EvenToy(ToyTask):
-    """Rewards we control: 1 for the even-numbered examples ("toy/0", "toy/2", ...), 0 for the others."""
-
-    def score(self, example: Example, completion: str) -> float:
-        return 1.0 if int(example.id.split("/")[1]) % 2 == 0 else 0.0
 
 
 def make_module(**overrides) -> LOPDModule:

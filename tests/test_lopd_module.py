@@ -23,8 +23,8 @@ from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.modules.lopd import ANCHOR_ADAPTER, COMPOSER_ADAPTER
-from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
+from toy_tasks import EvenToy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY_YAML = CONFIGS / "tiny.yaml"
@@ -34,12 +34,6 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj
 
 
 # ---------------------------------------------------------------------------------------- helpers
-class EvenToy(ToyTask):
-    """The toy task with a reward we control: 1 for the even-numbered examples ("toy/0", "toy/2", ...)."""
-
-    def score(self, example: Example, completion: str) -> float:
-        return 1.0 if int(example.id.split("/")[1]) % 2 == 0 else 0.0
-
 
 def reference_experiences(task: ToyTask) -> list[Experience]:
     """One successful experience per train example: its reference solution replayed as a trace."""

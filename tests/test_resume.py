@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.modules import LOPDModule
-from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
+from toy_tasks import EvenToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 TOTAL_STEPS, INTERRUPT_AT = 4, 2
 
-
-class EvenToy(ToyTask):
-    """Reward 1 on even-numbered examples: successes exist, so the refresh grows the bank and beta moves."""
-
-    def score(self, example: Example, completion: str) -> float:
-        return 1.0 if int(example.id.split("/")[1]) % 2 == 0 else 0.0
 
 
 class Interrupt(Exception):

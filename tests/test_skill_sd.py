@@ -24,18 +24,11 @@ from lopd_lightning.modules.skill_sd import (
     sdl_per_token,
     ucb1_select,
 )
-from lopd_lightning.tasks import Example
-from lopd_lightning.tasks.toy import ToyTask
+from toy_tasks import ParityToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 SKILL = "Say the answer ONLY"
 
-
-class ParityToy(ToyTask):
-    """Reward 1 when the reply's character codes sum to an even number: varies within a group."""
-
-    def score(self, example: Example, completion: str) -> float:
-        return 1.0 if sum(map(ord, completion)) % 2 == 0 else 0.0
 
 
 def make_module(**overrides) -> SkillSDModule:

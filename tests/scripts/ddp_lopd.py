@@ -12,6 +12,7 @@ ranks' first batches together), the reference for "the DDP gradient equals one l
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -22,17 +23,11 @@ from lopd_lightning.callbacks import MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.modules import LOPDModule
-from lopd_lightning.tasks import Example
-from lopd_lightning.tasks.toy import ToyTask
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared toy tasks
+from toy_tasks import EvenToy  # noqa: E402
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
-
-class EvenToy(ToyTask):
-    """Reward 1 on even-numbered examples: successes exist, so the refresh grows the bank and beta moves."""
-
-    def score(self, example: Example, completion: str) -> float:
-        return 1.0 if int(example.id.split("/")[1]) % 2 == 0 else 0.0
 
 
 def build_module() -> LOPDModule:
