@@ -148,6 +148,14 @@ def _eval_mode(model: nn.Module, enabled: bool) -> Iterator[None]:
             m.training = flag
 
 
+def _teacher_positions(inputs: TeacherInputs, positions: Tensor) -> Tensor:
+    """(B, T) bool student positions -> (B, T') bool positions of the same tokens in the teacher's rows."""
+    out = torch.zeros(inputs.attention_mask.shape, dtype=torch.bool, device=positions.device)
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(inputs.index_map)
+    out[rows[positions.bool()], inputs.index_map[positions.bool()]] = True
+    return out
+
+
 class SelfTeacher(nn.Module):
     """The self-teacher on the shared backbone: context insertion, aligned logits, teacher modes, EMA.
 
@@ -526,9 +534,7 @@ class SelfTeacher(nn.Module):
         if positions is not None:
             if tuple(positions.shape) != tuple(input_ids.shape):
                 raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
-            teacher_positions = torch.zeros(inputs.attention_mask.shape, dtype=torch.bool, device=input_ids.device)
-            rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(inputs.index_map)
-            teacher_positions[rows[positions.bool()], inputs.index_map[positions.bool()]] = True
+            teacher_positions = _teacher_positions(inputs, positions)
             needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
             with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
                 return selected_logits(model, teacher_positions, **inputs.model_kwargs())
@@ -570,9 +576,7 @@ class SelfTeacher(nn.Module):
             latents=latents,
             latent_mask=latent_mask,
         )
-        teacher_positions = torch.zeros(inputs.attention_mask.shape, dtype=torch.bool, device=input_ids.device)
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(inputs.index_map)
-        teacher_positions[rows[positions.bool()], inputs.index_map[positions.bool()]] = True
+        teacher_positions = _teacher_positions(inputs, positions)
         needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
         with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
             return selected_hidden_states(model, teacher_positions, **inputs.model_kwargs())

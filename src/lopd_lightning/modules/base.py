@@ -353,14 +353,19 @@ class OnPolicyModule(LightningModule):
         logits = self.student_logits(batch, mask)
         return unpack(token_logps(logits[None], targets[mask][None], temperature=temperature)[0], mask)
 
-    def num_loss_tokens(self, batch: RolloutBatch) -> float:
-        """The denominator of the global token mean on this rank: (assistant tokens over all ranks) / W.
+    def num_loss_tokens(self, batch: RolloutBatch, mask: Tensor | None = None) -> float:
+        """The denominator of the global token mean on this rank: (loss tokens over all ranks) / W.
 
         Each rank divides its token sum by this; DDP then averages the gradients over the W ranks, so
         the update is the gradient of sum(all ranks' tokens) / (all ranks' token count): one large
         batch's (METHOD.md 5). The loss value is the same on every rank once averaged over ranks.
+
+        Args:
+            mask: the loss tokens, (B, T-1) bool in shifted coordinates (default: every assistant token;
+                a method that drops rows, e.g. SDPO without a successful sibling, passes its own).
         """
-        _, mask = self.shifted(batch)
+        if mask is None:
+            _, mask = self.shifted(batch)
         return max(1, self.global_count(mask.sum())) / max(1, int(self.trainer.world_size) if self._trainer else 1)
 
     @contextmanager

@@ -137,11 +137,6 @@ class OPSDModule(OnPolicyModule):
             return generalized_jsd(student_logits, teacher_logits, beta=0.0, temperature=tau)
         return topk_tail_reverse_kl(student_logits, teacher_logits, k=hp.top_k_distill, temperature=tau)
 
-    def kept_loss_tokens(self, kept_tokens: Tensor | int) -> float:
-        """Global-token-mean denominator on this rank: (kept tokens over all ranks) / W (see SDPO's)."""
-        world = max(1, int(self.trainer.world_size) if self._trainer else 1)
-        return max(1, self.global_count(kept_tokens)) / world
-
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         optimizer = self.optimizers()
@@ -150,7 +145,7 @@ class OPSDModule(OnPolicyModule):
         texts = self.reference_texts(batch)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=mask.device)  # [B]
         kept_mask = mask & kept[:, None]
-        num_tokens = self.kept_loss_tokens(kept_mask.sum())
+        num_tokens = self.num_loss_tokens(batch, kept_mask)
 
         with self.timed("teacher"):
             teacher_logits = None

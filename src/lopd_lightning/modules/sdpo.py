@@ -242,15 +242,6 @@ class SDPOModule(OnPolicyModule):
         """
         return current_logps.detach()
 
-    def kept_loss_tokens(self, kept_tokens: Tensor | int) -> float:
-        """The global-token-mean denominator on this rank: (kept tokens over all ranks) / W (>= 1 / W).
-
-        Same convention as :meth:`~lopd_lightning.modules.base.OnPolicyModule.num_loss_tokens`: DDP's
-        gradient averaging over W ranks then gives sum(all tokens) / (all kept tokens).
-        """
-        world = max(1, int(self.trainer.world_size) if self._trainer else 1)
-        return max(1, self.global_count(kept_tokens)) / world
-
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         optimizer = self.optimizers()
@@ -258,7 +249,7 @@ class SDPOModule(OnPolicyModule):
         targets, mask = self.shifted(batch)  # [B, T-1]
         texts, has_demo, kept = self.teacher_contexts(batch)
         kept_mask = mask & kept[:, None]  # [B, T-1]
-        num_tokens = self.kept_loss_tokens(kept_mask.sum())
+        num_tokens = self.num_loss_tokens(batch, kept_mask)
 
         with self.timed("teacher"):
             teacher_logits = None
