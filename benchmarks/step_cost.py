@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bank-limit", type=int, default=None, help="bank from the first N train examples only")
     p.add_argument("--floor-repeats", type=int, default=3, help="repeats of each floor measurement (median)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="both methods: recompute activations")
+    p.add_argument("--distill-chunk-size", type=int, default=None, help="LOPD: chunked distillation loss")
     p.add_argument("--quick", action="store_true", help="tests: tiny model, toy task, 4 trajectories, 1+1 steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -191,12 +193,13 @@ def reference_bank(module: LOPDModule, dm: OnPolicyDataModule, limit: int | None
 
 def build(method: str, args: argparse.Namespace) -> tuple[Any, OnPolicyDataModule, list[Callback], dict[str, Any]]:
     common = dict(dtype=args.dtype, lora=LORA if args.lora else None, learning_rate=1e-4, grad_clip=1.0,
-                  temperature=0.7, top_p=0.95, top_k=20, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                  temperature=0.7, top_p=0.95, top_k=20, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                  gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False)))
     info: dict[str, Any] = {}
     if method == "lopd":
         group = args.lopd_group
         module = LOPDModule(args.model, rollouts_per_example=group, embedder=args.embedder, bank_path=None,
-                            **LOPD_SETTINGS, **common)
+                            distill_chunk_size=getattr(args, "distill_chunk_size", None), **LOPD_SETTINGS, **common)
         callbacks: list[Callback] = [MarginSchedule(schedule="constant"), TimedMemoryRefresh(every_n_steps=1, min_reward=1.0)]
     else:
         group = args.grpo_group
@@ -346,7 +349,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "warmup": args.warmup, "threads": args.threads, "device": args.device, "dtype": args.dtype,
                      "lora": LORA if args.lora else None, "max_new_tokens": args.max_new_tokens,
                      "embedder": args.embedder, "lopd": LOPD_SETTINGS, "grpo": GRPO_SETTINGS,
-                     "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20}, "quick": args.quick},
+                     "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20}, "quick": args.quick,
+                     "gradient_checkpointing": bool(getattr(args, "gradient_checkpointing", False)),
+                     "distill_chunk_size": getattr(args, "distill_chunk_size", None)},
         "methods": methods,
         "ratio_lopd_over_grpo": round(ratio, 4),
         "ratio_excluding_generation": round(ratio_ex, 4),
