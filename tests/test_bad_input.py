@@ -65,6 +65,11 @@ def test_top_k_larger_than_the_vocabulary_names_the_field(make):
         make()
 
 
+def test_lopd_refuses_gradient_checkpointing_with_the_reason():
+    with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported by LOPDModule"):
+        LOPDModule("tiny", **TINY_LOPD, gradient_checkpointing=True)
+
+
 def test_more_experiences_than_the_bank_holds_names_the_field(tmp_path):
     task = ToyTask()
     bank = ExperienceBank(get_embedder("hashing"))

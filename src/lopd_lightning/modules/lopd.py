@@ -130,6 +130,16 @@ class LOPDModule(OnPolicyModule):
             raise ValueError(f"need num_experiences >= 0 and num_latents >= 1, got J={num_experiences}, K={num_latents}")
         if top_m < 1:
             raise ValueError(f"top_m must be >= 1, got {top_m}")
+        if kwargs.get("gradient_checkpointing"):
+            # one backward pass runs through the student, teacher and composer graphs, which were built
+            # under different LoRA adapters; activation checkpointing recomputes each segment in that
+            # backward under whichever adapter is active then: wrong activations (a shape error when the
+            # ranks differ, silently wrong gradients when they do not)
+            raise ValueError(
+                "gradient_checkpointing=True is not supported by LOPDModule: its backward recomputes passes "
+                "made under different LoRA adapters with the wrong one; set model.init_args.gradient_checkpointing "
+                "to false (distill_chunk_size bounds the logits' memory)"
+            )
         chunk = distill_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"distill_chunk_size must be None or an int >= 1, got {distill_chunk_size!r}")
