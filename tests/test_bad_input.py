@@ -24,7 +24,7 @@ from lopd_lightning.models import load_student, tiny_model, tiny_tokenizer
 from lopd_lightning.modules import GRPOModule, LOPDModule, OPSDModule, SDPOModule
 from lopd_lightning.teacher import SelfTeacher
 from lopd_lightning.tasks.toy import ToyTask
-from toy_tasks import ParityToy
+from helpers import ParityToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 TINY_LOPD = dict(lora=LORA, rollouts_per_example=2, max_new_tokens=8, num_latents=4, num_experiences=2,

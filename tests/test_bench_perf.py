@@ -4,10 +4,7 @@ mode into tmp_path with their JSON keys checked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +14,8 @@ import torch.nn.functional as F
 from lopd_lightning.losses import chunked_topk_tail_reverse_kl, topk_tail_reverse_kl
 from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.bank import build_ivf
+from helpers import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 METADATA_KEYS = ("versions", "hardware", "seed", "git_sha", "timestamp", "argv")
 
 
@@ -29,14 +26,6 @@ def _one_thread():
     yield
     torch.set_num_threads(previous)
 
-
-def _load(name: str):
-    """Import ``benchmarks/<name>.py`` (the folder is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_perf_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------ chunked loss
@@ -183,7 +172,7 @@ def _check_metadata(data: dict, argv: list[str]) -> None:
 def test_loss_memory_quick(tmp_path):
     out = tmp_path / "loss_memory.json"
     argv = ["--quick", "--out", str(out)]
-    report = _load("loss_memory").main(argv)
+    report = load_benchmark("loss_memory").main(argv)
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(report))
     _check_metadata(data, argv)
@@ -203,7 +192,7 @@ def test_loss_memory_quick(tmp_path):
 def test_rollouts_quick(tmp_path):
     out = tmp_path / "rollouts.json"
     argv = ["--quick", "--out", str(out)]
-    _load("rollouts").main(argv)
+    load_benchmark("rollouts").main(argv)
     data = json.loads(out.read_text())
     _check_metadata(data, argv)
     assert data["benchmark"] == "rollouts" and data["model"] == "tiny" and data["settings"]["multi_turn"] is True
@@ -222,7 +211,7 @@ def test_rollouts_quick(tmp_path):
 def test_retrieval_quick(tmp_path):
     out = tmp_path / "retrieval.json"
     argv = ["--quick", "--out", str(out)]
-    _load("retrieval").main(argv)
+    load_benchmark("retrieval").main(argv)
     data = json.loads(out.read_text())
     _check_metadata(data, argv)
     assert data["benchmark"] == "retrieval"

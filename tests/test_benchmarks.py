@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
-
-def _load(name: str):
-    """Import ``benchmarks/<name>.py`` (the folder is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def eval_base():
-    return _load("eval_base")
+    return load_benchmark("eval_base")
 
 
 def test_eval_base_tiny_toy_writes_json(eval_base, tmp_path):
@@ -61,7 +50,7 @@ def test_eval_base_rejects_unknown_task(eval_base):
 
 
 def test_write_json_atomic_replaces(tmp_path):
-    common = _load("common")
+    common = load_benchmark("common")
     path = tmp_path / "r.json"
     common.write_json_atomic({"a": 1}, path)
     common.write_json_atomic({"a": 2}, path)

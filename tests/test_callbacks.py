@@ -16,7 +16,7 @@ from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks.toy import ToyTask
-from toy_tasks import EvenToy
+from helpers import EvenToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 

@@ -3,12 +3,11 @@ the results JSON / PNG / table, the reuse of finished runs, and the efficiency n
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "compare_tiny"
@@ -16,11 +15,7 @@ TINY = ROOT / "configs" / "compare_tiny"
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("_bench_compare", ROOT / "benchmarks" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compare")
 
 
 def test_every_method_runs_and_the_results_are_written(compare, tmp_path):

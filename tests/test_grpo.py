@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.modules.grpo import GRPOModule, grpo_loss, k3_kl
-from toy_tasks import ParityToy
+from helpers import ParityToy, quiet_trainer
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -32,13 +31,6 @@ def make_dm(task=None, **overrides) -> OnPolicyDataModule:
     options.update(overrides)
     return OnPolicyDataModule(task if task is not None else ParityToy(), **options)
 
-
-def make_trainer(root, *, max_steps=1, callbacks=()) -> L.Trainer:
-    return L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(root), callbacks=list(callbacks),
-    )
 
 
 class Recorder(Callback):
@@ -119,7 +111,7 @@ def test_one_step_fit_moves_the_student_and_logs_the_tags(tmp_path, student):
     params = module.student_parameters()
     before = [p.detach().clone() for p in params]
     rec = Recorder()
-    trainer = make_trainer(tmp_path, callbacks=[rec])
+    trainer = quiet_trainer(tmp_path, callbacks=[rec])
     trainer.fit(module, make_dm())
     assert trainer.global_step == 1
     logged = rec.steps[0]["logged"]
@@ -141,7 +133,7 @@ def test_kl_to_the_base_is_logged_and_zero_at_the_first_step(tmp_path):
     module = make_module(kl_coef=0.1)
     assert module.reference is not None and module.reference.shadow is None  # LoRA: adapters disabled, no copy
     rec = Recorder()
-    make_trainer(tmp_path, max_steps=2, callbacks=[rec]).fit(module, make_dm())
+    quiet_trainer(tmp_path, max_steps=2, callbacks=[rec]).fit(module, make_dm())
     kls = [s["logged"]["train/kl"] for s in rec.steps]
     # LoRA B starts at 0: at step 1 the student IS the base (KL 0); after one update it is not
     assert kls[0] == pytest.approx(0.0, abs=1e-7)
@@ -169,7 +161,7 @@ def test_ppo_epochs_step_global_step_once_per_batch_and_move_the_ratio(tmp_path)
 
     module.loss_terms = loss_terms
     rec = Recorder()
-    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[rec])
+    trainer = quiet_trainer(tmp_path, max_steps=2, callbacks=[rec])
     trainer.fit(module, make_dm())
     assert trainer.global_step == 2
     assert [s["global_step"] for s in rec.steps] == [0, 1]

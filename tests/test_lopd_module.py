@@ -24,7 +24,7 @@ from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.modules.lopd import ANCHOR_ADAPTER, COMPOSER_ADAPTER
 from lopd_lightning.tasks.toy import ToyTask
-from toy_tasks import EvenToy
+from helpers import EvenToy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY_YAML = CONFIGS / "tiny.yaml"

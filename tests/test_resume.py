@@ -18,7 +18,7 @@ from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks.toy import ToyTask
-from toy_tasks import EvenToy
+from helpers import EvenToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 TOTAL_STEPS, INTERRUPT_AT = 4, 2

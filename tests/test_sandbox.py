@@ -8,6 +8,7 @@ import time
 import pytest
 
 from lopd_lightning.sandbox import SandboxResult, isolation_report, run_code, run_many
+from helpers import alive
 
 FAST = dict(timeout_s=1.5, memory_mb=256)
 
@@ -16,24 +17,6 @@ FAST = dict(timeout_s=1.5, memory_mb=256)
 def isolation() -> dict:
     return isolation_report()
 
-
-def alive(*, pgid: int, uid: int | None) -> list[int]:
-    """Live (non-zombie) processes in process group / session ``pgid`` or of user ``uid``, from /proc."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{name}/status") as f:
-                real_uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):
-            continue
-        state, _ppid, pgrp, session = stat[stat.rfind(")") + 2 :].split()[:4]
-        if state not in ("Z", "X") and (int(pgrp) == pgid or int(session) == pgid or real_uid == uid):
-            found.append(int(name))
-    return found
 
 
 def test_ok_run():

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from lopd_lightning.sandbox import isolation_report, run_code
+from helpers import alive
 
 ISO = isolation_report()
 ROOT_ONLY = pytest.mark.skipif(
@@ -36,24 +37,6 @@ SLACK = 3.0
 
 PRELUDE = "import os\nprint('MARK', os.getpgid(0), os.getuid(), flush=True)\n"
 
-
-def _alive(*, pgid: int, uid: int | None) -> list[int]:
-    """Live (non-zombie) processes in process group / session ``pgid`` or of user ``uid`` (from /proc)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read()
-            with open(f"/proc/{name}/status") as f:
-                real_uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):
-            continue
-        state, _ppid, pgrp, session = fields[fields.rfind(")") + 2 :].split()[:4]
-        if state not in ("Z", "X") and (int(pgrp) == pgid or int(session) == pgid or real_uid == uid):
-            found.append(int(name))
-    return found
 
 
 def _my_zombies() -> list[int]:
@@ -81,7 +64,7 @@ def attack(code: str, *, timeout_s: float = LIMIT, **options):
     mark = next((line.split() for line in result.stdout.splitlines() if line.startswith("MARK ")), None)
     if mark is not None:
         pgid, uid = int(mark[1]), int(mark[2])
-        assert _alive(pgid=pgid, uid=uid if uid != os.getuid() else None) == []
+        assert alive(pgid=pgid, uid=uid if uid != os.getuid() else None) == []
     assert _my_zombies() == []
     return result
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import math
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -24,7 +23,7 @@ from lopd_lightning.modules.skill_sd import (
     sdl_per_token,
     ucb1_select,
 )
-from toy_tasks import ParityToy
+from helpers import ParityToy, quiet_trainer
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 SKILL = "Say the answer ONLY"
@@ -58,13 +57,6 @@ def make_dm(**overrides) -> OnPolicyDataModule:
     options.update(overrides)
     return OnPolicyDataModule(ParityToy(), **options)
 
-
-def make_trainer(root, *, max_steps=1, callbacks=()) -> L.Trainer:
-    return L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(root), callbacks=list(callbacks),
-    )
 
 
 class Recorder(Callback):
@@ -165,7 +157,7 @@ def test_the_teacher_sees_the_skill_and_the_student_does_not(tmp_path):
 
     module.student_logits = spy_student
     rec = Recorder()
-    make_trainer(tmp_path, callbacks=[rec]).fit(module, make_dm())
+    quiet_trainer(tmp_path, callbacks=[rec]).fit(module, make_dm())
     batch = rec.steps[0]["batch"]
     assert [m["skill_text"] for m in batch.metadata] == [SKILL] * 4
     assert torch.equal(seen["student_ids"], batch.input_ids)
@@ -205,7 +197,7 @@ def test_first_step_without_skills_then_the_policy_writes_them(tmp_path):
 
     module.generate_text = spy
     rec = Recorder()
-    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[rec])
+    trainer = quiet_trainer(tmp_path, max_steps=2, callbacks=[rec])
     trainer.fit(module, make_dm())
     first, second = rec.steps[0], rec.steps[1]
     # step 1: an empty library: no row has a skill, no SDL, GRPO only
@@ -284,7 +276,7 @@ def test_full_student_with_kl_shares_one_frozen_copy_as_reference_and_teacher(tm
     assert module.teacher is module.reference and module.teacher.shadow is not None
     module.add_skill("workflow", SKILL)
     rec = Recorder()
-    trainer = make_trainer(tmp_path, callbacks=[rec])
+    trainer = quiet_trainer(tmp_path, callbacks=[rec])
     trainer.fit(module, make_dm())
     logged = rec.steps[0]["logged"]
     assert trainer.global_step == 1 and logged["train/sdl"] > 0 and "train/kl" in logged
@@ -296,7 +288,7 @@ def test_ema_teacher_follows_the_student(tmp_path):
     module = make_module(teacher_mode="ema", teacher_ema_rate=0.5)
     module.add_skill("workflow", SKILL)
     before = [p.detach().clone() for p in adapter_parameters(module.backbone, TEACHER_EMA)]
-    make_trainer(tmp_path).fit(module, make_dm())
+    quiet_trainer(tmp_path).fit(module, make_dm())
     after = adapter_parameters(module.backbone, TEACHER_EMA)
     assert any(not torch.equal(b, a.detach()) for b, a in zip(before, after, strict=True))
 

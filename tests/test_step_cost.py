@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def step_cost():
-    return _load("step_cost")
+    return load_benchmark("step_cost")
 
 
 def test_step_cost_quick_writes_json(step_cost, tmp_path):

@@ -24,7 +24,7 @@ from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.modules import LOPDModule
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared toy tasks
-from toy_tasks import EvenToy  # noqa: E402
+from helpers import EvenToy  # noqa: E402
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 

@@ -1,0 +1,71 @@
+"""Shared test helpers (imported by the test files and tests/scripts/): toy tasks with rewards the tests
+control, a quiet CPU Trainer, the loader of benchmark scripts, and the live-process probe of the sandbox
+tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+
+from lopd_lightning.tasks import Example
+from lopd_lightning.tasks.toy import ToyTask
+
+
+class EvenToy(ToyTask):
+    """Rewards we control: 1 for the even-numbered examples ("toy/0", "toy/2", ...), 0 for the others."""
+
+    def score(self, example: Example, completion: str) -> float:
+        return 1.0 if int(example.id.split("/")[1]) % 2 == 0 else 0.0
+
+
+class ParityToy(ToyTask):
+    """Reward 1 when the reply's character codes sum to an even number: rewards vary within a group."""
+
+    def score(self, example: Example, completion: str) -> float:
+        return 1.0 if sum(map(ord, completion)) % 2 == 0 else 0.0
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def quiet_trainer(root, *, max_steps: int = 1, callbacks=(), **overrides) -> L.Trainer:
+    """A CPU Trainer without logger, checkpoints, validation or progress bar (tests)."""
+    options = dict(
+        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(root), callbacks=list(callbacks),
+    )
+    options.update(overrides)
+    return L.Trainer(**options)
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` (the folder is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def alive(*, pgid: int, uid: int | None) -> list[int]:
+    """Live (non-zombie) processes in process group / session ``pgid`` or of user ``uid``, from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/status") as f:
+                real_uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        state, _ppid, pgrp, session = stat[stat.rfind(")") + 2 :].split()[:4]
+        if state not in ("Z", "X") and (int(pgrp) == pgid or int(session) == pgid or real_uid == uid):
+            found.append(int(name))
+    return found
