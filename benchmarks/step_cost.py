@@ -18,11 +18,12 @@ from its floor.
   teacher, no composer warm start (its cost is once per run, not per step). The bank is the task's train
   reference solutions replayed and scored, as ``lopd build-memory --from-references`` does (embedder
   ``hashing`` for the tiny model, ``minilm`` otherwise).
-- Floor: LOPD needs at least what GRPO does plus one teacher forward and one composer backward. On the
-  last LOPD batch: ``teacher_forward_unit_s`` = one plain student forward of the batch without grad (the
-  cost of one teacher forward), ``composer_fwd_bwd_s`` = one composer forward + backward (median of
-  ``--floor-repeats``). ``floor_lopd_s`` = GRPO's median step + both; ``distance_to_floor`` compares each
-  LOPD phase group with its floor share.
+- Floor: LOPD needs at least what GRPO does plus one teacher forward and one composer backward, which
+  reaches the composer through the teacher's pass (the frozen backbone). On the last LOPD batch,
+  ``composer_path_s`` = the composer's forward + the teacher's forward with the latents + the backward to
+  the composer, as the module runs them (median of ``--floor-repeats``). ``floor_lopd_s`` = GRPO's median
+  step + ``composer_path_s``; ``distance_to_floor`` compares LOPD's phase groups with their floor shares.
+  Reference units: one no-grad student forward, the composer's own graph, the anchor composer's forward.
 
 Run::
 
@@ -92,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true", help="both methods: recompute activations")
     p.add_argument("--distill-chunk-size", type=int, default=None, help="LOPD: chunked distillation loss")
+    p.add_argument("--no-teacher-prefix-cache", dest="teacher_prefix_cache", action="store_false",
+                   help="LOPD: the teacher recomputes the whole sequence (teacher_prefix_cache=False)")
     p.add_argument("--quick", action="store_true", help="tests: tiny model, toy task, 4 trajectories, 1+1 steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -199,7 +202,8 @@ def build(method: str, args: argparse.Namespace) -> tuple[Any, OnPolicyDataModul
     if method == "lopd":
         group = args.lopd_group
         module = LOPDModule(args.model, rollouts_per_example=group, embedder=args.embedder, bank_path=None,
-                            distill_chunk_size=getattr(args, "distill_chunk_size", None), **LOPD_SETTINGS, **common)
+                            distill_chunk_size=getattr(args, "distill_chunk_size", None),
+                            teacher_prefix_cache=getattr(args, "teacher_prefix_cache", True), **LOPD_SETTINGS, **common)
         callbacks: list[Callback] = [MarginSchedule(schedule="constant"), TimedMemoryRefresh(every_n_steps=1, min_reward=1.0)]
     else:
         group = args.grpo_group
@@ -271,11 +275,33 @@ def _timed(fn, repeats: int, device: str) -> float:
 
 
 def floor_units(module: LOPDModule, batch, args: argparse.Namespace) -> dict[str, float]:
-    """On ``batch`` (LOPD's last): one student forward without grad (the cost of one teacher forward) and
-    one composer forward + backward (the composer's own graph, no backbone pass of the teacher)."""
+    """Cost units measured on ``batch`` (LOPD's last), median of ``--floor-repeats``:
+
+    - ``composer_path_s``: what LOPD must add to a GRPO step at least: the composer's forward, one teacher
+      forward with the latents and the composer's backward through it (the frozen backbone), as the
+      module's settings run them (logits, or hidden states with ``distill_chunk_size``; with
+      ``teacher_prefix_cache`` the teacher's pass starts after the shared prompt, whose keys and values
+      come with the student's forward in ``live`` mode, which GRPO runs too, so they are made outside the
+      timed call, and inside it otherwise);
+    - ``teacher_forward_unit_s``: one plain no-grad student forward of the batch (a whole-sequence teacher
+      forward without context);
+    - ``composer_forward_s`` / ``composer_fwd_bwd_s``: the composer's own graph (encoder pass and
+      resampler), without and with its backward, no teacher pass;
+    - ``anchor_forward_s``: the frozen anchor composer's forward (the anchor term's c_phi0).
+    """
+    from lopd_lightning.teacher import prefix_length
+
     module.train()
     batch = batch.to(module.device)
     _, mask = module.shifted(batch)
+    positions = module.unshift(mask)
+    n_prefix = prefix_length(batch.attention_mask, batch.context_position) if module.hparams.teacher_prefix_cache else 0
+    shared = module.teacher.shares_student_weights  # the prefix comes with the student's forward, else it is extra
+    prefix = module.teacher.own_prefix(batch.input_ids, batch.attention_mask, n_prefix) if n_prefix and shared else None
+
+    def zero_composer_grads():
+        for p in module.composer.trainable_parameters():
+            p.grad = None
 
     def forward():
         with torch.no_grad():
@@ -288,15 +314,26 @@ def floor_units(module: LOPDModule, batch, args: argparse.Namespace) -> dict[str
     def composer():
         composed = module.compose(batch)
         (composed.latents.float() ** 2).mean().backward()
-        for p in module.composer.trainable_parameters():
-            p.grad = None
+        zero_composer_grads()
 
-    forward()  # one untimed call each
-    composer()
-    composer_forward()
-    return {"teacher_forward_unit_s": round(_timed(forward, args.floor_repeats, args.device), 4),
-            "composer_forward_s": round(_timed(composer_forward, args.floor_repeats, args.device), 4),
-            "composer_fwd_bwd_s": round(_timed(composer, args.floor_repeats, args.device), 4)}
+    def composer_path():
+        own = module.teacher.own_prefix(batch.input_ids, batch.attention_mask, n_prefix) if n_prefix and not shared else None
+        composed = module.compose(batch)
+        teacher = (module.teacher.hidden_on_student_positions if module.hparams.get("distill_chunk_size")
+                   else module.teacher.logits_on_student_positions)
+        out = teacher(batch.input_ids, batch.attention_mask, batch.context_position, positions=positions,
+                      latents=composed.latents, latent_mask=composed.latent_mask, prefix=prefix or own)
+        out.float().logsumexp(-1).mean().backward()
+        zero_composer_grads()
+
+    def anchor():
+        module.anchor_latents(batch)
+
+    units = {"composer_path_s": composer_path, "teacher_forward_unit_s": forward,
+             "composer_forward_s": composer_forward, "composer_fwd_bwd_s": composer, "anchor_forward_s": anchor}
+    for fn in units.values():  # one untimed call each
+        fn()
+    return {name: round(_timed(fn, args.floor_repeats, args.device), 4) for name, fn in units.items()}
 
 
 def _distance(measured: float, floor: float) -> dict[str, Any]:
@@ -325,17 +362,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratio_ex = lopd["step_excluding_generation_median_s"] / grpo["step_excluding_generation_median_s"]
     lp, gp = lopd["phases_median_s"], grpo["phases_median_s"]
     grpo_update = sum(v for k, v in gp.items() if k not in ("generation", "retrieval", "other"))
-    floor_lopd = grpo["step_total_median_s"] + units["teacher_forward_unit_s"] + units["composer_fwd_bwd_s"]
-    composer_bwd = max(0.0, units["composer_fwd_bwd_s"] - units["composer_forward_s"])
+    floor_lopd = grpo["step_total_median_s"] + units["composer_path_s"]
     distance = {
         "generation": _distance(lp.get("generation", 0.0), gp.get("generation", 0.0)),
         "retrieval": _distance(lp.get("retrieval", 0.0), 0.0),
-        "teacher": _distance(lp.get("teacher", 0.0), units["teacher_forward_unit_s"] + units["composer_forward_s"]),
-        "update": _distance(sum(lp.get(k, 0.0) for k in UPDATE_PHASES), grpo_update + composer_bwd),
         "teacher_and_update": _distance(sum(lp.get(k, 0.0) for k in ("teacher", *UPDATE_PHASES)),
-                                        grpo_update + units["teacher_forward_unit_s"] + units["composer_fwd_bwd_s"]),
-        "student_step_and_backward": _distance(lp.get("student_step", 0.0) + lp.get("backward", 0.0), grpo_update),
-        "composer_step": _distance(lp.get("composer_step", 0.0), composer_bwd),
+                                        grpo_update + units["composer_path_s"]),
         "memory_refresh": _distance(lp.get("memory_refresh", 0.0), 0.0),
         "other": _distance(lp.get("other", 0.0), gp.get("other", 0.0)),
         "step_total": _distance(lopd["step_total_median_s"], floor_lopd),
@@ -351,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "embedder": args.embedder, "lopd": LOPD_SETTINGS, "grpo": GRPO_SETTINGS,
                      "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20}, "quick": args.quick,
                      "gradient_checkpointing": bool(getattr(args, "gradient_checkpointing", False)),
-                     "distill_chunk_size": getattr(args, "distill_chunk_size", None)},
+                     "distill_chunk_size": getattr(args, "distill_chunk_size", None),
+                     "teacher_prefix_cache": getattr(args, "teacher_prefix_cache", True)},
         "methods": methods,
         "ratio_lopd_over_grpo": round(ratio, 4),
         "ratio_excluding_generation": round(ratio_ex, 4),
@@ -359,19 +392,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "floor_ratio": round(floor_lopd / grpo["step_total_median_s"], 4)},
         "distance_to_floor": distance,
         "floor_explanation": (
-            "floor_lopd_s = GRPO's median step + one teacher forward (measured as one no-grad student forward "
-            "of LOPD's last batch) + one composer forward+backward (same batch). distance_to_floor: per LOPD "
-            "phase group, measured median seconds against its floor share: generation vs GRPO's generation "
-            "(same trajectory count); teacher (LOPD's phase holds the composer forward too) vs one forward + "
-            "the composer forward (composer_forward_s, no grad); update (student_step + backward + "
-            "composer_step) vs GRPO's student_step + the composer backward (composer_fwd_bwd_s - "
-            "composer_forward_s); teacher_and_update vs GRPO's student_step + teacher forward + composer "
-            "forward+backward; composer_step vs the composer backward (LOPD's composer_step holds the anchor "
-            "forward, the loss and the optimiser step; its backward is in 'backward'); retrieval and "
-            "memory_refresh vs 0 (not in the floor); other (Lightning, logging, transfer) vs GRPO's. ratio = "
-            "measured / floor (null for a 0 floor). Above the floor by design: the teacher forward keeps its "
-            "graph (the composer gradient flows through it) and LOPD's backward runs through the teacher pass "
-            "as well as the student's."
+            "floor_lopd_s = GRPO's median step + composer_path_s: the composer's forward, one teacher forward "
+            "with the latents and the composer's backward through the frozen backbone, on LOPD's last batch "
+            "with the module's settings (teacher_prefix_cache: the teacher's pass starts after the prompt "
+            "it shares with the student). That is the issue's floor: one extra teacher forward and one "
+            "composer backward, which reaches the composer through the teacher's pass. Not in it: the anchor "
+            "composer's forward (anchor_forward_s, the anchor term) and the optimiser steps. distance_to_floor: "
+            "generation vs GRPO's generation (same trajectory count); teacher_and_update (teacher + "
+            "student_step + backward + composer_step) vs GRPO's update + composer_path_s; retrieval and "
+            "memory_refresh vs 0; other (Lightning, logging, transfer) vs GRPO's; ratio = measured / floor "
+            "(null for a 0 floor). teacher_forward_unit_s (a plain no-grad whole-sequence forward) and "
+            "composer_fwd_bwd_s (the composer's own graph) are reference units."
         ),
         "target": {"ratio_lopd_over_grpo": TARGET_RATIO, "met": bool(ratio <= TARGET_RATIO)},
         "wall_seconds": round(time.perf_counter() - t_start, 1),

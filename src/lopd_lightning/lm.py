@@ -8,6 +8,7 @@ the selected positions, returning packed (N, V) logits in the selected positions
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -22,16 +23,36 @@ def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def decoder_hidden_states(model: nn.Module, **model_kwargs: Any) -> Tensor:
+def decoder_hidden_states(model: nn.Module, *, return_cache: bool = False, cache: Any = None, **model_kwargs: Any) -> Any:
     """(B, T, d) last hidden states (after the final norm) of a Hugging Face causal LM.
 
     Works on a peft ``PeftModel`` too: its LoRA layers live inside the base model, so the active adapter
     applies. ``model_kwargs`` are the usual ``input_ids`` / ``inputs_embeds``, ``attention_mask``,
     ``position_ids``.
+
+    Args:
+        return_cache: also return the decoder's key/value cache (a transformers ``Cache``; its tensors are
+            part of the autograd graph): ``(hidden, cache)``.
+        cache: a key/value cache of the tokens before these (``attention_mask`` then covers them too);
+            the forward appends to it. Passed as ``cache`` or ``past_key_values``, whichever the installed
+            transformers names it.
     """
     decoder = _base(model).get_decoder()
-    model_kwargs.setdefault("use_cache", False)
-    return decoder(**model_kwargs).last_hidden_state
+    if return_cache or cache is not None:
+        model_kwargs["use_cache"] = True
+    else:
+        model_kwargs.setdefault("use_cache", False)
+    if cache is not None:
+        model_kwargs[_cache_argument(decoder)] = cache
+    out = decoder(**model_kwargs)
+    if not return_cache:
+        return out.last_hidden_state
+    return out.last_hidden_state, (out["cache"] if "cache" in out else out["past_key_values"])
+
+
+def _cache_argument(decoder: nn.Module) -> str:
+    """The decoder's keyword for a key/value cache: ``cache`` (newer transformers 5.x) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
 def lm_head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
@@ -44,7 +65,9 @@ def lm_head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
     return logits
 
 
-def selected_logits(model: nn.Module, positions: Tensor | None = None, **model_kwargs: Any) -> Tensor:
+def selected_logits(
+    model: nn.Module, positions: Tensor | None = None, *, return_cache: bool = False, **model_kwargs: Any
+) -> Any:
     """Logits of a causal LM, at all positions or only at ``positions``.
 
     Args:
@@ -55,17 +78,26 @@ def selected_logits(model: nn.Module, positions: Tensor | None = None, **model_k
     Returns:
         (B, T, V) when ``positions`` is None, else packed (N, V) with N = positions.sum(), in row-major
         order of ``positions`` (the order of ``tensor[positions]``). Same values as
-        ``model(**model_kwargs).logits`` at those positions.
+        ``model(**model_kwargs).logits`` at those positions (with a ``cache``: as the whole sequence's). With ``return_cache``: ``(logits, cache)``,
+        the cache as in :func:`decoder_hidden_states`.
 
     Raises:
         ValueError: ``positions`` is not (B, T) like the inputs.
     """
-    hidden = decoder_hidden_states(model, **model_kwargs)
+    hidden, cache = _hidden_and_cache(model, return_cache, model_kwargs)
     if positions is None:
-        return lm_head_logits(model, hidden)
-    if tuple(positions.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(f"positions has shape {tuple(positions.shape)}, the inputs {tuple(hidden.shape[:2])}")
-    return lm_head_logits(model, hidden[positions.bool()])
+        logits = lm_head_logits(model, hidden)
+    else:
+        if tuple(positions.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"positions has shape {tuple(positions.shape)}, the inputs {tuple(hidden.shape[:2])}")
+        logits = lm_head_logits(model, hidden[positions.bool()])
+    return (logits, cache) if return_cache else logits
+
+
+def _hidden_and_cache(model: nn.Module, return_cache: bool, model_kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+    if return_cache:
+        return decoder_hidden_states(model, return_cache=True, **model_kwargs)
+    return decoder_hidden_states(model, **model_kwargs), None
 
 
 def unpack(values: Tensor, mask: Tensor) -> Tensor:
@@ -81,7 +113,7 @@ def unpack(values: Tensor, mask: Tensor) -> Tensor:
 Head = tuple  # (Tensor, Tensor | None)
 
 
-def selected_hidden_states(model: nn.Module, positions: Tensor, **model_kwargs: Any) -> Tensor:
+def selected_hidden_states(model: nn.Module, positions: Tensor, *, return_cache: bool = False, **model_kwargs: Any) -> Any:
     """Packed (N, d) final hidden states (after the final norm: what the LM head reads) at ``positions``.
 
     ``lm_head_logits(model, selected_hidden_states(model, positions, **kw))`` equals
@@ -94,15 +126,17 @@ def selected_hidden_states(model: nn.Module, positions: Tensor, **model_kwargs: 
         **model_kwargs: as in :func:`selected_logits`.
 
     Returns:
-        (N, d) with N = positions.sum(), row-major order of ``positions``.
+        (N, d) with N = positions.sum(), row-major order of ``positions``; with ``return_cache``,
+        ``(hidden, cache)`` as in :func:`decoder_hidden_states`.
 
     Raises:
         ValueError: ``positions`` is not (B, T) like the inputs.
     """
-    hidden = decoder_hidden_states(model, **model_kwargs)
+    hidden, cache = _hidden_and_cache(model, return_cache, model_kwargs)
     if tuple(positions.shape) != tuple(hidden.shape[:2]):
         raise ValueError(f"positions has shape {tuple(positions.shape)}, the inputs {tuple(hidden.shape[:2])}")
-    return hidden[positions.bool()]
+    selected = hidden[positions.bool()]
+    return (selected, cache) if return_cache else selected
 
 
 def lm_head_parameters(model: nn.Module) -> Head:

@@ -53,7 +53,13 @@ from lopd_lightning.adapters import (
     is_lora_student,
     use_adapter,
 )
-from lopd_lightning.lm import Head, lm_head_parameters, selected_hidden_states, selected_logits
+from lopd_lightning.lm import (
+    Head,
+    decoder_hidden_states,
+    lm_head_parameters,
+    selected_hidden_states,
+    selected_logits,
+)
 from lopd_lightning.losses import token_logps
 
 log = logging.getLogger(__name__)
@@ -68,6 +74,10 @@ __all__ = [
     "DEFAULT_FRAMING_SUFFIX",
     "SelfTeacher",
     "TeacherInputs",
+    "TeacherPrefix",
+    "has_dropout",
+    "prefix_length",
+    "supports_prefix_cache",
     "position_ids_from_mask",
     "shifted_token_logps",
     "warm_start_loss",
@@ -132,6 +142,114 @@ class TeacherInputs(NamedTuple):
         else:
             kwargs["input_ids"] = self.input_ids
         return kwargs
+
+
+class TeacherPrefix(NamedTuple):
+    """The keys and values of the first ``length`` tokens of every row: the part of the teacher's sequence
+    before any inserted context, which is the student's own prompt (for BFCL, the system prompt with the
+    tool schemas: most of the sequence).
+
+    The teacher's pass can start after it (:meth:`SelfTeacher.logits_on_student_positions` with
+    ``prefix=``): the causal attention makes these tokens' states independent of the context, so their
+    keys and values are the same whoever computes them with the teacher's weights, and no gradient to the
+    latents flows through them. Build it with :meth:`from_cache` (the student's forward in ``live`` mode:
+    the same weights) or :meth:`SelfTeacher.own_prefix`.
+
+    Attributes:
+        key_values: per decoder layer, (keys, values), each (B, kv_heads, length, head_dim), constants.
+        length: the number of prefix tokens, the same for every row.
+    """
+
+    key_values: tuple[tuple[Tensor, Tensor], ...]
+    length: int
+
+    @classmethod
+    def from_cache(cls, cache, length: int) -> TeacherPrefix:
+        """The first ``length`` positions of a transformers key/value cache (``DynamicCache``), detached.
+
+        Raises:
+            ValueError: ``length`` is negative or longer than the cache, or a layer is not a plain
+                full-attention dynamic layer (sliding-window or linear-attention layers keep other state).
+        """
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if not layers:
+            raise ValueError(f"expected a transformers DynamicCache with layers, got {type(cache).__name__}")
+        pairs = []
+        for i, layer in enumerate(layers):
+            if type(layer) is not DynamicLayer:
+                raise ValueError(
+                    f"cache layer {i} is a {type(layer).__name__}; a teacher prefix needs full-attention "
+                    f"DynamicLayer caches (set teacher_prefix_cache to false for this model)"
+                )
+            if not 0 <= length <= layer.keys.shape[-2]:
+                raise ValueError(f"prefix length {length} outside [0, {layer.keys.shape[-2]}] cached positions")
+            pairs.append((layer.keys[..., :length, :].detach(), layer.values[..., :length, :].detach()))
+        return cls(tuple(pairs), int(length))
+
+    def cache(self):
+        """A fresh ``DynamicCache`` holding the prefix (a forward appends to its cache, so one per pass)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=self.key_values)
+
+
+def prefix_length(attention_mask: Tensor, context_position: Tensor | Sequence[int]) -> int:
+    """The number of leading tokens that every row's teacher sequence shares with its student sequence.
+
+    ``min_b context_position[b]`` for a right-padded batch (rollout batches are), 0 for a left-padded
+    one (:meth:`SelfTeacher.insert_context` shifts left-padded rows by different amounts). One length for
+    the batch: rows whose context starts later (or that get none) recompute their tokens after it.
+
+    Args:
+        attention_mask: (B, T) {0, 1}.
+        context_position: (B,) where each row's context is inserted.
+    """
+    if attention_mask.numel() == 0 or bool((attention_mask[:, 0] == 0).any()):
+        return 0
+    pos = torch.as_tensor(context_position).reshape(-1)
+    return int(pos.min()) if pos.numel() else 0
+
+
+#: config fields of transformers models that add randomness in train mode (dropout rates, MoE router jitter).
+_RANDOM_CONFIG_FIELDS = (
+    "attention_dropout", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
+    "embd_pdrop", "attn_pdrop", "dropout", "activation_dropout", "router_jitter_noise",
+)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """True when a forward of ``model`` in train mode may differ from an eval-mode one: an ``nn.Dropout``
+    with p > 0 (LoRA dropout included) or a config rate > 0 among ``_RANDOM_CONFIG_FIELDS`` (the model's
+    config and its text config)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    configs = [config]
+    if config is not None and hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    for cfg in configs:
+        for name in _RANDOM_CONFIG_FIELDS:
+            value = getattr(cfg, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                return True
+    return False
+
+
+def supports_prefix_cache(model: nn.Module) -> bool:
+    """True when the model's key/value cache is plain full attention in every layer (``DynamicLayer``),
+    which :class:`TeacherPrefix` needs; False for sliding-window or linear-attention layers."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        layers = DynamicCache(config=base.config).layers
+    except Exception:  # an architecture whose cache transformers cannot build from the config alone
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 @contextmanager
@@ -506,6 +624,7 @@ class SelfTeacher(nn.Module):
         latents: Tensor | None = None,
         latent_mask: Tensor | None = None,
         positions: Tensor | None = None,
+        prefix: TeacherPrefix | None = None,
     ) -> Tensor:
         """The teacher's logits at the student's positions: (B, T, V), aligned like ``student(input_ids).logits``.
 
@@ -517,9 +636,18 @@ class SelfTeacher(nn.Module):
         ``out[:, :-1]`` scores ``input_ids[:, 1:]``), whatever the context length and padding side. Pad
         positions hold logits of no meaning (mask them). Arguments as in :meth:`insert_context`.
 
+        Args:
+            prefix: keys and values of the first ``prefix.length`` tokens (:class:`TeacherPrefix`, made
+                with the teacher's weights): the pass then runs on the rest of the sequence only, forward
+                and backward (same values up to float rounding). Needs ``positions``, none of them in the
+                prefix, and a prefix before every row's context.
+
         Returns:
             (B, T, V) float in the model's dtype, or packed (N, V) with ``positions``; differentiable in
             ``latents`` only.
+
+        Raises:
+            ValueError: bad shapes (see :meth:`insert_context`), or a ``prefix`` that does not fit.
 
         Source: pi_T(. | s, c_phi) = pi_theta_bar([s; c_phi]), METHOD.md section 4.
         """
@@ -532,12 +660,9 @@ class SelfTeacher(nn.Module):
             latent_mask=latent_mask,
         )
         if positions is not None:
-            if tuple(positions.shape) != tuple(input_ids.shape):
-                raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
-            teacher_positions = _teacher_positions(inputs, positions)
-            needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
-            with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
-                return selected_logits(model, teacher_positions, **inputs.model_kwargs())
+            return self._on_positions(selected_logits, inputs, input_ids, positions, prefix)
+        if prefix is not None:
+            raise ValueError("prefix needs positions (the logits of prefix tokens are not computed)")
         logits = self.forward_inputs(inputs)  # [B, T', V]
         index = inputs.index_map[..., None].expand(-1, -1, logits.shape[-1])
         return logits.gather(1, index)
@@ -552,6 +677,7 @@ class SelfTeacher(nn.Module):
         context_ids: Sequence[Sequence[int] | None] | None = None,
         latents: Tensor | None = None,
         latent_mask: Tensor | None = None,
+        prefix: TeacherPrefix | None = None,
     ) -> Tensor:
         """The teacher's final hidden states (after the final norm) at the student's ``positions``, packed (N, d).
 
@@ -561,13 +687,12 @@ class SelfTeacher(nn.Module):
 
         Args:
             positions: (B, T) bool on student positions (required).
+            prefix: as in :meth:`logits_on_student_positions`.
             others: as in :meth:`insert_context`.
 
         Returns:
             (N, d) float in the model's dtype, row-major order of ``positions``.
         """
-        if tuple(positions.shape) != tuple(input_ids.shape):
-            raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
         inputs = self.insert_context(
             input_ids,
             attention_mask,
@@ -576,10 +701,67 @@ class SelfTeacher(nn.Module):
             latents=latents,
             latent_mask=latent_mask,
         )
+        return self._on_positions(selected_hidden_states, inputs, input_ids, positions, prefix)
+
+    def _on_positions(self, select, inputs: TeacherInputs, input_ids: Tensor, positions: Tensor,
+                      prefix: TeacherPrefix | None) -> Tensor:
+        """``select(model, teacher_positions, **model_kwargs)`` under the teacher's scope, after ``prefix`` if given."""
+        if tuple(positions.shape) != tuple(input_ids.shape):
+            raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
         teacher_positions = _teacher_positions(inputs, positions)
+        kwargs = inputs.model_kwargs()
+        if prefix is not None and prefix.length > 0:
+            n = prefix.length
+            batch = input_ids.shape[0]
+            steps = torch.arange(n, device=inputs.index_map.device)
+            if inputs.index_map.shape[1] < n or not bool((inputs.index_map[:, :n] == steps).all()):
+                raise ValueError(
+                    f"the prefix ({n} tokens) is not shared by the teacher's rows: a context is inserted "
+                    f"before it or the batch is left padded (see teacher.prefix_length)"
+                )
+            if bool(teacher_positions[:, :n].any()):
+                raise ValueError(f"positions fall inside the {n}-token prefix, whose logits are not computed")
+            if any(k.shape[0] != batch for k, _ in prefix.key_values):
+                raise ValueError(f"the prefix holds {prefix.key_values[0][0].shape[0]} rows, the batch {batch}")
+            kwargs = {k: (v if k == "attention_mask" else v[:, n:]) for k, v in kwargs.items()}
+            kwargs["cache"] = prefix.cache()
+            teacher_positions = teacher_positions[:, n:]
         needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
         with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
-            return selected_hidden_states(model, teacher_positions, **inputs.model_kwargs())
+            out = select(model, teacher_positions, **kwargs)
+        cache = kwargs.get("cache")
+        if cache is not None and cache.get_seq_length() != inputs.attention_mask.shape[1]:
+            # the decoder did not read the prefix (an unrecognised cache argument): never a silent wrong pass
+            raise RuntimeError(
+                f"the teacher's pass did not extend the {prefix.length}-token prefix cache "  # type: ignore[union-attr]
+                f"({cache.get_seq_length()} of {inputs.attention_mask.shape[1]} positions); set "
+                f"teacher_prefix_cache to false and report the transformers version"
+            )
+        return out
+
+    @property
+    def shares_student_weights(self) -> bool:
+        """True when the student's forward computes the same states as the teacher's on tokens before the
+        context (``live`` mode, no dropout): the student's key/value cache can be the teacher's
+        :class:`TeacherPrefix`."""
+        return self.mode == "live" and self.shadow is None and not has_dropout(self.backbone)
+
+    def own_prefix(self, input_ids: Tensor, attention_mask: Tensor, length: int) -> TeacherPrefix:
+        """The teacher's keys and values of the first ``length`` tokens of each row, no gradient.
+
+        Args:
+            input_ids, attention_mask: (B, T) the student's batch, right padded.
+            length: the prefix length, e.g. :func:`prefix_length`.
+        """
+        if not 0 < length <= input_ids.shape[1]:
+            raise ValueError(f"prefix length must be in [1, {input_ids.shape[1]}], got {length}")
+        mask = attention_mask[:, :length]
+        with self.teacher_scope() as model, torch.no_grad():
+            _, cache = decoder_hidden_states(
+                model, return_cache=True, input_ids=input_ids[:, :length], attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+            )
+        return TeacherPrefix.from_cache(cache, length)
 
     def head_parameters(self) -> Head:
         """(weight, bias) of the teacher model's output head, see :func:`lopd_lightning.lm.lm_head_parameters`.

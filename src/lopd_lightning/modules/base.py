@@ -322,15 +322,16 @@ class OnPolicyModule(LightningModule):
         """Targets and loss mask aligned with ``logits[:, :-1]``: ``(input_ids[:, 1:], assistant_mask[:, 1:])``."""
         return batch.input_ids[:, 1:], batch.assistant_mask[:, 1:].bool()
 
-    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None) -> Tensor:
+    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None, *, return_cache: bool = False) -> Any:
         """Logits of the student on the batch; position t predicts token t+1.
 
         Args:
             positions: (B, T-1) bool in shifted coordinates (e.g. the loss mask of :meth:`shifted`), or None.
+            return_cache: also return the forward's key/value cache (a transformers ``Cache``, in the graph).
 
         Returns:
             (B, T-1, V) without ``positions``; packed (N, V) at the selected positions with them (the LM
-            head runs only there: see :mod:`lopd_lightning.lm`).
+            head runs only there: see :mod:`lopd_lightning.lm`). ``(logits, cache)`` with ``return_cache``.
         """
         with self.student_context():
             kwargs = dict(
@@ -339,8 +340,9 @@ class OnPolicyModule(LightningModule):
                 position_ids=position_ids_from_mask(batch.attention_mask),
             )
             if positions is None:
-                return selected_logits(self.backbone, None, **kwargs)[:, :-1]
-            return selected_logits(self.backbone, self.unshift(positions), **kwargs)
+                out = selected_logits(self.backbone, None, return_cache=return_cache, **kwargs)
+                return (out[0][:, :-1], out[1]) if return_cache else out[:, :-1]
+            return selected_logits(self.backbone, self.unshift(positions), return_cache=return_cache, **kwargs)
 
     @staticmethod
     def unshift(positions: Tensor) -> Tensor:

@@ -3,9 +3,12 @@
 One training step (manual optimisation, two optimisers):
 
 1. the DataModule's batch: the student's rollouts with the top-J experiences retrieved per example;
-2. the composer turns each example's experiences into J*K latent tokens c_phi;
-3. the self-teacher (the shared backbone, composer LoRA off) scores every student token with the
-   latents in its first user message: teacher logits on the student's positions;
+2. the student's forward: its logits on its own tokens and, in ``live`` mode without dropout, its
+   key/value cache of the prompt before the context, which the teacher's pass starts from
+   (``teacher_prefix_cache``; other modes compute that prefix with one no-grad teacher pass);
+3. the composer turns each example's experiences into J*K latent tokens c_phi, and the self-teacher
+   (the shared backbone, composer LoRA off) scores every student token with the latents in its first
+   user message: teacher logits on the student's positions;
 4. student loss: L_distill = global token mean of KL(p~_S || p~_T) on the teacher's top-M + tail
    support, the teacher constant;
 5. composer loss: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor, where Delta is
@@ -40,7 +43,14 @@ from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
-from lopd_lightning.teacher import SelfTeacher, position_ids_from_mask, warm_start_loss
+from lopd_lightning.teacher import (
+    SelfTeacher,
+    TeacherPrefix,
+    position_ids_from_mask,
+    prefix_length,
+    supports_prefix_cache,
+    warm_start_loss,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +103,16 @@ class LOPDModule(OnPolicyModule):
             V = 49,152 against 1.5 GiB unchunked at N = 1024 and growing linearly). The price is
             recomputing the LM-head matmuls (and softmaxes) of every chunk in backward, a slower
             loss. Needs a plain linear LM head without logit soft-capping (checked at construction).
+        teacher_prefix_cache: start the teacher's pass after the tokens that precede every row's context
+            (:func:`~lopd_lightning.teacher.prefix_length`: the prompt up to the first user message's
+            content; for BFCL the system prompt with the tool schemas, 375 of a live_simple prompt's 396
+            tokens and 3,947 of a multi_turn_base prompt's 3,988), using their keys and values instead
+            of recomputing them: in ``live`` mode (no dropout) the student's own forward's, otherwise one
+            no-grad teacher pass over them. The causal mask makes those states independent of the
+            latents, so the teacher's logits and every gradient are the same up to float rounding, and
+            the teacher's forward and the composer's backward through it run on the rest only
+            (benchmarks/results/step_cost.json). False recomputes the whole sequence. Models whose cache
+            is not a plain full-attention one (sliding window, linear attention) get False, with a warning.
     """
 
     def __init__(
@@ -123,6 +143,7 @@ class LOPDModule(OnPolicyModule):
         warm_start_batch_size: int = 4,
         distill_temperature: float = 1.0,
         distill_chunk_size: int | None = None,
+        teacher_prefix_cache: bool = True,
         **kwargs: Any,
     ):
         # checks that need no model run before the student is loaded
@@ -150,6 +171,10 @@ class LOPDModule(OnPolicyModule):
         composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
         self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
+        if teacher_prefix_cache and not supports_prefix_cache(self.backbone):
+            log.warning("teacher_prefix_cache is off: this model's key/value cache is not plain full attention in "
+                        "every layer (sliding window or linear attention); the teacher recomputes the whole sequence")
+            self.hparams.teacher_prefix_cache = False
         if distill_chunk_size is not None:  # the chunked losses need plain linear heads on both sides
             lm_head_parameters(self.backbone)
             self.teacher.head_parameters()
@@ -221,13 +246,15 @@ class LOPDModule(OnPolicyModule):
         self.anchor_composer.requires_grad_(False)
 
     # ------------------------------------------------------------------ training
-    def student_hidden(self, batch: RolloutBatch, positions: Tensor) -> Tensor:
+    def student_hidden(self, batch: RolloutBatch, positions: Tensor, *, return_cache: bool = False) -> Any:
         """The student's final hidden states (after the final norm) at ``positions`` ((B, T-1) shifted
-        coordinates, as :meth:`student_logits`), packed (N, d); the LM head is left to the caller."""
+        coordinates, as :meth:`student_logits`), packed (N, d); the LM head is left to the caller.
+        ``(hidden, cache)`` with ``return_cache`` (the forward's key/value cache)."""
         with self.student_context():
             return selected_hidden_states(
                 self.backbone,
                 self.unshift(positions),
+                return_cache=return_cache,
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
                 position_ids=position_ids_from_mask(batch.attention_mask),
@@ -250,9 +277,28 @@ class LOPDModule(OnPolicyModule):
         # logits (or hidden states) only on assistant tokens (packed N x V / N x d): the LM head never
         # runs on prompt or padding
         tokens = targets[mask]  # [N]
+        # the tokens before every row's context: the teacher's pass starts after them (teacher_prefix_cache)
+        use_prefix = self.hparams.get("teacher_prefix_cache", True)
+        n_prefix = prefix_length(batch.attention_mask, batch.context_position) if use_prefix else 0
+        share = n_prefix > 0 and self.teacher.shares_student_weights
+        prefix = None
+        with self.timed("student_step"):
+            if chunk is None:
+                student_out = self.student_logits(batch, mask, return_cache=share)
+            else:
+                student_out = self.student_hidden(batch, mask, return_cache=share)
+            if share:
+                student_out, cache = student_out
+                prefix = TeacherPrefix.from_cache(cache, n_prefix)
+                del cache
+
         with self.timed("teacher"):
+            if n_prefix > 0 and prefix is None:
+                prefix = self.teacher.own_prefix(batch.input_ids, batch.attention_mask, n_prefix)
             composed = self.compose(batch)
-            teacher_inputs = dict(latents=composed.latents, latent_mask=composed.latent_mask, positions=self.unshift(mask))
+            teacher_inputs = dict(
+                latents=composed.latents, latent_mask=composed.latent_mask, positions=self.unshift(mask), prefix=prefix
+            )
             if chunk is None:
                 teacher_logits = self.teacher.logits_on_student_positions(
                     batch.input_ids, batch.attention_mask, batch.context_position, **teacher_inputs
@@ -261,13 +307,14 @@ class LOPDModule(OnPolicyModule):
                 teacher_hidden = self.teacher.hidden_on_student_positions(
                     batch.input_ids, batch.attention_mask, batch.context_position, **teacher_inputs
                 )  # [N, d]
+            del teacher_inputs, prefix
 
         with self.timed("student_step"):
             if chunk is None:
-                student_logits = self.student_logits(batch, mask)[None]  # [1, N, V]
+                student_logits = student_out[None]  # [1, N, V]
                 distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
             else:
-                student_hidden = self.student_hidden(batch, mask)  # [N, d]
+                student_hidden = student_out  # [N, d]
                 # the heads: the student's trains with a full-parameter student (through the student's
                 # side only, as in the unchunked loss); the teacher's is a constant everywhere, and the
                 # composer's loss must not reach the student's head either
