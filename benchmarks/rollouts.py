@@ -26,8 +26,12 @@ Run::
                                   [--max-new-tokens 32] [--cache-max-new-tokens 8] [--repeats 3] [--threads 1]
                                   [--out benchmarks/results/rollouts.json] [--quick]
 
+``batching_bound`` (:func:`batching_bound`): from the batched rollouts' own reply lengths, the most any
+batching (continuous batching included) could gain over one at a time on these trajectories, when a
+decode step of a batch costs at least one of a single row: total reply tokens / the longest episode's.
+
 The JSON is ``{"benchmark": "rollouts", "model", "task", "settings", "cases": [...], "speedup_batched",
-"speedup_cache", "speedup_cache_one_at_a_time", "target"}`` plus :func:`common.run_metadata`.
+"speedup_cache", "speedup_cache_one_at_a_time", "batching_bound", "target"}`` plus :func:`common.run_metadata`.
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ def measure(model: Any, tokenizer: Any, task: Any, examples: list, *, batched: b
             generate_seconds += batch.stats.generate_seconds
         seconds = time.perf_counter() - t0
         runs.append({"seconds": seconds, "trajectories": trajectories, "generated_tokens": tokens, "turns": turns,
-                     "generate_calls": generate_calls, "generate_seconds": generate_seconds})
+                     "generate_calls": generate_calls, "generate_seconds": generate_seconds,
+                     "reply_tokens": [list(m["reply_tokens"]) for m in batch.metadata] if batched else None})
     seconds = statistics.median(r["seconds"] for r in runs)
     last = runs[-1]
     return {
@@ -116,6 +121,33 @@ def measure(model: Any, tokenizer: Any, task: Any, examples: list, *, batched: b
         "turns": last["turns"],
         "generate_calls": last["generate_calls"],
         "generate_seconds_share": round(last["generate_seconds"] / max(last["seconds"], 1e-9), 3),
+        **({"batching_bound": batching_bound(last["reply_tokens"])} if batched else {}),
+    }
+
+
+def batching_bound(reply_tokens: list[list[int]]) -> dict[str, Any]:
+    """Upper bounds on the speedup of any batching of these rollouts over one at a time, from their replies.
+
+    One at a time decodes every reply token in sequence: ``generated`` steps. Batched, an episode's tokens
+    still come one step after another, so any batcher needs at least ``longest_episode`` steps (the most
+    reply tokens of one episode, all its turns) and a turn-synchronous loop (every live episode's turn k
+    in one ``generate`` call, this project's) ``sum over k of the longest turn-k reply`` steps. If a decode
+    step of a batch costs at least one of a single row (prefill ignored), the speedup is at most
+    ``generated / steps``.
+
+    Args:
+        reply_tokens: per rollout, its reply lengths per turn (``RolloutBatch.metadata["reply_tokens"]``).
+    """
+    generated = sum(sum(r) for r in reply_tokens)
+    longest = max((sum(r) for r in reply_tokens), default=0)
+    turns = max((len(r) for r in reply_tokens), default=0)
+    synchronous = sum(max((r[k] for r in reply_tokens if len(r) > k), default=0) for k in range(turns))
+    return {
+        "generated_tokens": generated,
+        "longest_episode_steps": longest,
+        "turn_synchronous_steps": synchronous,
+        "max_speedup_any_batching": round(generated / longest, 2) if longest else None,
+        "max_speedup_turn_synchronous": round(generated / synchronous, 2) if synchronous else None,
     }
 
 
@@ -176,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "speedup_cache": _ratio(_tps(cases, "cache", "batched", True), _tps(cases, "cache", "batched", False)),
         "speedup_cache_one_at_a_time": _ratio(_tps(cases, "cache", "one_at_a_time", True),
                                               _tps(cases, "cache", "one_at_a_time", False)),
+        "batching_bound": next(c["batching_bound"] for c in cases if c["grid"] == "target" and c["mode"] == "batched"),
         "target": {"speedup_batched": TARGET_SPEEDUP_BATCHED, "batch": 8,
                    "met": None if speedup_batched is None else bool(speedup_batched >= TARGET_SPEEDUP_BATCHED)},
         "wall_seconds": round(time.perf_counter() - t_start, 1),

@@ -287,13 +287,19 @@ def floor_units(module: LOPDModule, batch, args: argparse.Namespace) -> dict[str
       forward without context);
     - ``composer_forward_s`` / ``composer_fwd_bwd_s``: the composer's own graph (encoder pass and
       resampler), without and with its backward, no teacher pass;
-    - ``anchor_forward_s``: the frozen anchor composer's forward (the anchor term's c_phi0).
+    - ``anchor_forward_s``: the frozen anchor composer's forward (the anchor term's c_phi0);
+    - ``student_update_warm_s`` / ``lopd_update_warm_s``: a GRPO-like student forward + backward, and
+      LOPD's ``losses`` + backward, repeated on this batch (warm: the same shapes again, the memory of the
+      previous repeat reused), to compare the update with its floor (``student_update_warm_s`` +
+      ``composer_path_s``) without the in-run cost of new batches.
     """
     from lopd_lightning.teacher import prefix_length
 
+    from lopd_lightning.losses import token_logps
+
     module.train()
     batch = batch.to(module.device)
-    _, mask = module.shifted(batch)
+    targets, mask = module.shifted(batch)
     positions = module.unshift(mask)
     n_prefix = prefix_length(batch.attention_mask, batch.context_position) if module.hparams.teacher_prefix_cache else 0
     shared = module.teacher.shares_student_weights  # the prefix comes with the student's forward, else it is extra
@@ -329,8 +335,19 @@ def floor_units(module: LOPDModule, batch, args: argparse.Namespace) -> dict[str
     def anchor():
         module.anchor_latents(batch)
 
+    def student_update():  # a GRPO-like update of the student on this batch: forward + backward, no step
+        logits = module.student_logits(batch, mask)
+        token_logps(logits[None], targets[mask][None])[0].mean().backward()
+        module.zero_grad(set_to_none=True)
+
+    def lopd_update():  # LOPD's forwards, losses and one backward on this batch, no step
+        out = module.losses(batch)
+        (out["loss_student"] + out["loss_composer"]).backward()
+        module.zero_grad(set_to_none=True)
+
     units = {"composer_path_s": composer_path, "teacher_forward_unit_s": forward,
-             "composer_forward_s": composer_forward, "composer_fwd_bwd_s": composer, "anchor_forward_s": anchor}
+             "composer_forward_s": composer_forward, "composer_fwd_bwd_s": composer, "anchor_forward_s": anchor,
+             "student_update_warm_s": student_update, "lopd_update_warm_s": lopd_update}
     for fn in units.values():  # one untimed call each
         fn()
     return {name: round(_timed(fn, args.floor_repeats, args.device), 4) for name, fn in units.items()}
@@ -389,7 +406,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_lopd_over_grpo": round(ratio, 4),
         "ratio_excluding_generation": round(ratio_ex, 4),
         "floor": {**units, "grpo_step_s": grpo["step_total_median_s"], "floor_lopd_s": round(floor_lopd, 4),
-                  "floor_ratio": round(floor_lopd / grpo["step_total_median_s"], 4)},
+                  "floor_ratio": round(floor_lopd / grpo["step_total_median_s"], 4),
+                  "update_warm_ratio_to_floor": round(
+                      units["lopd_update_warm_s"] / (units["student_update_warm_s"] + units["composer_path_s"]), 4)},
         "distance_to_floor": distance,
         "floor_explanation": (
             "floor_lopd_s = GRPO's median step + composer_path_s: the composer's forward, one teacher forward "
@@ -402,7 +421,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "student_step + backward + composer_step) vs GRPO's update + composer_path_s; retrieval and "
             "memory_refresh vs 0; other (Lightning, logging, transfer) vs GRPO's; ratio = measured / floor "
             "(null for a 0 floor). teacher_forward_unit_s (a plain no-grad whole-sequence forward) and "
-            "composer_fwd_bwd_s (the composer's own graph) are reference units."
+            "composer_fwd_bwd_s (the composer's own graph) are reference units. update_warm_ratio_to_floor = "
+            "lopd_update_warm_s / (student_update_warm_s + composer_path_s): LOPD's update against its floor "
+            "on one batch, both repeated warm (in a run every step's batch is new, which costs more)."
         ),
         "target": {"ratio_lopd_over_grpo": TARGET_RATIO, "met": bool(ratio <= TARGET_RATIO)},
         "wall_seconds": round(time.perf_counter() - t_start, 1),

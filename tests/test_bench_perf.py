@@ -206,6 +206,17 @@ def test_rollouts_quick(tmp_path):
     for case in data["cases"]:
         assert case["trajectories"] == 2 and case["trajectories_per_second"] > 0 and case["tokens_per_second"] > 0
         assert case["turns"] >= 2
+    bound = data["batching_bound"]
+    target = next(c for c in data["cases"] if c["grid"] == "target" and c["mode"] == "batched")
+    assert bound == target["batching_bound"] and bound["generated_tokens"] == target["generated_tokens"]
+    assert bound["max_speedup_any_batching"] >= bound["max_speedup_turn_synchronous"] >= 1.0
+
+
+def test_batching_bound_by_hand():
+    bound = load_benchmark("rollouts").batching_bound([[5, 3], [2, 7], [4]])
+    # 21 tokens; longest episode 9 (2 + 7); turn-synchronous max(5, 2, 4) + max(3, 7) = 12
+    assert bound == {"generated_tokens": 21, "longest_episode_steps": 9, "turn_synchronous_steps": 12,
+                     "max_speedup_any_batching": 2.33, "max_speedup_turn_synchronous": 1.75}
 
 
 def test_retrieval_quick(tmp_path):

@@ -57,8 +57,11 @@ def test_step_cost_quick_writes_json(step_cost, tmp_path):
     assert data["ratio_excluding_generation"] == pytest.approx(ex, rel=1e-3)
 
     floor = data["floor"]
-    for unit in ("composer_path_s", "teacher_forward_unit_s", "composer_forward_s", "composer_fwd_bwd_s", "anchor_forward_s"):
+    for unit in ("composer_path_s", "teacher_forward_unit_s", "composer_forward_s", "composer_fwd_bwd_s", "anchor_forward_s",
+                 "student_update_warm_s", "lopd_update_warm_s"):
         assert floor[unit] > 0, unit
+    assert floor["update_warm_ratio_to_floor"] == pytest.approx(
+        floor["lopd_update_warm_s"] / (floor["student_update_warm_s"] + floor["composer_path_s"]), rel=1e-3)
     assert floor["floor_lopd_s"] == pytest.approx(grpo["step_total_median_s"] + floor["composer_path_s"], abs=1e-3)
     for name in ("generation", "retrieval", "teacher_and_update", "memory_refresh", "other", "step_total"):
         assert {"measured_s", "floor_s", "excess_s", "ratio"} <= set(data["distance_to_floor"][name])
