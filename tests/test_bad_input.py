@@ -94,8 +94,12 @@ class NaNAtStep(L.Callback):
         self.snapshots[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters() if p.requires_grad]
         self.betas[trainer.global_step] = getattr(pl_module, "beta", 0.0)
         original = type(pl_module).student_logits
+        def nan_logits(*args, **kwargs):
+            out = original(pl_module, *args, **kwargs)  # (logits, cache) when the teacher shares the cache
+            return (out[0] * float("nan"), out[1]) if isinstance(out, tuple) else out * float("nan")
+
         if trainer.global_step == self.step:
-            pl_module.student_logits = lambda *a, **k: original(pl_module, *a, **k) * float("nan")
+            pl_module.student_logits = nan_logits
         else:
             pl_module.__dict__.pop("student_logits", None)
 

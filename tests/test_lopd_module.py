@@ -280,8 +280,8 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
     student_logits, teacher_logits = module.student_logits, module.teacher.logits_on_student_positions
 
     def grab_student(*args, **kwargs):
-        out = student_logits(*args, **kwargs)
-        captured["student"] = out.detach().double().clone()
+        out = student_logits(*args, **kwargs)  # (logits, cache) when the teacher shares the student's cache
+        captured["student"] = (out[0] if isinstance(out, tuple) else out).detach().double().clone()
         return out
 
     def grab_teacher(*args, **kwargs):
