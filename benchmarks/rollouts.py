@@ -31,7 +31,7 @@ batching (continuous batching included) could gain over one at a time on these t
 decode step of a batch costs at least one of a single row: total reply tokens / the longest episode's.
 
 The JSON is ``{"benchmark": "rollouts", "model", "task", "settings", "cases": [...], "speedup_batched",
-"speedup_cache", "speedup_cache_one_at_a_time", "batching_bound", "target"}`` plus :func:`common.run_metadata`.
+"speedup_batched_no_cache", "speedup_cache", "speedup_cache_one_at_a_time", "batching_bound", "target"}`` plus :func:`common.run_metadata`.
 """
 
 from __future__ import annotations

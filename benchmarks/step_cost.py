@@ -23,7 +23,8 @@ from its floor.
   ``composer_path_s`` = the composer's forward + the teacher's forward with the latents + the backward to
   the composer, as the module runs them (median of ``--floor-repeats``). ``floor_lopd_s`` = GRPO's median
   step + ``composer_path_s``; ``distance_to_floor`` compares LOPD's phase groups with their floor shares.
-  Reference units: one no-grad student forward, the composer's own graph, the anchor composer's forward.
+  Reference units: one no-grad student forward, the composer's own graph, the anchor composer's forward;
+  warm on the same batch, a GRPO-like student update and LOPD's whole update (``update_warm_ratio_to_floor``).
 
 Run::
 

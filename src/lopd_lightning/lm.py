@@ -78,8 +78,8 @@ def selected_logits(
     Returns:
         (B, T, V) when ``positions`` is None, else packed (N, V) with N = positions.sum(), in row-major
         order of ``positions`` (the order of ``tensor[positions]``). Same values as
-        ``model(**model_kwargs).logits`` at those positions (with a ``cache``: as the whole sequence's). With ``return_cache``: ``(logits, cache)``,
-        the cache as in :func:`decoder_hidden_states`.
+        ``model(**model_kwargs).logits`` at those positions (with a ``cache``: as the whole sequence's
+        at them). With ``return_cache``: ``(logits, cache)``, the cache as in :func:`decoder_hidden_states`.
 
     Raises:
         ValueError: ``positions`` is not (B, T) like the inputs.

@@ -146,8 +146,8 @@ class TeacherInputs(NamedTuple):
 
 class TeacherPrefix(NamedTuple):
     """The keys and values of the first ``length`` tokens of every row: the part of the teacher's sequence
-    before any inserted context, which is the student's own prompt (for BFCL, the system prompt with the
-    tool schemas: most of the sequence).
+    before any inserted context, i.e. the beginning of the student's prompt, up to the first user
+    message's content (for BFCL: the system prompt with the tool schemas, most of the prompt).
 
     The teacher's pass can start after it (:meth:`SelfTeacher.logits_on_student_positions` with
     ``prefix=``): the causal attention makes these tokens' states independent of the context, so their
@@ -742,8 +742,9 @@ class SelfTeacher(nn.Module):
     @property
     def shares_student_weights(self) -> bool:
         """True when the student's forward computes the same states as the teacher's on tokens before the
-        context (``live`` mode, no dropout): the student's key/value cache can be the teacher's
-        :class:`TeacherPrefix`."""
+        context: ``live`` mode and no dropout anywhere in the backbone (:func:`has_dropout`; conservative:
+        a LoRA dropout on the composer's adapter, which is off in both passes, also counts). The student's
+        key/value cache can then be the teacher's :class:`TeacherPrefix`."""
         return self.mode == "live" and self.shadow is None and not has_dropout(self.backbone)
 
     def own_prefix(self, input_ids: Tensor, attention_mask: Tensor, length: int) -> TeacherPrefix:

@@ -104,14 +104,15 @@ class LOPDModule(OnPolicyModule):
             recomputing the LM-head matmuls (and softmaxes) of every chunk in backward, a slower
             loss. Needs a plain linear LM head without logit soft-capping (checked at construction).
         teacher_prefix_cache: start the teacher's pass after the tokens that precede every row's context
-            (:func:`~lopd_lightning.teacher.prefix_length`: the prompt up to the first user message's
-            content; for BFCL the system prompt with the tool schemas, 375 of a live_simple prompt's 396
-            tokens and 3,947 of a multi_turn_base prompt's 3,988), using their keys and values instead
-            of recomputing them: in ``live`` mode (no dropout) the student's own forward's, otherwise one
-            no-grad teacher pass over them. The causal mask makes those states independent of the
-            latents, so the teacher's logits and every gradient are the same up to float rounding, and
-            the teacher's forward and the composer's backward through it run on the rest only
-            (benchmarks/results/step_cost.json). False recomputes the whole sequence. Models whose cache
+            (:func:`~lopd_lightning.teacher.prefix_length`: the shortest, over the batch's rows, prompt
+            prefix up to the first user message's content; for BFCL the system prompt with the tool
+            schemas: a median 383 of a live_simple prompt's 420 tokens, 3,671 of a multi_turn_base
+            prompt's 3,703), using their keys and values instead of recomputing them: in ``live`` mode
+            without dropout the student's own forward's, otherwise one no-grad teacher pass over them.
+            The causal mask makes those states independent of the latents, so the teacher's logits and
+            every gradient are the same up to float rounding, and the teacher's forward and the
+            composer's backward through it run on the rest only (benchmarks/results/step_cost.json
+            against step_cost_no_prefix.json). False recomputes the whole sequence. Models whose cache
             is not a plain full-attention one (sliding window, linear attention) get False, with a warning.
     """
 
