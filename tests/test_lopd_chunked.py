@@ -82,9 +82,9 @@ def one_step(tmp_path: Path, bank_dir: Path, chunk: int | None, **overrides) -> 
 
 
 def assert_same_step(ref: dict, got: dict, *, rtol: float = 1e-5, atol: float = 1e-7, loss_atol: float = 1e-7) -> None:
-    # losses always to rel 1e-5; gradients to ``rtol`` / ``atol``
-    """Two :func:`one_step` results: the same logged losses and, parameter by parameter, the same gradients
-    (every group of the reference has a non-zero gradient, so the comparison cannot pass vacuously)."""
+    """Two :func:`one_step` results: the same logged losses (rel 1e-5) and, parameter by parameter, the same
+    gradients (``rtol`` / ``atol``); every group of the reference has a non-zero gradient, so the comparison
+    cannot pass vacuously."""
     for tag in LOGGED:
         assert got["logged"][tag] == pytest.approx(ref["logged"][tag], rel=1e-5, abs=loss_atol), tag
     assert set(got["grads"]) == set(ref["grads"])
