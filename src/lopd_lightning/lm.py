@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from lopd_lightning.losses import chunked_topk_tail_reverse_kl, token_logps, topk_tail_reverse_kl
 
 
-def _base(model: nn.Module) -> nn.Module:
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft ``PeftModel`` (its LoRA layers live there), or ``model`` itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -37,7 +38,7 @@ def decoder_hidden_states(model: nn.Module, *, return_cache: bool = False, cache
             the forward appends to it. Passed as ``cache`` or ``past_key_values``, whichever the installed
             transformers names it.
     """
-    decoder = _base(model).get_decoder()
+    decoder = base_model(model).get_decoder()
     if return_cache or cache is not None:
         model_kwargs["use_cache"] = True
     else:
@@ -57,7 +58,7 @@ def _cache_argument(decoder: nn.Module) -> str:
 
 def lm_head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
     """The model's output head on ``hidden`` (..., d) -> (..., V), with final logit soft-capping if any."""
-    base = _base(model)
+    base = base_model(model)
     logits = base.get_output_embeddings()(hidden)
     cap = getattr(base.config, "final_logit_softcapping", None)
     if cap:
@@ -146,7 +147,7 @@ def lm_head_parameters(model: nn.Module) -> Head:
         ValueError: the head is not a plain ``nn.Linear`` (e.g. a LoRA adapter on ``lm_head``) or the
             model soft-caps its final logits (Gemma 2): the chunked losses apply ``hidden @ W.T + b`` only.
     """
-    base = _base(model)
+    base = base_model(model)
     head = base.get_output_embeddings()
     if getattr(base.config, "final_logit_softcapping", None):
         raise ValueError("the model soft-caps its final logits; the chunked LM-head losses do not: "

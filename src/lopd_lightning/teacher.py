@@ -55,6 +55,7 @@ from lopd_lightning.adapters import (
 )
 from lopd_lightning.lm import (
     Head,
+    base_model,
     decoder_hidden_states,
     lm_head_parameters,
     selected_hidden_states,
@@ -225,7 +226,7 @@ def has_dropout(model: nn.Module) -> bool:
     config and its text config)."""
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
         return True
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     configs = [config]
     if config is not None and hasattr(config, "get_text_config"):
@@ -244,7 +245,7 @@ def supports_prefix_cache(model: nn.Module) -> bool:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     try:
         layers = DynamicCache(config=base.config).layers
     except Exception:  # an architecture whose cache transformers cannot build from the config alone
