@@ -44,7 +44,7 @@ def flags(model) -> dict[str, bool]:
 def lora_backbone():
     model = tiny_model()
     reference = model(ids()).logits.detach()
-    pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=None)
+    pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=default_lora_config())
     perturb(pm, STUDENT, 1)
     perturb(pm, COMPOSER, 2)
     return pm, reference
@@ -61,7 +61,7 @@ def full_backbone():
 def test_prepare_backbone_lora_student_flags_and_no_copy():
     model = tiny_model()
     storage = parameter_storage(model)
-    pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=None)
+    pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=default_lora_config())
     assert adapter_names(pm) == [STUDENT, COMPOSER]
     assert student_adapter_name(pm) == STUDENT
     assert storage == {p.data_ptr() for p in base_parameters(pm)}  # base weights are the original tensors
@@ -77,7 +77,7 @@ def test_prepare_backbone_lora_student_flags_and_no_copy():
 def test_prepare_backbone_full_student_keeps_base_trainable():
     model = tiny_model()
     model.model.embed_tokens.weight.requires_grad_(False)  # a flag the user set stays as it was
-    pm = prepare_backbone(model, student_lora=None, composer_lora=None)
+    pm = prepare_backbone(model, student_lora=None, composer_lora=default_lora_config())
     assert adapter_names(pm) == [COMPOSER]
     assert student_adapter_name(pm) is None
     base = base_parameters(pm)
@@ -88,6 +88,75 @@ def test_prepare_backbone_full_student_keeps_base_trainable():
     with use_adapter(pm, None):
         out = pm(ids()).logits
     assert out.shape == (2, 9, 259)
+
+
+def test_prepare_backbone_without_a_composer_adds_no_composer_parameter():
+    # a LoRA student: only the student's adapter; every trainable parameter is the student's
+    pm = prepare_backbone(tiny_model(), student_lora=STUDENT_LORA, composer_lora=None)
+    assert adapter_names(pm) == [STUDENT]
+    assert {id(p) for p in pm.parameters() if p.requires_grad} == {id(p) for p in student_parameters(pm)}
+    # a full student: no adapter at all, the model itself, every weight trainable
+    model = tiny_model()
+    plain = prepare_backbone(model, student_lora=None, composer_lora=None)
+    assert plain is model and adapter_names(plain) == [] and student_adapter_name(plain) is None
+    assert student_parameters(plain) == list(model.parameters())
+    with use_adapter(plain, None, grads="none"):  # only the gradient mode acts on a plain model
+        assert not any(p.requires_grad for p in plain.parameters())
+    assert all(p.requires_grad for p in plain.parameters())
+    with pytest.raises(ValueError, match="unknown adapter 'composer'"):
+        with use_adapter(plain, COMPOSER):
+            pass
+
+
+@pytest.mark.parametrize("method", ["GRPOModule", "SDPOModule", "OPSDModule", "SkillSDModule", "SFTModule", "LOPDModule"])
+@pytest.mark.parametrize("lora", [STUDENT_LORA, None], ids=["lora", "full"])
+def test_every_trainable_parameter_of_a_method_is_in_its_optimisers(method, lora):
+    # a trainable parameter no optimiser owns never gets a gradient: DDP then skips its all-reduce and
+    # fails on the next step (issue: GRPO under DDP carried an unused composer adapter)
+    import lopd_lightning.modules as modules
+
+    options = {"rollouts_per_example": 2} if method in ("GRPOModule", "SDPOModule", "SkillSDModule") else {}
+    if method == "LOPDModule":
+        options.update(num_latents=2, composer_depth=1, embedder="hashing", top_m=8)
+    module = getattr(modules, method)("tiny", lora=lora, **options)
+    optimisers = module.configure_optimizers()
+    optimisers = optimisers if isinstance(optimisers, (list, tuple)) else [optimisers]
+    owned = {id(p) for opt in optimisers for group in opt.param_groups for p in group["params"]}
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert {n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owned} == set()
+    has_composer = any("composer" in n for n in trainable)
+    assert has_composer == (method == "LOPDModule")
+
+
+@pytest.mark.parametrize("key", ["lora", "composer_lora"])
+@pytest.mark.parametrize("field, value", [("modules_to_save", ["lm_head"]), ("trainable_token_indices", [5, 6])])
+def test_a_lora_config_the_backbone_cannot_honour_is_refused_before_the_weights_load(key, field, value):
+    # peft would add a trainable copy outside the LoRA layers, frozen here and shared by every role
+    options = {key: {**STUDENT_LORA, field: value}}
+    if key == "lora":
+        from lopd_lightning.modules import GRPOModule as method
+        options["rollouts_per_example"] = 2
+    else:
+        from lopd_lightning.modules import LOPDModule as method
+        options["lora"] = STUDENT_LORA
+    with pytest.raises(ValueError) as info:
+        method("no-such-model", **options)  # refused before the (missing) model is looked for
+    message = str(info.value)
+    assert f"model.init_args.{key}.{field}=" in message and "not supported" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "targets, expected",
+    [(["q_prj"], "names ['q_prj'], which this model does not have"), (["norm"], "'norm', a LlamaRMSNorm, which LoRA cannot wrap")],
+)
+def test_lora_target_modules_must_be_layers_lora_can_wrap(targets, expected):
+    with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+        prepare_backbone(tiny_model(), student_lora={**STUDENT_LORA, "target_modules": targets}, composer_lora=None)
+    with pytest.raises(ValueError, match="model.init_args.composer_lora.target_modules"):
+        prepare_backbone(tiny_model(), student_lora=None, composer_lora={"r": 2, "target_modules": targets})
+    # a dotted suffix (peft's rule) is a valid name
+    pm = prepare_backbone(tiny_model(), student_lora={**STUDENT_LORA, "target_modules": ["self_attn.q_proj"]})
+    assert adapter_names(pm) == [STUDENT]
 
 
 def test_use_adapter_switches_outputs(lora_backbone):

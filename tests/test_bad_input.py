@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 
-from lopd_lightning.adapters import prepare_backbone
+from lopd_lightning.adapters import default_lora_config, prepare_backbone
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
@@ -138,7 +138,7 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on(method, tmp_path,
 # ------------------------------------------------------------------------------------------ text
 def test_privileged_context_is_cut_before_the_students_tokens():
     model, tokenizer = tiny_model(max_position_embeddings=48), tiny_tokenizer()
-    backbone = prepare_backbone(model, student_lora=LORA, composer_lora=None)
+    backbone = prepare_backbone(model, student_lora=LORA, composer_lora=default_lora_config())
     teacher = SelfTeacher(backbone, tokenizer, framing_prefix="<", framing_suffix=">")
     assert teacher.max_length == 48
     ids = torch.arange(10, 50).reshape(1, 40)  # 40 student tokens: 8 positions left

@@ -11,6 +11,7 @@ from lopd_lightning.adapters import (
     adapter_parameters,
     base_parameters,
     parameter_storage,
+    default_lora_config,
     prepare_backbone,
     student_parameters,
     use_adapter,
@@ -41,7 +42,7 @@ def perturb(peft_model, name: str, seed: int) -> None:
 
 def make(student_lora=STUDENT_LORA, **kwargs):
     torch.manual_seed(0)
-    backbone = prepare_backbone(tiny_model(), student_lora=student_lora, composer_lora=None)
+    backbone = prepare_backbone(tiny_model(), student_lora=student_lora, composer_lora=default_lora_config())
     perturb(backbone, COMPOSER, 1)
     if student_lora is not None:
         perturb(backbone, STUDENT, 2)

@@ -1,13 +1,19 @@
-"""Data-parallel LOPD on 2 CPU processes (gloo): what DDP must preserve (selected by ``pytest -k ddp``).
+"""Data-parallel training of every method on 2 CPU processes (gloo): what DDP must preserve.
 
-tests/scripts/ddp_lopd.py trains 2 steps with ``strategy="ddp", devices=2`` and saves, per rank and
-step, the batch, the gradients the optimisers saw, beta, the margin and the bank. Checked here:
+Selected by ``pytest -k ddp``; one method by ``pytest -k "ddp and grpo"`` (ids: lopd, grpo, sdpo, opsd,
+skill_sd, sft). tests/scripts/ddp_methods.py trains 2 steps with ``strategy="ddp", devices=2`` and saves,
+per rank and step, the batch, the gradients the optimisers saw and the weights after the step (LOPD: also
+beta, the margin and the bank). Checked here, for every method:
 
 - each rank generated different rollouts (its own examples and sampling seeds);
+- the module has no trainable parameter outside what its optimisers update (a parameter without a
+  gradient makes DDP skip its all-reduce and fail on the next step): no composer outside LOPD;
 - the gradients are synchronised (identical on both ranks) and equal the gradient of ONE process on
-  both ranks' batches together: the loss is normalised by the global count of assistant tokens;
-- beta is updated from the all-reduced margin (identical on both ranks, equal to the one-process value);
-- the experience bank is identical on every rank after each refresh (ids, traces and embeddings).
+  both ranks' batches together: the loss is normalised by the global count of loss tokens;
+- the weights stay identical on both ranks after every step.
+
+LOPD also: beta is updated from the all-reduced margin, and the experience bank is identical on every
+rank after each refresh.
 """
 
 from __future__ import annotations
@@ -22,61 +28,95 @@ import torch
 
 from lopd_lightning.rollout import collate_batches
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_lopd.py"
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_methods.py"
+METHODS = ["lopd", "grpo", "sdpo", "opsd", "skill_sd", "sft"]
+_RUNS: dict[str, tuple[list, dict]] = {}
 
 
-def _run(args: list[str], out: Path) -> None:
+def _run(method: str, args: list[str], out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--method", method, "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    _run(["--steps", "2"], out)
-    ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
-    # the reference: one process, one step, on both ranks' first batches together
-    combined = collate_batches([ranks[0][0]["batch"], ranks[1][0]["batch"]])
-    torch.save(combined, out / "combined.pt")
-    _run(["--single"], out)
-    single = torch.load(out / "single.pt", weights_only=False)
-    return ranks, single[0]
+def ddp_run(method: str, tmp_path_factory) -> tuple[list, dict]:
+    """(per-rank captures of the 2-step DDP run, the one-process capture on both first batches), cached."""
+    if method not in _RUNS:
+        out = tmp_path_factory.mktemp(f"ddp_{method}")
+        _run(method, ["--steps", "2"], out)
+        ranks = [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
+        # the reference: one process, one step, on both ranks' first batches together
+        combined = collate_batches([ranks[0][0]["batch"], ranks[1][0]["batch"]])
+        torch.save(combined, out / "combined.pt")
+        _run(method, ["--single"], out)
+        single = torch.load(out / "single.pt", weights_only=False)
+        _RUNS[method] = (ranks, single[0])
+    return _RUNS[method]
 
 
-def test_ddp_ranks_generate_different_rollouts(ddp_run):
-    ranks, _ = ddp_run
+def _grad_names(method: str) -> tuple[str, ...]:
+    return ("student_grads", "composer_grads") if method == "lopd" else ("student_grads",)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ddp_ranks_generate_different_rollouts(method, tmp_path_factory):
+    ranks, _ = ddp_run(method, tmp_path_factory)
     for step in range(2):
         a, b = ranks[0][step]["batch"], ranks[1][step]["batch"]
         assert not set(a.example_ids) & set(b.example_ids)  # disjoint examples
         assert a.assistant_mask.sum() != b.assistant_mask.sum() or not torch.equal(a.input_ids, b.input_ids)
-    # the ranks really do hold different token counts (what makes the normalisation test meaningful)
-    assert ranks[0][0]["batch"].assistant_mask.sum() != ranks[1][0]["batch"].assistant_mask.sum()
 
 
-def test_ddp_gradients_are_synchronised_and_equal_one_large_batch(ddp_run):
-    ranks, single = ddp_run
+@pytest.mark.parametrize("method", METHODS)
+def test_ddp_trainable_parameters_are_what_the_optimisers_update(method, tmp_path_factory):
+    ranks, _ = ddp_run(method, tmp_path_factory)
+    trainable = ranks[0][0]["trainable"]
+    assert trainable == ranks[1][0]["trainable"]
+    if method != "lopd":  # a method without a composer has no composer parameter at all
+        assert not [n for n in trainable if "composer" in n], trainable
+        assert len(trainable) == len(ranks[0][0]["student_grads"])
+    else:
+        assert any("composer" in n for n in trainable) and not [n for n in trainable if "anchor" in n]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ddp_gradients_are_synchronised_and_equal_one_large_batch(method, tmp_path_factory):
+    ranks, single = ddp_run(method, tmp_path_factory)
     for step in range(2):
-        for name in ("student_grads", "composer_grads"):
+        for name in _grad_names(method):
             for g0, g1 in zip(ranks[0][step][name], ranks[1][step][name], strict=True):
                 assert (g0 is None) == (g1 is None)
                 if g0 is not None:
                     torch.testing.assert_close(g0, g1, rtol=0, atol=0)  # all-reduced: bitwise equal
     # DDP averages the ranks' gradients; each rank divides by (global tokens / 2): together the gradient
-    # of sum(all tokens' KL) / (all tokens), the one-process gradient on the concatenated batch
-    assert sum(float(g.abs().sum()) for g in single["student_grads"]) > 0
-    for name in ("student_grads", "composer_grads"):
+    # of sum(all tokens' loss) / (all tokens), the one-process gradient on the concatenated batch
+    assert sum(float(g.abs().sum()) for g in single["student_grads"] if g is not None) > 0
+    for name in _grad_names(method):
         for g_ddp, g_one in zip(ranks[0][0][name], single[name], strict=True):
             assert (g_ddp is None) == (g_one is None)
             if g_ddp is not None:
                 torch.testing.assert_close(g_ddp, g_one, rtol=2e-4, atol=1e-7)
-    tokens = [float(r[0]["batch"].assistant_mask[:, 1:].sum()) for r in ranks]
-    assert ranks[0][0]["num_loss_tokens"] == pytest.approx(sum(tokens) / 2)
+    if method in ("lopd", "sft"):  # every assistant token is a loss token
+        tokens = [float(r[0]["batch"].assistant_mask[:, 1:].sum()) for r in ranks]
+        assert ranks[0][0]["num_loss_tokens"] == pytest.approx(sum(tokens) / 2)
 
 
-def test_ddp_beta_follows_the_all_reduced_margin(ddp_run):
-    ranks, single = ddp_run
+@pytest.mark.parametrize("method", METHODS)
+def test_ddp_weights_stay_identical_on_every_rank(method, tmp_path_factory):
+    ranks, _ = ddp_run(method, tmp_path_factory)
+    for step in range(2):
+        before = ranks[0][step - 1]["params"] if step else None
+        for p0, p1 in zip(ranks[0][step]["params"], ranks[1][step]["params"], strict=True):
+            torch.testing.assert_close(p0, p1, rtol=0, atol=0)
+        if before is not None:  # the second step did update the weights
+            assert any(not torch.equal(a, b) for a, b in zip(before, ranks[0][step]["params"], strict=True))
+    for step in range(2):
+        assert ranks[0][step]["rollouts_consumed"] == ranks[1][step]["rollouts_consumed"]
+
+
+def test_ddp_lopd_beta_follows_the_all_reduced_margin(tmp_path_factory):
+    ranks, single = ddp_run("lopd", tmp_path_factory)
     for step in range(2):
         s0, s1 = ranks[0][step], ranks[1][step]
         assert s0["margin_delta"] == s1["margin_delta"]
@@ -86,8 +126,8 @@ def test_ddp_beta_follows_the_all_reduced_margin(ddp_run):
     assert ranks[0][0]["beta_after"] == pytest.approx(single["beta_after"], rel=1e-4)
 
 
-def test_ddp_bank_is_identical_on_every_rank_after_each_refresh(ddp_run):
-    ranks, _ = ddp_run
+def test_ddp_lopd_bank_is_identical_on_every_rank_after_each_refresh(tmp_path_factory):
+    ranks, _ = ddp_run("lopd", tmp_path_factory)
     sizes = []
     for step in range(2):
         s0, s1 = ranks[0][step], ranks[1][step]

@@ -14,6 +14,7 @@ from lopd_lightning.adapters import (
     adapter_parameters,
     base_parameters,
     parameter_storage,
+    default_lora_config,
     prepare_backbone,
     use_adapter,
 )
@@ -47,10 +48,10 @@ def perturb(peft_model, name: str, seed: int, scale: float = 0.5) -> None:
 def backbone_for(student: str):
     model = tiny_model()
     if student == "lora":
-        pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=None)
+        pm = prepare_backbone(model, student_lora=STUDENT_LORA, composer_lora=default_lora_config())
         perturb(pm, STUDENT, 1)
     else:
-        pm = prepare_backbone(model, student_lora=None, composer_lora=None)
+        pm = prepare_backbone(model, student_lora=None, composer_lora=default_lora_config())
     perturb(pm, COMPOSER, 2)
     return pm
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lopd_lightning.adapters import STUDENT, prepare_backbone, use_adapter
+from lopd_lightning.adapters import STUDENT, default_lora_config, prepare_backbone, use_adapter
 from lopd_lightning.lm import selected_logits
 from lopd_lightning.teacher import (
     SelfTeacher,
@@ -153,7 +153,7 @@ def test_the_student_cache_is_shared_only_with_the_same_weights_and_no_dropout()
 
     assert SelfTeacher(backbone_for("lora"), TOKENIZER, mode="live").shares_student_weights
     assert SelfTeacher(backbone_for("full"), TOKENIZER, mode="live").shares_student_weights
-    dropout = prepare_backbone(tiny_model(), student_lora={**STUDENT_LORA, "lora_dropout": 0.1}, composer_lora=None)
+    dropout = prepare_backbone(tiny_model(), student_lora={**STUDENT_LORA, "lora_dropout": 0.1}, composer_lora=default_lora_config())
     assert has_dropout(dropout)
     assert not SelfTeacher(dropout, TOKENIZER, mode="live").shares_student_weights
     attention_dropout = tiny_model()

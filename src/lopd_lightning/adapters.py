@@ -3,10 +3,12 @@
 LOPD runs three roles on one causal LM (METHOD.md sections 3 and 4): the student pi_S (weights theta),
 the composer's encoder Enc_psi (the backbone with its own LoRA psi) and the self-teacher pi_theta_bar.
 Nothing is copied: :func:`prepare_backbone` wraps the model once with peft and gives it the adapters
+(a full-parameter student of a method without a composer has none and stays a plain model):
 
 - ``"student"``: the student's LoRA, when the student is trained with LoRA; with a full-parameter student
   there is no such adapter and the student is the base weights (adapters disabled);
-- ``"composer"``: the encoder's LoRA psi (rank 8, alpha 16, dropout 0 on q, k, v, o, gate, up, down);
+- ``"composer"``: the encoder's LoRA psi (rank 8, alpha 16, dropout 0 on q, k, v, o, gate, up, down),
+  only for a method with a composer (LOPD): the other methods have no composer parameter at all;
 - ``"teacher_ema"``: added later by :class:`lopd_lightning.teacher.SelfTeacher` in ``ema`` mode.
 
 :func:`use_adapter` selects which one a forward pass sees. peft's own ``set_adapter`` /
@@ -54,7 +56,9 @@ __all__ = [
     "TEACHER_EMA",
     "adapter_names",
     "adapter_parameters",
+    "as_lora_config",
     "base_parameters",
+    "check_lora_config",
     "composer_lora_parameters",
     "copy_adapter",
     "merged_student",
@@ -87,7 +91,13 @@ def default_lora_config(
     )
 
 
-def _as_lora_config(config: LoraConfig | dict[str, Any] | None, *, default: LoraConfig | None) -> LoraConfig | None:
+def as_lora_config(config: LoraConfig | dict[str, Any] | None, *, default: LoraConfig | None = None) -> LoraConfig | None:
+    """A ``LoraConfig`` from a config or its keyword arguments (``task_type`` defaults to ``"CAUSAL_LM"``);
+    ``default`` for None.
+
+    Raises:
+        TypeError: ``config`` is neither a ``LoraConfig``, a dict nor None (or a key is not a LoraConfig field).
+    """
     if config is None:
         return default
     if isinstance(config, LoraConfig):
@@ -106,8 +116,8 @@ def prepare_backbone(
     *,
     student_lora: LoraConfig | dict[str, Any] | None,
     composer_lora: LoraConfig | dict[str, Any] | None = None,
-) -> PeftModel:
-    """Wrap a causal LM once with the named adapters ``"student"`` (optional) and ``"composer"``.
+) -> nn.Module:
+    """Wrap a causal LM once with the named adapters ``"student"`` and ``"composer"``, each optional.
 
     Args:
         model: a Hugging Face causal LM (not yet a ``PeftModel``). It is modified in place (LoRA layers are
@@ -115,29 +125,35 @@ def prepare_backbone(
         student_lora: the student's LoRA (a ``LoraConfig`` or its keyword arguments), or ``None`` for a
             full-parameter student: then there is no ``"student"`` adapter and the base weights keep the
             ``requires_grad`` flags they had before wrapping (trainable, for the student).
-        composer_lora: the encoder's LoRA psi; ``None`` gives :func:`default_lora_config` (rank 8, alpha 16,
-            dropout 0, q/k/v/o/gate/up/down; METHOD.md section 3).
+        composer_lora: the encoder's LoRA psi (a ``LoraConfig`` or its keyword arguments; the paper's is
+            :func:`default_lora_config`), or ``None`` for a method without a composer: then there is no
+            ``"composer"`` adapter and no composer parameter at all (a parameter that never receives a
+            gradient would break DDP's gradient all-reduce).
 
     Returns:
-        The ``PeftModel``. Flags after the call: ``"student"`` and ``"composer"`` LoRA parameters trainable;
-        base weights frozen for a LoRA student, as before wrapping for a full student. The active adapter
-        is ``"student"`` (LoRA student) or ``"composer"`` with all adapters disabled (full student), so a
-        plain ``backbone(...)`` call is the student's forward either way.
-
-    Only plain LoRA layers are managed: a config with ``modules_to_save`` or trainable tokens would add
-    copies that this module counts as base weights (not supported).
+        The ``PeftModel`` with the adapters asked for; with neither (a full-parameter student of a method
+        without a composer) ``model`` itself, unwrapped. Flags after the call: adapter parameters
+        trainable; base weights frozen for a LoRA student, as before wrapping for a full student. The
+        active adapter is ``"student"`` (LoRA student) or ``"composer"`` with all adapters disabled (full
+        student), so a plain ``backbone(...)`` call is the student's forward either way.
 
     Raises:
         TypeError: ``model`` is already a ``PeftModel`` or a config has the wrong type.
+        ValueError: a config asks for what one shared backbone cannot honour (:func:`check_lora_config`).
     """
     if isinstance(model, PeftModel):
         raise TypeError("prepare_backbone expects a plain model; it is already a PeftModel")
-    student_cfg = _as_lora_config(student_lora, default=None)
-    composer_cfg = _as_lora_config(composer_lora, default=default_lora_config())
+    student_cfg = as_lora_config(student_lora, default=None)
+    composer_cfg = as_lora_config(composer_lora, default=None)
+    check_lora_config(student_cfg, "lora", model=model)
+    check_lora_config(composer_cfg, "composer_lora", model=model)
+    if student_cfg is None and composer_cfg is None:
+        return model
     base_flags = {id(p): p.requires_grad for p in model.parameters()}  # peft keeps these tensors as they are
     if student_cfg is not None:
         peft_model = get_peft_model(model, student_cfg, adapter_name=STUDENT)
-        peft_model.add_adapter(COMPOSER, composer_cfg)
+        if composer_cfg is not None:
+            peft_model.add_adapter(COMPOSER, composer_cfg)
         peft_model.set_adapter(STUDENT)
         for p in base_parameters(peft_model):
             p.requires_grad_(False)
@@ -152,18 +168,70 @@ def prepare_backbone(
     return peft_model
 
 
+#: LoraConfig fields that add trainable copies or tokens outside the LoRA layers. One backbone shares
+#: its base weights between the student, the composer and the teacher, and this module trains, saves
+#: and switches only LoRA layers: such a copy would be counted as a base weight and stay frozen.
+_UNSUPPORTED_LORA_FIELDS = ("modules_to_save", "trainable_token_indices")
+
+
+def check_lora_config(config: LoraConfig | None, key: str, *, model: nn.Module | None = None) -> None:
+    """Refuse a LoRA config that the shared backbone cannot honour, with one line naming the field.
+
+    Args:
+        config: the config (None: nothing to check).
+        key: its name under ``model.init_args`` (``"lora"`` for the student, ``"composer_lora"``).
+        model: the plain model the config will wrap; when given, ``target_modules`` must name modules it
+            has and that peft's LoRA supports (linear, embedding or convolution layers).
+
+    Raises:
+        ValueError: ``modules_to_save`` or ``trainable_token_indices`` is set (a copy of the module
+            outside LoRA, which would stay frozen and be shared by every role); ``target_modules`` names
+            no module of ``model`` or a module type LoRA cannot wrap.
+    """
+    if config is None:
+        return
+    for field in _UNSUPPORTED_LORA_FIELDS:
+        if getattr(config, field, None):
+            raise ValueError(
+                f"model.init_args.{key}.{field}={getattr(config, field)!r} is not supported: the copy it makes "
+                f"would be frozen and shared by the student, composer and teacher; remove {field} (to train "
+                f"that module, add it to target_modules for a LoRA on it, or set model.init_args.lora to null "
+                f"for a full-parameter student)"
+            )
+    if model is None or config.target_modules is None or isinstance(config.target_modules, str):
+        return  # a regex string or peft's own default: left to peft
+    wanted = set(config.target_modules)
+    supported = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        for target in wanted:  # peft's rule: the whole name, or its dotted suffix
+            if name == target or name.endswith("." + target):
+                if not isinstance(module, supported) and type(module).__name__ != "Conv1D":
+                    raise ValueError(
+                        f"model.init_args.{key}.target_modules names {target!r}, a {type(module).__name__}, which "
+                        f"LoRA cannot wrap; name linear or embedding layers (e.g. {list(LORA_TARGETS)})"
+                    )
+                found[target] = type(module).__name__
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise ValueError(
+            f"model.init_args.{key}.target_modules names {missing}, which this model does not have; "
+            f"choose among its layers, e.g. {list(LORA_TARGETS)}"
+        )
+
+
 def _tuner_layers(peft_model: nn.Module) -> list[BaseTunerLayer]:
     return [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
 
 
-def adapter_names(peft_model: PeftModel) -> list[str]:
-    """Names of the adapters on the backbone, in insertion order (``peft_config`` keys)."""
-    return list(peft_model.peft_config.keys())
+def adapter_names(peft_model: nn.Module) -> list[str]:
+    """Names of the adapters on the backbone, in insertion order (``peft_config`` keys; [] for a plain model)."""
+    return list(getattr(peft_model, "peft_config", {}).keys())
 
 
-def is_lora_student(peft_model: PeftModel) -> bool:
+def is_lora_student(peft_model: nn.Module) -> bool:
     """True when the backbone has a ``"student"`` adapter (the student is LoRA-trained)."""
-    return STUDENT in peft_model.peft_config
+    return STUDENT in adapter_names(peft_model)
 
 
 def student_adapter_name(peft_model: PeftModel) -> str | None:
@@ -258,11 +326,12 @@ def _switch(peft_model: PeftModel, active: list[str] | str | None) -> None:
 
 
 @contextmanager
-def use_adapter(peft_model: PeftModel, name: str | None, *, grads: GradMode = "keep") -> Iterator[PeftModel]:
+def use_adapter(peft_model: nn.Module, name: str | None, *, grads: GradMode = "keep") -> Iterator[nn.Module]:
     """Run the forward passes of the context under exactly one adapter (``None``: the base weights).
 
     Args:
-        peft_model: the shared backbone from :func:`prepare_backbone`.
+        peft_model: the shared backbone from :func:`prepare_backbone` (a plain model when it has no
+            adapter: then only ``name=None`` is valid and only ``grads`` acts).
         name: the adapter to activate, or ``None`` to disable all adapters.
         grads: which parameters the passes inside may record for the backward (see the module docstring):
             ``"keep"`` the current flags; ``"adapter"`` only the active adapter's parameters (with their
@@ -278,10 +347,14 @@ def use_adapter(peft_model: PeftModel, name: str | None, *, grads: GradMode = "k
     Raises:
         ValueError: ``name`` is not an adapter of the backbone or ``grads`` is unknown.
     """
-    if name is not None and name not in peft_model.peft_config:
+    if name is not None and name not in adapter_names(peft_model):
         raise ValueError(f"unknown adapter {name!r}; the backbone has {adapter_names(peft_model)}")
     if grads not in ("keep", "adapter", "none"):
         raise ValueError(f"grads must be 'keep', 'adapter' or 'none', got {grads!r}")
+    if not isinstance(peft_model, PeftModel):  # no adapter at all: only the gradient mode applies
+        with frozen([p for p in peft_model.parameters() if p.requires_grad] if grads != "keep" else []):
+            yield peft_model
+        return
     params = list(peft_model.parameters())
     flags = [p.requires_grad for p in params]
     prev_active, prev_disabled = _current_state(peft_model)
@@ -354,6 +427,8 @@ def merged_student(peft_model: PeftModel) -> nn.Module:
     import copy
 
     clone = copy.deepcopy(peft_model)
+    if not isinstance(clone, PeftModel):  # a full student without adapters is the model itself
+        return clone
     for name in adapter_names(clone):
         if name != STUDENT:
             clone.delete_adapter(name)

@@ -26,7 +26,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lopd_lightning.adapters import prepare_backbone, student_parameters, use_adapter
+from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
 from lopd_lightning.lm import selected_logits, unpack
 from lopd_lightning.losses import token_logps
 from lopd_lightning.teacher import position_ids_from_mask
@@ -145,6 +145,8 @@ class OnPolicyModule(LightningModule):
             raise ValueError(f"rollouts_per_example must be >= 1, got {rollouts_per_example}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training rollouts, got {temperature}")
+        for key, config in (("lora", lora), ("composer_lora", self.composer_lora_config())):
+            check_lora_config(as_lora_config(config), key)  # before the weights load; target_modules after
         self.model_name = model
         backbone, self.tokenizer = load_student(model, dtype=dtype, seed=seed)
         if gradient_checkpointing:
@@ -190,7 +192,8 @@ class OnPolicyModule(LightningModule):
         )
 
     def composer_lora_config(self) -> dict[str, Any] | None:
-        """LoRA settings of a composer adapter on the shared backbone (None: the method has no composer)."""
+        """LoRA settings of a composer adapter on the shared backbone (None, the default: the method has no
+        composer, and the backbone no composer parameter, which DDP would find unused)."""
         return None
 
     # ------------------------------------------------------------------ rollouts
