@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from lopd_lightning.losses import (
     generalized_jsd,
+    k3_kl,
     masked_mean,
     ppo_clip_fraction,
     ppo_clip_loss,
@@ -671,3 +672,60 @@ def test_topk_tail_reverse_kl_with_the_students_support_matches_the_naive_formul
     assert not torch.allclose(got, topk_tail_reverse_kl(student, teacher, k=3))  # a different support
     with pytest.raises(ValueError, match="support must be 'teacher' or 'student'"):
         topk_tail_reverse_kl(student, teacher, k=3, support="both")
+
+
+# ------------------------------------------------------------------------------------------- k3 KL
+def _k3_reference(d: float) -> float:
+    """exp(d) - d - 1 in float64 without cancellation: its Taylor series for small |d|, expm1 otherwise."""
+    if abs(d) < 1e-3:
+        return sum(d**n / math.factorial(n) for n in range(2, 9))
+    return math.expm1(d) - d
+
+
+@pytest.mark.parametrize("d", [1e-8, -1e-8, 1e-6, -1e-6, 3e-4, -3e-4, 9e-3, -9e-3, 1.1e-2, -1.1e-2, 0.5, -0.5, 5.0, -20.0])
+def test_k3_kl_matches_the_exact_value_at_every_scale_in_float32(d):
+    logps = torch.tensor([[-2.0]], dtype=torch.float32)
+    ref = logps + d  # float32: the difference actually stored is what the reference must use
+    d_stored = float(ref.double() - logps.double())
+    value = float(k3_kl(logps, ref))
+    assert value >= 0
+    assert value == pytest.approx(_k3_reference(d_stored), rel=2e-5, abs=0)
+
+
+def test_k3_kl_naive_form_cancels_where_the_stable_one_does_not():
+    g = torch.Generator().manual_seed(0)
+    logps = -torch.rand(10_000, generator=g) * 5
+    ref = logps + 1e-4 * torch.randn(10_000, generator=g)
+    d = ref - logps
+    naive = torch.exp(d) - d - 1.0
+    assert int((naive < 0).sum()) > 10  # the fault: the naive float32 form goes negative
+    stable = k3_kl(logps, ref)
+    assert int((stable < 0).sum()) == 0
+    exact = (ref.double() - logps.double()) ** 2 / 2  # to first order at |d| <= 5e-4
+    torch.testing.assert_close(stable.double(), exact, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_k3_kl_is_never_negative_over_near_equal_pairs(dtype):
+    g = torch.Generator().manual_seed(0)
+    logps = -torch.rand(200, 500, generator=g) * 5
+    scale = torch.logspace(-9, -1, 500)  # differences from 1e-9 to 0.1, both signs
+    ref = logps + scale * torch.randn(200, 500, generator=g)
+    logps, ref = logps.to(dtype), ref.to(dtype)
+    value = k3_kl(logps, ref)
+    assert value.dtype == (torch.float32)  # half-precision inputs are computed (and returned) in float32
+    assert bool((value >= 0).all()) and bool(torch.isfinite(value).all())
+    d = ref.double() - logps.double()  # exact: the inputs as stored
+    expected = torch.where(d.abs() < 1e-3, d**2 / 2 + d**3 / 6 + d**4 / 24 + d**5 / 120, torch.expm1(d) - d)
+    torch.testing.assert_close(value.double(), expected, rtol=5e-5, atol=1e-30)
+
+
+def test_k3_kl_gradient_is_one_minus_exp_d_and_the_reference_is_constant():
+    logps = torch.tensor([[-1.0, -2.0, -3.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0 + 1e-4, -1.0, -0.5 - 3e-3]], dtype=torch.float64, requires_grad=True)
+    k3_kl(logps, ref).sum().backward()
+    d = (ref - logps).detach()
+    torch.testing.assert_close(logps.grad, 1 - torch.exp(d), rtol=1e-10, atol=1e-15)
+    assert ref.grad is None
+    with pytest.raises(ValueError, match="differ"):
+        k3_kl(torch.zeros(1, 2), torch.zeros(2, 1))

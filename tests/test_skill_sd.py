@@ -115,6 +115,18 @@ def test_sdl_matches_the_formula_by_hand():
     )
 
 
+def test_sdl_term_is_never_negative_for_near_equal_log_probs():
+    # exp(-l) - 1 + l cancels in float32 for tiny l; the term must stay >= 0 (it is k3, evaluated stably)
+    g = torch.Generator().manual_seed(1)
+    logps = -torch.rand(100, 400, generator=g) * 4
+    teacher = logps + torch.logspace(-9, -2, 400) * torch.randn(100, 400, generator=g)
+    out = sdl_per_token(logps, teacher, logps)  # rho = 1
+    assert bool((out >= 0).all())
+    l = (logps.double() - teacher.double())  # noqa: E741
+    expected = torch.where(l.abs() < 1e-3, l**2 / 2 - l**3 / 6 + l**4 / 24, torch.expm1(-l) + l)
+    torch.testing.assert_close(out.double(), expected, rtol=5e-5, atol=1e-30)
+
+
 def test_loss_terms_add_sdl_coef_times_the_sdl_on_rows_with_a_skill():
     module = make_module(sdl_coef=0.5)
     logps = torch.tensor([[-1.0, -2.0], [-0.3, -0.7]], dtype=torch.float64)

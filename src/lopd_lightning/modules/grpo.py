@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lopd_lightning.advantages import group_advantages
 from lopd_lightning.lm import unpack
-from lopd_lightning.losses import masked_mean, ppo_clip_fraction, ppo_clip_loss, token_logps
+from lopd_lightning.losses import k3_kl, masked_mean, ppo_clip_fraction, ppo_clip_loss, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.teacher import SelfTeacher
@@ -53,29 +53,6 @@ class GRPOLoss(NamedTuple):
     clip_fraction: Tensor
 
 
-def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) on the sampled tokens: ``exp(d) - d - 1``, ``d = ref - logp``.
-
-    Non-negative, unbiased for samples from pi, with gradient ``1 - exp(d)`` w.r.t. ``logps``.
-
-    Args:
-        logps: (B, T) float, log pi(a | s) of the sampled tokens (differentiable).
-        ref_logps: (B, T) float, log pi_ref(a | s) of the same tokens (detached here).
-
-    Returns:
-        (B, T) float per-token estimate; reduce with :func:`~lopd_lightning.losses.masked_mean`.
-
-    Raises:
-        ValueError: the shapes differ.
-
-    Source: GRPO, Shao et al. 2024 (DeepSeekMath), Eq. 4 (Schulman's k3 estimator).
-    """
-    if logps.shape != ref_logps.shape:
-        raise ValueError(f"logps shape {tuple(logps.shape)} and ref_logps shape {tuple(ref_logps.shape)} differ")
-    d = ref_logps.detach().to(logps.dtype) - logps
-    return torch.exp(d) - d - 1.0
-
-
 def grpo_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -92,7 +69,7 @@ def grpo_loss(
 
     Formula, with ``rho = exp(logps - old_logps)`` per token and ``A`` the rollout's advantage:
     ``pg = sum_mask -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) / num_tokens``,
-    ``kl = sum_mask (exp(ref - logp) - (ref - logp) - 1) / num_tokens``, ``loss = pg + kl_coef * kl``.
+    ``kl = sum_mask k3(ref - logp) / num_tokens`` (:func:`~lopd_lightning.losses.k3_kl`), ``loss = pg + kl_coef * kl``.
 
     Args:
         logps: (B, T) float, log pi_theta(a | s) of the sampled tokens (differentiable).

@@ -49,7 +49,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.lm import unpack
-from lopd_lightning.losses import masked_mean, token_logps
+from lopd_lightning.losses import k3_kl, masked_mean, token_logps
 from lopd_lightning.modules.grpo import GRPOModule
 from lopd_lightning.rollout import RolloutBatch, encode_prompt
 from lopd_lightning.tasks import Example, Task
@@ -123,7 +123,8 @@ def ucb1_select(counts: list[int], values: list[float], *, c: float = math.sqrt(
 def sdl_per_token(logps: Tensor, teacher_logps: Tensor, old_logps: Tensor) -> Tensor:
     """Skill-SD's per-token self-distillation loss ``rho (exp(-l) - 1 + l)``, ``l = logps - teacher_logps``.
 
-    ``exp(-l) - 1 + l >= 0`` is the k3 estimate of KL(pi_S || pi_T) on a token sampled from pi_S; its
+    ``exp(-l) - 1 + l >= 0`` is the k3 estimate of KL(pi_S || pi_T) on a token sampled from pi_S
+    (:func:`~lopd_lightning.losses.k3_kl`, evaluated without cancellation, never negative); its
     gradient in ``logps`` is ``rho (1 - exp(-l))``. ``rho = sg[exp(logps - old_logps)]`` reweights
     tokens sampled by an older policy (1 on the first pass).
 
@@ -146,8 +147,7 @@ def sdl_per_token(logps: Tensor, teacher_logps: Tensor, old_logps: Tensor) -> Te
             f"{tuple(old_logps.shape)} must have the same shape"
         )
     rho = torch.exp(logps.detach() - old_logps.detach())
-    l = logps - teacher_logps.detach().to(logps.dtype)  # noqa: E741
-    return rho * (torch.exp(-l) - 1.0 + l)
+    return rho * k3_kl(logps, teacher_logps)  # exp(-l) - 1 + l is k3 with d = -l, evaluated stably
 
 
 class SkillSDModule(GRPOModule):
