@@ -21,7 +21,7 @@ Outputs (fixed paths, compared across versions): ``benchmarks/results/compare.js
 in :func:`summarise`), ``compare.png`` (reward against trajectories, mean and a band of one standard
 deviation across seeds) and ``compare.md`` (a table).
 
-The efficiency number (METHOD.md section 7: LOPD passes GRPO's final reward after 20% of its budget):
+The efficiency number (docs/METHOD.md section 7: LOPD passes GRPO's final reward after 20% of its budget):
 each method's seed-mean reward curve is smoothed with a trailing mean over ``--smooth`` steps; GRPO's
 final reward is its smoothed curve's last value; ``lopd_budget_fraction_to_grpo_final`` is the first
 trajectory count at which LOPD's smoothed curve (from its first full window on) reaches it, divided by

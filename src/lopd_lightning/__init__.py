@@ -1,6 +1,6 @@
 """lopd_lightning: Latent On-Policy Self-Distillation (LOPD) and its baselines as Lightning modules.
 
-The method is specified in METHOD.md (LOPD paper, Zhang et al. 2026); see docs/ARCHITECTURE.md for the
+The method is specified in docs/METHOD.md (LOPD paper, Zhang et al. 2026); see docs/ARCHITECTURE.md for the
 map from each equation to the function that computes it.
 """
 

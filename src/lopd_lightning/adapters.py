@@ -1,6 +1,6 @@
 """One shared backbone with named LoRA adapters: the student, the composer's encoder and the teacher.
 
-LOPD runs three roles on one causal LM (METHOD.md sections 3 and 4): the student pi_S (weights theta),
+LOPD runs three roles on one causal LM (docs/METHOD.md sections 3 and 4): the student pi_S (weights theta),
 the composer's encoder Enc_psi (the backbone with its own LoRA psi) and the self-teacher pi_theta_bar.
 Nothing is copied: :func:`prepare_backbone` wraps the model once with peft and gives it the adapters
 (a full-parameter student of a method without a composer has none and stays a plain model):
@@ -44,7 +44,7 @@ STUDENT = "student"
 COMPOSER = "composer"
 TEACHER_EMA = "teacher_ema"
 
-#: Target modules of the default LoRAs (METHOD.md section 3): attention and MLP projections.
+#: Target modules of the default LoRAs (docs/METHOD.md section 3): attention and MLP projections.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 GradMode = Literal["keep", "adapter", "none"]
@@ -76,7 +76,7 @@ __all__ = [
 def default_lora_config(
     *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, target_modules: tuple[str, ...] = LORA_TARGETS
 ) -> LoraConfig:
-    """A causal-LM LoRA config; the defaults are the composer's encoder LoRA (METHOD.md section 3).
+    """A causal-LM LoRA config; the defaults are the composer's encoder LoRA (docs/METHOD.md section 3).
 
     Returns:
         ``LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[q,k,v,o,gate,up,down], bias="none")``.

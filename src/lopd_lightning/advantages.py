@@ -2,7 +2,7 @@
 
 Rollouts of the same task form a group of ``group_size`` consecutive entries; each reward is compared
 with its group's mean and scaled by its group's standard deviation. A pure tensor function: rewards in,
-advantages out (METHOD.md section 6).
+advantages out (docs/METHOD.md section 6).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def group_advantages(rewards: Tensor, *, group_size: int, eps: float = 1e-4) -> 
             reward is NaN or infinite (the message names its index); ``eps`` < 0.
 
     Source: GRPO, Shao et al. 2024 (DeepSeekMath), section 4.1.2, outcome supervision:
-    A_i = (r_i - mean(r)) / std(r); METHOD.md section 6 (G = 4, + eps).
+    A_i = (r_i - mean(r)) / std(r); docs/METHOD.md section 6 (G = 4, + eps).
     """
     if rewards.ndim != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")

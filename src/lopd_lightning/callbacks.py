@@ -85,7 +85,7 @@ class MemoryRefresh(Callback):
 
 
 class MarginSchedule(Callback):
-    """Sets the privileged margin ``pl_module.margin`` (m of METHOD.md section 5) before every step.
+    """Sets the privileged margin ``pl_module.margin`` (m of docs/METHOD.md section 5) before every step.
 
     Args:
         margin: the target m; None (default) takes the module's own ``margin`` argument, so the schedule

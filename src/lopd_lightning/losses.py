@@ -2,7 +2,7 @@
 
 Every function here takes tensors and keyword-only options and returns tensors; nothing holds a model,
 logs, or reduces behind the caller's back. Divergences return one value per token, (B, T); reduce them
-with :func:`masked_mean` (a global token mean, METHOD.md section 5).
+with :func:`masked_mean` (a global token mean, docs/METHOD.md section 5).
 
 Conventions shared by every function below:
 
@@ -15,7 +15,7 @@ Conventions shared by every function below:
 * Direction: ``KL(P || Q) = sum_v P(v) (log P(v) - log Q(v))``; terms with ``P(v) = 0`` count 0
   (the ``xlogy`` convention), so exactly-zero mass (``-inf`` logits) never produces NaN.
 
-Map to the method (METHOD.md):
+Map to the method (docs/METHOD.md):
 
 * :func:`topk_tail_reverse_kl`: section 5, the top-M + tail reverse KL of LOPD (also SDPO, section 6).
 * :func:`chunked_topk_tail_reverse_kl`: the same value from final hidden states and the LM head, chunk by
@@ -186,7 +186,7 @@ def token_logps(
             outside ``[0, V)`` (e.g. a ``-100`` ignore label; this check syncs with the device), the
             temperature is not > 0, or ``chunk_rows`` < 1.
 
-    Source: the per-token policy log-probability log pi(a | s) used by every loss (METHOD.md sections
+    Source: the per-token policy log-probability log pi(a | s) used by every loss (docs/METHOD.md sections
     5-6); chunking as in memory-efficient log-prob kernels (e.g. torchtune's chunked cross-entropy).
     """
     if logits.ndim != 3:
@@ -244,7 +244,7 @@ def topk_tail_logprobs(logprobs: Tensor, index: Tensor) -> Tensor:
         ValueError: ``index`` and ``logprobs`` differ in leading shape, or ``logprobs`` is not
             floating point.
 
-    Source: LOPD paper, METHOD.md section 5: top-M support with a tail bucket,
+    Source: LOPD paper, docs/METHOD.md section 5: top-M support with a tail bucket,
     p~(tail) = 1 - sum_{u in V^M} p(u) (also SDPO's top-k + tail distillation).
     """
     if not logprobs.is_floating_point():
@@ -289,9 +289,9 @@ def topk_tail_reverse_kl(
     Args:
         student_logits: (B, T, V) float logits of the student.
         teacher_logits: (B, T, V) float logits of the teacher, aligned to the student's positions.
-        k: size M of the teacher's support, >= 1 (METHOD.md: M = 20).
+        k: size M of the teacher's support, >= 1 (docs/METHOD.md: M = 20).
         temperature: > 0; both sides use ``softmax(logits / temperature)``.
-        support: whose top-k forms ``V^k``: ``"teacher"`` (LOPD, METHOD.md 5) or ``"student"`` (SDPO's
+        support: whose top-k forms ``V^k``: ``"teacher"`` (LOPD, docs/METHOD.md 5) or ``"student"`` (SDPO's
             implementation: the student's most likely tokens, detached).
 
     Returns:
@@ -301,7 +301,7 @@ def topk_tail_reverse_kl(
         ValueError: vocabulary sizes or leading shapes differ (the message names both), ``k`` < 1,
             the temperature is not > 0, or an unknown ``support``.
 
-    Source: LOPD paper, METHOD.md section 5: L_distill, the top-M + tail reverse KL
+    Source: LOPD paper, docs/METHOD.md section 5: L_distill, the top-M + tail reverse KL
     KL(p~_S || p~_T); the same top-k + tail form as SDPO (Hubotter et al. 2026), with the support
     taken from the teacher.
     """
@@ -362,7 +362,7 @@ def chunked_topk_tail_reverse_kl(
             the assistant mask).
         teacher_hidden: (..., d) the teacher's, aligned to the student's rows.
         lm_head_weight: (V, d) the output head's weight (``model.get_output_embeddings().weight``).
-        k: size M of the teacher's support, >= 1 (METHOD.md: M = 20).
+        k: size M of the teacher's support, >= 1 (docs/METHOD.md: M = 20).
         temperature: > 0; both sides use ``softmax(logits / temperature)``.
         chunk_size: rows per chunk, >= 1; it need not divide N.
         lm_head_bias: (V,) the head's bias, or None (SmolLM2 and Llama heads have none).
@@ -375,7 +375,7 @@ def chunked_topk_tail_reverse_kl(
         ValueError: the hidden states differ in shape, ``lm_head_weight`` is not (V, d) with the hidden
             size d, the bias is not (V,), ``k`` < 1, ``chunk_size`` < 1 or the temperature is not > 0.
 
-    Source: LOPD paper, METHOD.md section 5 (L_distill, as :func:`topk_tail_reverse_kl`); chunking of the
+    Source: LOPD paper, docs/METHOD.md section 5 (L_distill, as :func:`topk_tail_reverse_kl`); chunking of the
     LM head with recomputation as in chunked / fused linear cross-entropy kernels (e.g. Liger-Kernel's
     fused linear cross-entropy, torchtune's chunked cross-entropy).
     """
@@ -456,7 +456,7 @@ def generalized_jsd(
             outside [0, 1] or NaN, or the temperature is not > 0.
 
     Source: GKD, Agarwal et al. 2024 ("On-Policy Distillation of Language Models"), the generalized
-    JSD (as in TRL's ``GKDTrainer.generalized_jsd_loss``); OPSD (Zhao et al. 2026), METHOD.md section 6.
+    JSD (as in TRL's ``GKDTrainer.generalized_jsd_loss``); OPSD (Zhao et al. 2026), docs/METHOD.md section 6.
     """
     _check_pair(student_logits, teacher_logits)
     _check_temperature(temperature)
@@ -506,7 +506,7 @@ def masked_mean(values: Tensor, mask: Tensor, *, num_tokens: int | Tensor | None
     Raises:
         ValueError: ``values`` and ``mask`` differ in shape, or ``num_tokens`` < 0.
 
-    Source: the global token mean of LOPD, Eq. 10 (METHOD.md section 5).
+    Source: the global token mean of LOPD, Eq. 10 (docs/METHOD.md section 5).
     """
     if values.shape != mask.shape:
         raise ValueError(
@@ -550,7 +550,7 @@ def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
         ValueError: the shapes differ.
 
     Source: Schulman 2020, "Approximating KL divergence" (k3); used by GRPO, Shao et al. 2024
-    (DeepSeekMath), Eq. 4, and by Skill-SD's self-distillation term (METHOD.md section 6).
+    (DeepSeekMath), Eq. 4, and by Skill-SD's self-distillation term (docs/METHOD.md section 6).
     """
     if logps.shape != ref_logps.shape:
         raise ValueError(f"logps shape {tuple(logps.shape)} and ref_logps shape {tuple(ref_logps.shape)} differ")
@@ -584,7 +584,7 @@ def privileged_margin(
     Raises:
         ValueError: the (B, T) tensors differ in shape, or ``rewards`` is not (B,).
 
-    Source: LOPD paper, METHOD.md section 5: A(tau) = 2 r(tau) - 1,
+    Source: LOPD paper, docs/METHOD.md section 5: A(tau) = 2 r(tau) - 1,
     delta = log pi_T(a | s, c_phi) - sg[log pi_S(a | s)], Delta(phi) = mean over rollouts of
     [sum omega A delta / sum omega].
     """
@@ -659,7 +659,7 @@ def ppo_clip_loss(
         ValueError: shapes disagree, or an eps is out of range.
 
     Source: PPO, Schulman et al. 2017, Eq. 7 (L^CLIP); GRPO, Shao et al. 2024 (DeepSeekMath), with
-    eps = 0.2 low and high (METHOD.md section 6).
+    eps = 0.2 low and high (docs/METHOD.md section 6).
     """
     ratio, adv = _ppo_inputs(logps, old_logps, advantages, eps_low, eps_high)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)

@@ -11,14 +11,14 @@ Conventions of every :class:`RolloutBatch`:
 
 - RIGHT padding: each sequence starts at index 0 and is followed by padding; ``attention_mask`` is 1 on
   the real tokens. (Generation inputs are left padded internally; the returned batch never is.)
-- ``assistant_mask`` (METHOD.md section 1, omega) is True exactly on the tokens the student generated,
+- ``assistant_mask`` (docs/METHOD.md section 1, omega) is True exactly on the tokens the student generated,
   its EOS included, and False on the prompt, template tokens, tool output and padding (also when the pad
   id equals the EOS id: the mask is built from positions, never from token values).
 - ``sampling_logps`` is ``log_softmax(z / temperature)[token]`` where ``z`` are the model's logits in
   float32 at that position (before top-k and top-p filtering), 0 off the assistant tokens: the
-  "old log-probs" of PPO-clip (METHOD.md section 6, GRPO).
+  "old log-probs" of PPO-clip (docs/METHOD.md section 6, GRPO).
 - ``context_position`` is the index of the first token of the first user message's content: where a
-  self-teacher inserts its privileged context (METHOD.md section 4).
+  self-teacher inserts its privileged context (docs/METHOD.md section 4).
 
 Source of the sampling scheme (seeds derived from step, example and sample): karpathy/nanochat
 ``scripts/chat_rl.py``; of the token layout: huggingface/trl's self-distillation trainers.

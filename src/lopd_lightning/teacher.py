@@ -1,4 +1,4 @@
-"""The latent-conditioned self-teacher pi_T(. | s, c_phi) = pi_theta_bar([s; c_phi]) (METHOD.md section 4).
+"""The latent-conditioned self-teacher pi_T(. | s, c_phi) = pi_theta_bar([s; c_phi]) (docs/METHOD.md section 4).
 
 The teacher reads the student's own conversation s with a privileged context inserted at the start of
 the first user message's content:
@@ -283,7 +283,7 @@ class SelfTeacher(nn.Module):
             without registration (not in this module's ``state_dict``; never copied for a LoRA student).
         tokenizer: the backbone's tokenizer (tokenises the framing text and text contexts).
         mode: ``"live"`` (current student weights), ``"base"`` (initial weights) or ``"ema"`` (an EMA of
-            the student, updated by :meth:`update_ema`). METHOD.md section 4.
+            the student, updated by :meth:`update_ema`). docs/METHOD.md section 4.
         ema_rate: EMA rate r: ``ema <- (1 - r) ema + r student`` (0.05 as in SDPO).
         framing_prefix: text before the latents (a reference example of a different, solved task).
         framing_suffix: text after them ("now complete your task").
@@ -650,7 +650,7 @@ class SelfTeacher(nn.Module):
         Raises:
             ValueError: bad shapes (see :meth:`insert_context`), or a ``prefix`` that does not fit.
 
-        Source: pi_T(. | s, c_phi) = pi_theta_bar([s; c_phi]), METHOD.md section 4.
+        Source: pi_T(. | s, c_phi) = pi_theta_bar([s; c_phi]), docs/METHOD.md section 4.
         """
         inputs = self.insert_context(
             input_ids,
@@ -822,7 +822,7 @@ def warm_start_loss(
         ``mask = assistant_mask[:, 1:] * attention_mask[:, 1:]``; 0 (still attached to the graph) when no
         token is masked in. Gradients reach the latents (the composer) only.
 
-    Source: the composer cold start of LOPD (METHOD.md section 5).
+    Source: the composer cold start of LOPD (docs/METHOD.md section 5).
     """
     latents, latent_mask = composer_output[0], composer_output[1]
     mask = assistant_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # [B, T-1]

@@ -1,6 +1,6 @@
 """Memory: the experience bank (FAISS, exact cosine), text embedders and the latent composer.
 
-METHOD.md sections 2 and 3. ``bank`` stores (task, trace, reward) records and retrieves the top-J of
+docs/METHOD.md sections 2 and 3. ``bank`` stores (task, trace, reward) records and retrieves the top-J of
 other tasks; ``embed`` turns texts into unit vectors; ``composer`` (LoRA encoder + Perceiver resampler)
 turns retrieved experiences into latent tokens.
 """

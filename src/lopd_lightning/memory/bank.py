@@ -1,6 +1,6 @@
 """The experience bank: past (task, trace, reward) records and cosine retrieval with FAISS (exact by default).
 
-METHOD.md section 2: entries are (task text x_i, observation-lite trace tau_i, reward); retrieval is a
+docs/METHOD.md section 2: entries are (task text x_i, observation-lite trace tau_i, reward); retrieval is a
 text embedder with unit-normalised vectors and a FAISS ``IndexFlatIP`` (exact cosine), top-J (J = 3);
 a task does not retrieve its own records unless asked (the paper's code allows it: a switch, default
 off). The paper freezes the bank after building it offline; the project may also refresh it online
@@ -143,7 +143,7 @@ class ExperienceBank:
         eviction: ``"lowest_reward"`` (ties -> oldest first) or ``"oldest"``; age is ``(step, insertion
             order)``.
         allow_self_retrieval: let a query retrieve records with its own ``task_id`` (the paper's code
-            does; default off, METHOD.md section 2).
+            does; default off, docs/METHOD.md section 2).
         min_reward: ``add`` skips experiences whose reward is below this (the paper keeps successful
             rollouts only: set it to the success threshold, e.g. 1.0 for code). Default 0.0 keeps all.
         embed_field: ``"task"`` embeds ``task_text`` (retrieval by task similarity), ``"task_and_trace"``

@@ -1,4 +1,4 @@
-"""The composer: retrieved experiences -> latent tokens c_phi (METHOD.md section 3).
+"""The composer: retrieved experiences -> latent tokens c_phi (docs/METHOD.md section 3).
 
 ``c_phi = Comp_chi(Enc_psi(x, m_1), ..., Enc_psi(x, m_J))``:
 
@@ -40,13 +40,13 @@ __all__ = [
     "experience_prompt",
 ]
 
-#: Clip norms of METHOD.md section 5 (composer cold start): 30 for the compressor, 3 for the LoRA.
+#: Clip norms of docs/METHOD.md section 5 (composer cold start): 30 for the compressor, 3 for the LoRA.
 RESAMPLER_CLIP = 30.0
 LORA_CLIP = 3.0
 
 
 def experience_prompt(task_text: str, trace: str) -> str:
-    """The encoder's input for one retrieved experience (METHOD.md section 3).
+    """The encoder's input for one retrieved experience (docs/METHOD.md section 3).
 
     Args:
         task_text: x, the task to solve now.
@@ -138,7 +138,7 @@ class PerceiverResampler(nn.Module):
     ONE block [pre-norm attention of the queries over concat(projected media, queries), residual;
     feed-forward LayerNorm, Linear d -> ff_mult*d, GELU, Linear back, residual] applied ``depth`` times
     (weights shared across depth: the parameter count does not depend on ``depth``), and an output
-    ``LayerNorm(proj_out(.))``. METHOD.md section 3; the block layout follows Flamingo's resampler.
+    ``LayerNorm(proj_out(.))``. docs/METHOD.md section 3; the block layout follows Flamingo's resampler.
 
     Args:
         d_model: d, the backbone's hidden size (input and output width).
@@ -417,7 +417,7 @@ def composer_parameter_groups(
     Args:
         lr: learning rate of both groups (AdamW 1e-5 in the paper).
         resampler_lr: a different rate for the resampler; ``lr`` when None.
-        resampler_clip: the compressor's clip norm (30, METHOD.md section 5).
+        resampler_clip: the compressor's clip norm (30, docs/METHOD.md section 5).
         lora_clip: the LoRA's clip norm (3).
 
     Returns:
@@ -453,7 +453,7 @@ def clip_composer_grads(
     Returns:
         :class:`ClipNorms` with each group's total norm *before* clipping (0 when no gradient).
 
-    Source: METHOD.md section 5 (separate clip norms, 30 compressor, 3 LoRA).
+    Source: docs/METHOD.md section 5 (separate clip norms, 30 compressor, 3 LoRA).
     """
     chi = [p for p in composer.resampler_parameters() if p.grad is not None]
     psi = [p for p in composer.lora_parameters() if p.grad is not None]

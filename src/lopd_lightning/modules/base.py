@@ -363,7 +363,7 @@ class OnPolicyModule(LightningModule):
 
         Each rank divides its token sum by this; DDP then averages the gradients over the W ranks, so
         the update is the gradient of sum(all ranks' tokens) / (all ranks' token count): one large
-        batch's (METHOD.md 5). The loss value is the same on every rank once averaged over ranks.
+        batch's (docs/METHOD.md 5). The loss value is the same on every rank once averaged over ranks.
 
         Args:
             mask: the loss tokens, (B, T-1) bool in shifted coordinates (default: every assistant token;

@@ -1,4 +1,4 @@
-"""GRPOModule: Group Relative Policy Optimisation, the RL baseline (METHOD.md section 6).
+"""GRPOModule: Group Relative Policy Optimisation, the RL baseline (docs/METHOD.md section 6).
 
 One training step (manual optimisation, one optimiser):
 
@@ -88,7 +88,7 @@ def grpo_loss(
         ValueError: shapes disagree or an eps is out of range (see :func:`~lopd_lightning.losses.ppo_clip_loss`).
 
     Source: GRPO, Shao et al. 2024 (DeepSeekMath), Eq. 3 with the token-level normalisation of the LOPD
-    code base (a global token mean, METHOD.md section 5); PPO, Schulman et al. 2017, Eq. 7.
+    code base (a global token mean, docs/METHOD.md section 5); PPO, Schulman et al. 2017, Eq. 7.
     """
     per_token = ppo_clip_loss(logps, old_logps, advantages, eps_low=eps_low, eps_high=eps_high)  # [B, T]
     pg = masked_mean(per_token, mask, num_tokens=num_tokens)
@@ -103,7 +103,7 @@ def grpo_loss(
 
 
 class GRPOModule(OnPolicyModule):
-    """GRPO: group-relative advantages, PPO-clip, optional k3 KL to the frozen base (METHOD.md section 6).
+    """GRPO: group-relative advantages, PPO-clip, optional k3 KL to the frozen base (docs/METHOD.md section 6).
 
     Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
         rollouts_per_example: the group size G, >= 2 (paper: 4).
@@ -147,7 +147,7 @@ class GRPOModule(OnPolicyModule):
             raise ValueError(
                 f"{type(self).__name__} needs rollouts_per_example >= 2 (advantages compare the rollouts of "
                 f"one task), got {rollouts_per_example}; set model.init_args.rollouts_per_example to 2 or more "
-                "(METHOD.md: G = 4)"
+                "(docs/METHOD.md: G = 4)"
             )
         if not 0.0 <= clip_eps_low < 1.0 or not clip_eps_high >= 0.0:
             raise ValueError(f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")

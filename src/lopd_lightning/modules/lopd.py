@@ -1,4 +1,4 @@
-"""LOPDModule: Latent On-Policy Self-Distillation (METHOD.md sections 2-5).
+"""LOPDModule: Latent On-Policy Self-Distillation (docs/METHOD.md sections 2-5).
 
 One training step (manual optimisation, two optimisers):
 
@@ -55,7 +55,7 @@ from lopd_lightning.teacher import (
 log = logging.getLogger(__name__)
 
 COMPOSER_ADAPTER = "composer"
-#: The frozen snapshot of the warm-started composer LoRA (the anchor c_phi0 of METHOD.md section 5).
+#: The frozen snapshot of the warm-started composer LoRA (the anchor c_phi0 of docs/METHOD.md section 5).
 ANCHOR_ADAPTER = "composer_anchor"
 DEFAULT_COMPOSER_LORA = {
     "r": 8,
@@ -328,7 +328,7 @@ class LOPDModule(OnPolicyModule):
                     student_hidden, teacher_hidden.detach(), student_head, teacher_const,
                     k=k, temperature=tau, chunk_size=chunk,
                 )[None]  # [1, N]
-            loss_student = distill.sum() / num_tokens  # the global token mean (METHOD.md 5)
+            loss_student = distill.sum() / num_tokens  # the global token mean (docs/METHOD.md 5)
 
         with self.timed("composer_step"):
             if chunk is None:
@@ -407,7 +407,7 @@ class LOPDModule(OnPolicyModule):
         delta_global = self.global_mean(delta)
         beta_before = self.beta
         if rows_with_latents > 0 and not skipped and bool(torch.isfinite(delta_global)):
-            # dual ascent only when some teacher saw latents (METHOD.md 5) and the margin is a number
+            # dual ascent only when some teacher saw latents (docs/METHOD.md 5) and the margin is a number
             self.beta = max(0.0, self.beta + self.hparams.dual_lr * (self.margin - float(delta_global)))
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()
@@ -449,7 +449,7 @@ class LOPDModule(OnPolicyModule):
 
         Runs ``warm_start_steps`` AdamW steps (composer learning rate, the two clip norms) on batches of
         ``warm_start_batch_size`` bank records, each conditioned on its own top-J retrieved experiences.
-        Source: METHOD.md section 5, "Composer cold start".
+        Source: docs/METHOD.md section 5, "Composer cold start".
         """
         dm = self.trainer.datamodule
         known = {ex.id for ex in dm.train_examples}

@@ -1,4 +1,4 @@
-"""OPSDModule: On-Policy Self-Distillation with a reference solution (Zhao et al. 2026, METHOD.md section 6).
+"""OPSDModule: On-Policy Self-Distillation with a reference solution (Zhao et al. 2026, docs/METHOD.md section 6).
 
 The teacher is the *frozen* initial model (``SelfTeacher`` mode ``"base"``) that reads the problem plus
 the task's ground-truth reference solution; the student reads only the problem. The student is
@@ -61,7 +61,7 @@ class OPSDModule(OnPolicyModule):
         ValueError: an unknown divergence, ``jsd_beta`` outside [0, 1], ``top_k_distill < 1`` (before the
             model is loaded).
 
-    Source: Zhao et al. 2026 (OPSD); METHOD.md section 6.
+    Source: Zhao et al. 2026 (OPSD); docs/METHOD.md section 6.
     """
 
     def __init__(

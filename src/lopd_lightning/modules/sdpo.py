@@ -1,4 +1,4 @@
-"""SDPOModule: Self-Distillation Policy Optimisation (Hubotter et al. 2026, METHOD.md section 6).
+"""SDPOModule: Self-Distillation Policy Optimisation (Hubotter et al. 2026, docs/METHOD.md section 6).
 
 "Reinforcement Learning via Self-Distillation": the student samples G > 1 rollouts per example; the
 teacher is an exponential moving average (rate 0.05) of the student, *reprompted* with a successful
@@ -117,7 +117,7 @@ class SDPOModule(OnPolicyModule):
         ValueError: ``rollouts_per_example < 2``, an unknown divergence, ``top_k_distill < 1``,
             ``jsd_alpha`` outside [0, 1] or ``is_clip <= 0`` (before the model is loaded).
 
-    Source: Hubotter et al. 2026, "Reinforcement Learning via Self-Distillation"; METHOD.md section 6.
+    Source: Hubotter et al. 2026, "Reinforcement Learning via Self-Distillation"; docs/METHOD.md section 6.
     """
 
     def __init__(

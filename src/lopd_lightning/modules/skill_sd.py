@@ -1,4 +1,4 @@
-"""SkillSDModule: GRPO plus self-distillation from a skill-conditioned self-teacher (Skill-SD, METHOD.md 6).
+"""SkillSDModule: GRPO plus self-distillation from a skill-conditioned self-teacher (Skill-SD, docs/METHOD.md 6).
 
 Skill-SD (Wang et al. 2026) keeps a small library of natural-language *skills* that the policy model
 itself writes from its own recent trajectories, in three kinds: success analysis (what made successful
@@ -139,7 +139,7 @@ def sdl_per_token(logps: Tensor, teacher_logps: Tensor, old_logps: Tensor) -> Te
     Raises:
         ValueError: the shapes differ.
 
-    Source: Skill-SD, Wang et al. 2026 (METHOD.md section 6): GRPO + 0.001 * mean(rho (exp(-l) - 1 + l)).
+    Source: Skill-SD, Wang et al. 2026 (docs/METHOD.md section 6): GRPO + 0.001 * mean(rho (exp(-l) - 1 + l)).
     """
     if not logps.shape == teacher_logps.shape == old_logps.shape:
         raise ValueError(

@@ -254,7 +254,7 @@ class Task(abc.ABC):
 
         The trace keeps every assistant action whole and the first ``TRACE_RESULT_CHARS`` characters of
         each tool result; system and initial user messages are left out (the task text stands for
-        them). Source: METHOD.md section 2 ("observation-lite" trajectories).
+        them). Source: docs/METHOD.md section 2 ("observation-lite" trajectories).
         """
         n_initial = len(self.initial_messages(example))
         lines = []

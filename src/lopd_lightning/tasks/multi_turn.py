@@ -22,7 +22,7 @@ when (a turn with no ground-truth calls always passes):
   of every call the model made so far (all turns: a result fetched earlier counts).
 
 ``reward_mode="all_turns"`` (default, BFCL's accuracy): 1.0 when every turn passed, else 0.0.
-``reward_mode="fraction"``: the fraction of turns passed (METHOD.md's "fraction of sub-goals met").
+``reward_mode="fraction"``: the fraction of turns passed (docs/METHOD.md's "fraction of sub-goals met").
 Both are also in every step's ``info`` (``turns_passed``, ``fraction_passed``).
 
 Differences from BFCL's inference loop and checker:
