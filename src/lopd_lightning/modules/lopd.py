@@ -444,14 +444,18 @@ class LOPDModule(OnPolicyModule):
             self.warm_start_composer()
             self.freeze_anchor()
 
-    def warm_start_composer(self) -> None:
+    def warm_start_composer(self, datamodule: Any | None = None) -> None:
         """Composer cold start: minimise L_init = -log pi(y* | s, c_phi) on successful bank trajectories.
 
         Runs ``warm_start_steps`` AdamW steps (composer learning rate, the two clip norms) on batches of
         ``warm_start_batch_size`` bank records, each conditioned on its own top-J retrieved experiences.
         Source: docs/METHOD.md section 5, "Composer cold start".
+
+        Args:
+            datamodule: the :class:`~lopd_lightning.data.OnPolicyDataModule` whose train split's records
+                are used (default: the trainer's; pass one to warm-start outside ``fit``).
         """
-        dm = self.trainer.datamodule
+        dm = datamodule if datamodule is not None else self.trainer.datamodule
         known = {ex.id for ex in dm.train_examples}
         records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold and r.task_id in known]
         if len(records) < len(self.bank):

@@ -1,0 +1,415 @@
+"""LOPD's mechanism, measured: how much each teacher context privileges the start student's own trajectories.
+
+    python benchmarks/privileged_margin.py                          # -> benchmarks/results/privileged_margin.json
+    python benchmarks/privileged_margin.py --trained-checkpoint runs/compare/lopd_seed0/checkpoints/last.ckpt
+
+On the held-out questions (the val split: 65 for BFCL live_simple; never in the bank or in training), the
+start student (``benchmarks/start_student.py``) samples ``--samples`` trajectories per question at
+T = 0.7 with the method's top-p / top-k; the task's checker gives the rewards. Then, for each teacher
+context, the self-teacher (the start student's weights, ``teacher_mode: live``) scores every token the
+student produced, and per token delta = log pi_T(a | s, context) - log pi_S(a | s) (docs/METHOD.md
+section 5). Contexts:
+
+- ``text_nearest``: the top-1 retrieved bank experience (exact cosine over MiniLM embeddings of the task
+  text) as text, in the framing the latents use ("Here is a reference example ...", "Now complete your
+  task.");
+- ``text_random``: a random bank experience (seeded per question), same framing;
+- ``latent_untrained``: the latents of the freshly initialised composer (J experiences, K latents each);
+- ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
+  (L_init on the bank's successful train trajectories);
+- ``latent_trained``: the composer of a finished LOPD run (``--trained-checkpoint``); null without one.
+
+Reported per context (``contexts.<name>``):
+
+- ``delta_mean`` and ``delta_ci``: the margin Delta = mean over trajectories of A * (mean delta over its
+  tokens), A = 2r - 1 (``--weighting paper``), with a 95% interval from a bootstrap over questions (a
+  question's trajectories resampled together);
+- ``delta_success`` / ``delta_failure``: the same mean over successful / failed trajectories only;
+- ``delta_mixed_groups``: Delta over the questions whose samples have mixed outcomes;
+- ``separation``: mean per-token delta on successful trajectories minus that on failed ones (how much
+  more the teacher likes what succeeded than what failed: the privilege the margin is meant to create;
+  unaffected by how many trajectories fail);
+- ``delta_balanced``: successes and failures weighed equally, (delta_success + delta_failure) / 2, a
+  value that a teacher unsure of everything cannot earn when most trajectories fail;
+- ``teacher_greedy_success``: the fraction of held-out questions the teacher solves when it answers
+  greedily itself with that context;
+- ``latent_rms`` (latent contexts): the root-mean-square entry of the latents, against
+  ``token_embedding_rms`` at the top level (their scale relative to what the backbone expects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
+
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+CONTEXTS = ("text_nearest", "text_random", "latent_untrained", "latent_warm_start", "latent_trained")
+
+
+# ---------------------------------------------------------------------------------------- statistics
+def trajectory_stats(per_question: dict[str, list[tuple[float, float]]], subset: str = "all", *,
+                     weighting: str = "paper") -> float | None:
+    """Delta over the trajectories of ``per_question`` ({question: [(reward, mean token delta), ...]}).
+
+    Args:
+        subset: "all", "success" (r >= 1), "failure" (r < 1) or "mixed" (questions with both outcomes).
+        weighting: "paper": A = 2r - 1 (docs/METHOD.md 5); "balanced": successes and failures weighed
+            equally, the mean of the success and failure means of A * delta.
+
+    Returns:
+        The mean of A * delta over the chosen trajectories, or None when there is none.
+    """
+    if weighting == "balanced":
+        s = trajectory_stats(per_question, "success")
+        f = trajectory_stats(per_question, "failure")
+        return None if s is None or f is None else (s + f) / 2
+    values = []
+    for trajectories in per_question.values():
+        outcomes = {r >= 1.0 for r, _ in trajectories}
+        if subset == "mixed" and len(outcomes) < 2:
+            continue
+        for r, d in trajectories:
+            if (subset == "success" and r < 1.0) or (subset == "failure" and r >= 1.0):
+                continue
+            values.append((2 * r - 1) * d)
+    return sum(values) / len(values) if values else None
+
+
+def separation(per_question: dict[str, list[tuple[float, float]]]) -> float | None:
+    """Mean token delta on successful trajectories minus that on failed ones (no outcome weight)."""
+    succ = [d for t in per_question.values() for r, d in t if r >= 1.0]
+    fail = [d for t in per_question.values() for r, d in t if r < 1.0]
+    if not succ or not fail:
+        return None
+    return sum(succ) / len(succ) - sum(fail) / len(fail)
+
+
+def bootstrap_ci(per_question: dict[str, list[tuple[float, float]]], *, resamples: int, seed: int,
+                 weighting: str = "paper") -> list[float] | None:
+    """A 95% percentile interval of Delta from ``resamples`` bootstrap draws of the questions."""
+    keys = sorted(per_question)
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples):
+        sample = {f"{i}": per_question[rng.choice(keys)] for i in range(len(keys))}
+        value = trajectory_stats(sample, weighting=weighting)
+        if value is not None:
+            draws.append(value)
+    if not draws:
+        return None
+    draws.sort()
+    return [draws[int(0.025 * (len(draws) - 1))], draws[int(math.ceil(0.975 * (len(draws) - 1)))]]
+
+
+def summarise(per_question: dict[str, list[tuple[float, float]]], *, resamples: int, seed: int) -> dict[str, Any]:
+    s, f = trajectory_stats(per_question, "success"), trajectory_stats(per_question, "failure")
+    return {
+        "delta_mean": trajectory_stats(per_question),
+        "delta_ci": bootstrap_ci(per_question, resamples=resamples, seed=seed),
+        "delta_success": s,
+        "delta_failure": f,
+        "delta_mixed_groups": trajectory_stats(per_question, "mixed"),
+        "separation": separation(per_question),
+        "delta_balanced": trajectory_stats(per_question, weighting="balanced"),
+        "delta_balanced_ci": bootstrap_ci(per_question, resamples=resamples, seed=seed, weighting="balanced"),
+    }
+
+
+# ---------------------------------------------------------------------------------------- the model side
+def build_module(args: argparse.Namespace):
+    from lopd_lightning.modules import LOPDModule
+
+    return LOPDModule(
+        str(args.student), lora=LORA, rollouts_per_example=args.samples, temperature=0.7, top_p=0.95, top_k=20,
+        max_new_tokens=args.max_new_tokens, num_latents=args.num_latents, num_experiences=args.num_experiences,
+        composer_depth=8, max_experience_tokens=192, embedder="minilm", warm_start_steps=args.warm_start_steps,
+        warm_start_batch_size=2, composer_lr=1e-4, teacher_mode="live", seed=args.seed,
+    )
+
+
+def fill_bank(module, task) -> int:
+    """The bank of the evidence runs: the train split's reference trajectories that score 1."""
+    records = []
+    for example in task.examples("train"):
+        messages, reward = module.reference_trajectory(task, example)
+        if reward >= 1.0:
+            record = module.experience_from_trajectory(task, example, messages, reward)
+            if record is not None:
+                records.append(record)
+    module.bank.add(records)
+    return len(records)
+
+
+def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[float]]:
+    """Per trajectory, the mean over its assistant tokens of log pi_T - log pi_S for each context.
+
+    ``contexts`` maps a name to ``("text", [ids per row])`` or ``("latent", composer)``.
+    """
+    import torch
+
+    from lopd_lightning.lm import unpack
+    from lopd_lightning.losses import token_logps
+
+    targets, mask = module.shifted(batch)
+    tokens = targets[mask]
+    counts = mask.sum(dim=1).clamp_min(1).float()
+    out: dict[str, list[float]] = {}
+    with torch.no_grad():
+        student = unpack(token_logps(module.student_logits(batch, mask)[None], tokens[None])[0], mask)
+        for name, (kind, value) in contexts.items():
+            kwargs: dict[str, Any] = {"positions": module.unshift(mask)}
+            if kind == "text":
+                kwargs["context_ids"] = value
+            else:
+                composed = module.compose(batch, value)
+                kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
+            logits = module.teacher.logits_on_student_positions(
+                batch.input_ids, batch.attention_mask, batch.context_position, **kwargs
+            )
+            teacher = unpack(token_logps(logits[None], tokens[None])[0], mask)
+            out[name] = (((teacher - student) * mask).sum(dim=1) / counts).tolist()
+    return out
+
+
+def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=None, max_new_tokens: int) -> str:
+    """The teacher's own greedy reply to ``example`` with a text context or the latents of ``composer``."""
+    import torch
+
+    from lopd_lightning.rollout import encode_prompt
+
+    messages = module.build_messages(task, example)
+    prompt = encode_prompt(module.tokenizer, messages, tools=task.tools(example))
+    ids = torch.tensor([prompt.input_ids])
+    attn = torch.ones_like(ids)
+    kwargs: dict[str, Any] = {}
+    if composer is not None:
+        from lopd_lightning.rollout import RolloutBatch
+
+        experiences = module.retrieve(task, [example])
+        fake = RolloutBatch.__new__(RolloutBatch)  # compose() reads only the task text and the experiences
+        fake.metadata, fake.experiences = [{"task_text": example.text}], experiences
+        composed = module.compose(fake, composer)
+        kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
+    elif context_ids is not None:
+        kwargs["context_ids"] = [context_ids]
+    inputs = module.teacher.insert_context(ids, attn, [prompt.context_position], **kwargs)
+    eos = {module.tokenizer.eos_token_id}
+    reply: list[int] = []
+    with torch.no_grad(), module.teacher.teacher_scope() as model:
+        out = model(**inputs.model_kwargs(), use_cache=True)
+        cache_key = "cache" if "cache" in out else "past_key_values"  # the name differs across transformers 5.x
+        cache, mask, position = out[cache_key], inputs.attention_mask, inputs.position_ids[:, -1:]
+        for _ in range(max_new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            if token in eos:
+                break
+            reply.append(token)
+            mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
+            position = position + 1
+            out = model(input_ids=torch.tensor([[token]]), attention_mask=mask, position_ids=position,
+                        use_cache=True, **{cache_key: cache})
+            cache = out[cache_key]
+    return module.tokenizer.decode(reply, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def reply_reward(task, example, reply: str) -> float:
+    episode = task.start(example)
+    episode.step(reply)
+    return float(episode.reward())
+
+
+def latent_rms(module, composer, batch) -> float:
+    import torch
+
+    with torch.no_grad():
+        composed = module.compose(batch, composer)
+        keep = composed.latent_mask
+        return float(composed.latents[keep].pow(2).mean().sqrt()) if keep.any() else float("nan")
+
+
+def snapshot_composer(module, name: str):
+    """A frozen copy of ``module.composer`` (its LoRA as adapter ``name`` on the same backbone, and its
+    resampler): no second backbone."""
+    from lopd_lightning.adapters import copy_adapter
+    from lopd_lightning.memory.composer import LatentComposer
+
+    copy_adapter(module.backbone, "composer", name)
+    composer = module.composer
+    frozen = LatentComposer(module.backbone, module.tokenizer, adapter_name=name, num_latents=composer.num_latents,
+                            depth=module.hparams.composer_depth, max_experience_tokens=composer.max_experience_tokens)
+    frozen.resampler.load_state_dict(composer.resampler.state_dict())
+    frozen.requires_grad_(False)
+    return frozen
+
+
+def load_trained_composer(module, checkpoint: Path) -> int:
+    """Load the composer (its LoRA and resampler) of an LOPD checkpoint into ``module.composer``; the
+    student's weights stay the start student's. Returns the number of tensors loaded."""
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    loaded = {k: v for k, v in state.items() if k.startswith("composer.") or ".composer." in k}
+    own = module.state_dict()
+    missing = [k for k in loaded if k not in own]
+    if not loaded or missing:
+        raise ValueError(f"{checkpoint} holds no composer of this module's shape (unknown keys: {missing[:3]})")
+    module.load_state_dict(loaded, strict=False)
+    return len(loaded)
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="bfcl_live_simple")
+    parser.add_argument("--student", type=Path, default=REPO_ROOT / "runs" / "evidence" / "sft_student")
+    parser.add_argument("--samples", type=int, default=4, help="trajectories per held-out question (T = 0.7)")
+    parser.add_argument("--questions", type=int, default=None, help="the first N held-out questions (default all)")
+    parser.add_argument("--num-latents", type=int, default=8, help="K")
+    parser.add_argument("--num-experiences", type=int, default=2, help="J")
+    parser.add_argument("--warm-start-steps", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-questions", type=int, default=4, help="questions sampled and scored at once")
+    parser.add_argument("--trained-checkpoint", type=Path, default=None)
+    parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "privileged_margin.json")
+    args = parser.parse_args(argv)
+
+    import lightning as L
+    import torch
+
+    from lopd_lightning.data import OnPolicyDataModule
+    from lopd_lightning.lm import base_model
+    from lopd_lightning.tasks import get_task
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not (args.student / "config.json").exists():
+        raise SystemExit(f"error: no start student at {args.student}; make it with `python benchmarks/start_student.py`")
+    L.seed_everything(args.seed)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    task = get_task(args.task)
+    module = build_module(args)
+    module.eval()
+    n_bank = fill_bank(module, task)
+    heldout = task.examples("val")[: args.questions]
+    timings["setup_s"] = time.perf_counter() - t0
+
+    # the anchor c_phi0 is the snapshot taken at construction: the untrained composer (warm_start_composer
+    # is called directly here, so the anchor is not refreshed after it)
+    composers: dict[str, Any] = {"latent_untrained": module.anchor_composer}
+    t0 = time.perf_counter()
+    dm = OnPolicyDataModule(task, examples_per_step=1, seed=args.seed)
+    module.warm_start_composer(dm)
+    timings["warm_start_s"] = time.perf_counter() - t0
+    composers["latent_warm_start"] = snapshot_composer(module, "composer_warm_start")
+    if args.trained_checkpoint is not None:
+        load_trained_composer(module, args.trained_checkpoint)
+        composers["latent_trained"] = module.composer
+
+    rng = random.Random(args.seed)
+    per_question: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in CONTEXTS}
+    student_rewards: dict[str, list[float]] = {}
+    rms: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    for i in range(0, len(heldout), args.batch_questions):
+        examples = heldout[i : i + args.batch_questions]
+        with torch.no_grad():
+            batch = module.make_batch(task, examples)
+        contexts: dict[str, Any] = {}
+        nearest = [exps[0].trace if exps else None for exps in batch.experiences]
+        randoms = []
+        for meta in batch.metadata:
+            record = module.bank.records[rng.randrange(len(module.bank.records))]
+            randoms.append(record.trace)
+        contexts["text_nearest"] = ("text", module.teacher.encode_text_context(nearest))
+        contexts["text_random"] = ("text", module.teacher.encode_text_context(randoms))
+        for name, composer in composers.items():
+            contexts[name] = ("latent", composer)
+            rms.setdefault(name, []).append(latent_rms(module, composer, batch))
+        deltas = token_deltas(module, batch, contexts)
+        for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True)):
+            student_rewards.setdefault(example_id, []).append(float(reward))
+            for name in contexts:
+                per_question[name].setdefault(example_id, []).append((float(reward), deltas[name][row]))
+        print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    timings["sample_and_score_s"] = time.perf_counter() - t0
+
+    # greedy success: the student's own (the rollout code) and each teacher's (its context in the prompt)
+    t0 = time.perf_counter()
+    student_greedy = []
+    for i in range(0, len(heldout), 16):
+        student_greedy += [float(r) for r in module.evaluate_examples(task, heldout[i : i + 16]).rewards]
+    timings["student_greedy_s"] = time.perf_counter() - t0
+    teacher_success: dict[str, float] = {}
+    for name in CONTEXTS:
+        if name.startswith("latent") and name not in composers:
+            continue
+        t0 = time.perf_counter()
+        solved = 0
+        for example in heldout:
+            if name == "text_nearest":
+                exps = module.retrieve(task, [example])[0]
+                ids = module.teacher.encode_text_context([exps[0].trace if exps else None])[0]
+                reply = teacher_greedy_reply(module, task, example, context_ids=ids, max_new_tokens=args.max_new_tokens)
+            elif name == "text_random":
+                record = module.bank.records[random.Random(f"{args.seed}:{example.id}").randrange(len(module.bank.records))]
+                ids = module.teacher.encode_text_context([record.trace])[0]
+                reply = teacher_greedy_reply(module, task, example, context_ids=ids, max_new_tokens=args.max_new_tokens)
+            else:
+                reply = teacher_greedy_reply(module, task, example, composer=composers[name],
+                                             max_new_tokens=args.max_new_tokens)
+            solved += reply_reward(task, example, reply) >= 1.0
+        teacher_success[name] = solved / len(heldout)
+        timings[f"teacher_greedy_{name}_s"] = time.perf_counter() - t0
+        print(f"teacher greedy {name}: {solved}/{len(heldout)}", flush=True)
+
+    embed = base_model(module.backbone).get_input_embeddings().weight
+    results: dict[str, Any] = {
+        "task": args.task,
+        "student": str(args.student.relative_to(REPO_ROOT) if args.student.is_relative_to(REPO_ROOT) else args.student),
+        "n_questions": len(heldout),
+        "n_trajectories": sum(len(v) for v in student_rewards.values()),
+        "n_mixed_groups": sum(len({r >= 1.0 for r in v}) == 2 for v in student_rewards.values()),
+        "student_sampled_success": sum(r >= 1.0 for v in student_rewards.values() for r in v)
+        / max(1, sum(len(v) for v in student_rewards.values())),
+        "student_greedy_success": sum(r >= 1.0 for r in student_greedy) / len(heldout),
+        "bank_size": n_bank,
+        "settings": {"samples": args.samples, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
+                     "num_latents": args.num_latents, "num_experiences": args.num_experiences,
+                     "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
+                     "teacher_mode": "live", "weighting": "paper (A = 2r - 1)", "resamples": args.resamples},
+        "token_embedding_rms": float(embed.detach().pow(2).mean().sqrt()),
+        "contexts": {},
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+    for name in CONTEXTS:
+        if not per_question[name] and name.startswith("latent"):
+            results["contexts"][name] = None
+            results.setdefault("notes", []).append(f"{name}: no composer (pass --trained-checkpoint of an LOPD run)")
+            continue
+        entry = summarise(per_question[name], resamples=args.resamples, seed=args.seed)
+        entry["teacher_greedy_success"] = teacher_success.get(name)
+        if name in rms:
+            entry["latent_rms"] = sum(rms[name]) / len(rms[name])
+        results["contexts"][name] = entry
+    results.update(run_metadata(seed=args.seed, argv=argv))
+    write_json_atomic(results, args.out)
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The evidence benchmarks: the start student's recipe (benchmarks/start_student.py) and the privileged
+margin (benchmarks/privileged_margin.py): statistics against hand-derived values, and a tiny end-to-end
+run of each on the toy task (seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def margin():
+    return load_benchmark("privileged_margin")
+
+
+@pytest.fixture(scope="module")
+def start():
+    return load_benchmark("start_student")
+
+
+# two questions: q1 mixed (a success with delta 0.4, a failure with delta -0.2), q2 two failures (0.1, 0.3)
+PER_QUESTION = {"q1": [(1.0, 0.4), (0.0, -0.2)], "q2": [(0.0, 0.1), (0.0, 0.3)]}
+
+
+def test_margin_statistics_by_hand(margin):
+    # A = 2r - 1: +1 * 0.4, -1 * -0.2, -1 * 0.1, -1 * 0.3 -> (0.4 + 0.2 - 0.1 - 0.3) / 4 = 0.05
+    assert margin.trajectory_stats(PER_QUESTION) == pytest.approx(0.05)
+    assert margin.trajectory_stats(PER_QUESTION, "success") == pytest.approx(0.4)
+    assert margin.trajectory_stats(PER_QUESTION, "failure") == pytest.approx((0.2 - 0.1 - 0.3) / 3)
+    assert margin.trajectory_stats(PER_QUESTION, "mixed") == pytest.approx((0.4 + 0.2) / 2)  # q1 only
+    # separation: mean delta on successes (0.4) minus on failures ((-0.2 + 0.1 + 0.3) / 3)
+    assert margin.separation(PER_QUESTION) == pytest.approx(0.4 - 0.2 / 3)
+    # balanced: successes and failures weighed equally
+    assert margin.trajectory_stats(PER_QUESTION, weighting="balanced") == pytest.approx((0.4 + (-0.2 / 3)) / 2)
+    assert margin.separation({"q": [(0.0, 0.1)]}) is None
+    assert margin.trajectory_stats({"q": [(0.0, 0.1)]}, "success") is None
+
+
+def test_bootstrap_interval_resamples_questions_and_covers_the_mean(margin):
+    ci = margin.bootstrap_ci(PER_QUESTION, resamples=2000, seed=0)
+    assert ci[0] <= 0.05 <= ci[1]
+    # only two questions: every resample is q1q1, q1q2 or q2q2, so the interval's ends are those values
+    q1q1, q2q2 = (0.4 + 0.2) / 2, (-0.1 - 0.3) / 2
+    assert ci[0] == pytest.approx(q2q2) and ci[1] == pytest.approx(q1q1)
+    assert margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3) == margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3)
+
+
+def test_dev_slice_is_carved_from_the_train_split_only(start):
+    from lopd_lightning.tasks.toy import ToyTask
+
+    task = ToyTask()
+    view = start.dev_split_task(task, 4, seed=0)
+    train, dev, heldout = view.examples("train"), view.examples("val"), view.examples("heldout")
+    assert len(dev) == 4 and len(train) + 4 == len(task.examples("train"))
+    assert {e.id for e in train} | {e.id for e in dev} == {e.id for e in task.examples("train")}
+    assert not {e.id for e in train} & {e.id for e in dev}
+    assert [e.id for e in heldout] == [e.id for e in task.examples("val")]  # never trained on, never chosen on
+    ex = dev[0]
+    assert view.initial_messages(ex) == task.initial_messages(ex) and view.reference_solution(ex) == task.reference_solution(ex)
+    with pytest.raises(ValueError, match="--dev"):
+        start.dev_split_task(task, 0, seed=0)
+
+
+def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp_path):
+    student, results = tmp_path / "student", tmp_path / "start_student.json"
+    args = ["--task", "toy", "--model", "tiny", "--steps", "1,2", "--dev", "4", "--examples-per-step", "2",
+            "--max-new-tokens", "6", "--out", str(student), "--results", str(results)]
+    first = start.main(args)
+    assert first["chosen_steps"] in (1, 2) and [c["steps"] for c in first["dev_curve"]] == [1, 2]
+    assert first["heldout_questions"] == len(first["heldout_rewards"]) and (student / "config.json").exists()
+    assert start.main(args)["timestamp"] == first["timestamp"]  # cached: the same recipe is not retrained
+    out = tmp_path / "margin.json"
+    data = margin.main(["--task", "toy", "--student", str(student), "--questions", "3", "--samples", "2",
+                        "--warm-start-steps", "1", "--resamples", "20", "--max-new-tokens", "6", "--out", str(out)])
+    assert json.loads(out.read_text())["n_questions"] == 3 == data["n_questions"]
+    assert data["n_trajectories"] == 6 and data["contexts"]["latent_trained"] is None
+    for name in ("text_nearest", "text_random", "latent_untrained", "latent_warm_start"):
+        entry = data["contexts"][name]
+        assert set(entry) >= {"delta_mean", "delta_ci", "delta_success", "delta_failure", "delta_mixed_groups",
+                              "separation", "teacher_greedy_success"}
