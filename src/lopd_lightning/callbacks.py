@@ -1,7 +1,8 @@
-"""Callbacks: the experience-bank refresh and the margin schedule of LOPD.
+"""Callbacks: the experience-bank refresh and the margin schedule of LOPD, the run summary, and
+progress bars that count training steps.
 
-Both are independent of the module's code: they act on ``pl_module.bank`` and ``pl_module.margin``,
-take explicit constructor arguments and are configured in YAML (``trainer.callbacks``).
+The first two are independent of the module's code: they act on ``pl_module.bank`` and
+``pl_module.margin``, take explicit constructor arguments and are configured in YAML (``trainer.callbacks``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,12 @@ class RunSummary(Callback):
         for phase, seconds in getattr(pl_module, "step_timings", {}).items():
             self.phase_seconds.setdefault(phase, []).append(float(seconds))
 
+    @staticmethod
+    def generations(pl_module: LightningModule) -> str | None:
+        """The folder of the validation generations (``<log_dir>/generations``), when it was written."""
+        folder = pl_module.generations_dir() if hasattr(pl_module, "generations_dir") else None
+        return str(folder) if folder is not None and folder.is_dir() else None
+
     def summary(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         """The summary as a dict (also what is printed and written)."""
         import resource
@@ -179,6 +187,7 @@ class RunSummary(Callback):
             "seconds_per_step_median": {k: statistics.median(v) for k, v in self.phase_seconds.items() if v},
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "log_dir": getattr(logger, "log_dir", None) if logger else None,
+            "generations": self.generations(pl_module),
             "checkpoint": (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None else None,
         }
 
@@ -196,8 +205,9 @@ class RunSummary(Callback):
             f"held-out {self.metric}: before {fmt(s['before'])} -> after {fmt(s['after'])}\n"
             f"median seconds per step by phase: {phases or 'n/a'}\n"
             f"peak memory (RSS): {s['peak_rss_mb']:.0f} MB\n"
-            f"TensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']})\n"
-            f"checkpoint: {s['checkpoint']}",
+            f"TensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']}; sample trajectories under TEXT)\n"
+            + (f"validation generations (one JSON line per episode): {s['generations']}\n" if s["generations"] else "")
+            + f"checkpoint: {s['checkpoint']}",
             flush=True,
         )
         if self.json_path:
@@ -205,3 +215,63 @@ class RunSummary(Callback):
 
             Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(self.json_path).write_text(json.dumps(s, indent=2))
+
+
+def step_description(trainer: Trainer) -> str:
+    """``"step k/N"`` (training steps done / ``max_steps``), or ``"step k"`` without a step limit."""
+    max_steps = trainer.max_steps
+    if max_steps is not None and max_steps > 0:
+        return f"step {trainer.global_step}/{max_steps}"
+    return f"step {trainer.global_step}"
+
+
+class StepTQDMProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, described by training steps (``step k/N``) instead of the epoch."""
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self.train_progress_bar.set_description(step_description(trainer))
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.train_progress_bar is not None:  # before the bar's own update, which redraws it
+            self.train_progress_bar.set_description(step_description(trainer), refresh=False)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+class StepRichProgressBar(RichProgressBar):
+    """Lightning's rich bar, described by training steps (``step k/N``) instead of ``Epoch 0/-2`` (the
+    endless on-policy stream runs one epoch with ``max_epochs=-1``)."""
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = step_description(self.trainer)
+        if len(self.validation_description) > len(description):
+            description = f"{description:{len(self.validation_description)}}"  # as Lightning pads it
+        return description
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.progress is not None and self.train_progress_bar_id is not None:  # before the bar's own update
+            self.progress.update(self.train_progress_bar_id, description=self._get_train_description(trainer.current_epoch))
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def train_description(self) -> str | None:
+        """The train bar's current description (None before the bar exists)."""
+        if self.progress is None or self.train_progress_bar_id is None:
+            return None
+        return str(self.progress.tasks[self.train_progress_bar_id].description)
+
+
+def step_progress_bar(bar: ProgressBar | None) -> ProgressBar | None:
+    """A step-counting replacement of Lightning's default progress bar ``bar`` with the same settings,
+    or None when ``bar`` is None (disabled) or not exactly Lightning's ``TQDMProgressBar`` /
+    ``RichProgressBar`` (a user's own bar is kept)."""
+    if type(bar) is RichProgressBar:
+        return StepRichProgressBar(
+            refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme, console_kwargs=bar._console_kwargs
+        )
+    if type(bar) is TQDMProgressBar:
+        return StepTQDMProgressBar(refresh_rate=bar.refresh_rate, process_position=bar.process_position, leave=bar._leave)
+    return None

@@ -55,6 +55,7 @@ __all__ = [
     "generate_rollouts",
     "render_chat",
     "tokenize_conversation",
+    "warn_turn_limit",
 ]
 
 #: Stands in for the first user message's content when locating it in the rendered prompt.
@@ -117,7 +118,8 @@ class RolloutBatch:
         example_ids: B example ids.
         messages: B conversations (``{"role", "content"}`` dicts; assistant contents are the decoded replies).
         metadata: B dicts per episode: ``turns`` (assistant replies), ``truncated`` (bool), ``truncation``
-            (None, "max_turns", "context" or "max_length"), ``errors`` (environment error strings) and
+            (None, "max_turns", "context" or "max_length"), ``errors`` (environment error strings), ``info``
+            (the ``StepResult.info`` of the episode's last step: the checker's diagnostics) and
             rollout details (``reply_tokens``, ``stop_reasons``, ``example_index``, ``sample_index``).
         experience_ids: per row, the ids of the retrieved experiences (filled by the DataModule), or None.
         experiences: per row, the retrieved experiences themselves (filled by the DataModule), or None.
@@ -703,7 +705,47 @@ class _Rollout:
     errors: list[str] = field(default_factory=list)
     reply_tokens: list[int] = field(default_factory=list)
     stop_reasons: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
+
+
+#: names of the tasks whose turn-limit warning was given (once per task and process).
+_TURN_LIMIT_WARNED: set[str] = set()
+
+
+def warn_turn_limit(task: Task, rollouts: Sequence[Any], max_turns: int, limit_source: str) -> bool:
+    """Warn once per task (by name) when episodes were cut at the turn limit before they said ``done``.
+
+    The line names the task's ``multi_turn`` / ``max_turns`` attributes and the config key
+    ``model.init_args.max_turns``: a task that needs two replies but declares neither is otherwise cut
+    after one reply without a word (its episodes are recorded with ``truncation="max_turns"``).
+
+    Returns:
+        True when the warning was given by this call.
+    """
+    cut = [r for r in rollouts if r.truncation == "max_turns"]
+    name = str(getattr(task, "name", type(task).__name__))
+    if not cut or name in _TURN_LIMIT_WARNED:
+        return False
+    _TURN_LIMIT_WARNED.add(name)
+    first = cut[0]
+    replies = f"{first.turns} repl{'y' if first.turns == 1 else 'ies'}"
+    if not task.multi_turn:
+        log.warning(
+            "task %r has multi_turn = False, but its episode of example %r asked for another turn "
+            "(StepResult.done = False) after %s: %d of %d episodes were cut at max_turns=%d (from %s; "
+            "truncation='max_turns'). A task whose episodes take several replies sets `multi_turn = True` "
+            "and `max_turns` on its Task class (or set model.init_args.max_turns)",
+            name, first.example.id, replies, len(cut), len(rollouts), max_turns, limit_source,
+        )
+    else:
+        log.warning(
+            "task %r: %d of %d episodes were cut at max_turns=%d (from %s) before they ended "
+            "(StepResult.done = False; truncation='max_turns'); if its episodes need more replies, raise the "
+            "task's `max_turns` attribute or model.init_args.max_turns (warned once per task)",
+            name, len(cut), len(rollouts), max_turns, limit_source,
+        )
+    return True
 
 
 def generate_rollouts(
@@ -765,7 +807,8 @@ def generate_rollouts(
         top_k: top-k, None or 0 = off.
         max_new_tokens: limit per turn.
         max_turns: replies per episode; None = ``task.max_turns`` if the task has it, else 8 for
-            multi-turn tasks and 1 otherwise.
+            multi-turn tasks and 1 otherwise. Episodes cut there before they said ``done`` are recorded
+            with ``truncation="max_turns"``, and :func:`warn_turn_limit` warns once per task.
         max_prompt_tokens: longest context sent to generate (None = only the model's limit).
         seed, step: seed coordinates (the trainer passes the global step).
         greedy: argmax decoding (evaluation).
@@ -795,8 +838,13 @@ def generate_rollouts(
         raise ValueError("num_rollouts_per_example and max_new_tokens must be >= 1")
     if generation_batch_size is not None and generation_batch_size < 1:
         raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
-    if max_turns is None:
-        max_turns = getattr(task, "max_turns", None) or (8 if task.multi_turn else 1)
+    if max_turns is not None:
+        limit_source = "the max_turns argument (model.init_args.max_turns)"
+    elif getattr(task, "max_turns", None):
+        max_turns, limit_source = int(task.max_turns), "the task's max_turns attribute"
+    else:
+        max_turns = 8 if task.multi_turn else 1
+        limit_source = f"the default for {'multi-turn' if task.multi_turn else 'single-turn'} tasks"
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     stop_list = list(stop_strings) if stop_strings else None
@@ -872,6 +920,8 @@ def generate_rollouts(
     finally:
         model.train(was_training)
 
+    warn_turn_limit(task, rollouts, max_turns, limit_source)
+
     # ---- rewards and the batch
     rewards = []
     for r in rollouts:
@@ -901,6 +951,7 @@ def generate_rollouts(
             "truncated": r.truncation is not None,
             "truncation": r.truncation,
             "errors": r.errors,
+            "info": r.info,
             "reply_tokens": r.reply_tokens,
             "stop_reasons": r.stop_reasons,
             "example_index": r.example_index,
@@ -976,6 +1027,7 @@ def _advance(r: _Rollout, reply_ids: list[int], reply_logps: list[float], reason
     except Exception as err:
         raise RuntimeError(f"task {task.name!r}: episode.step failed for example {r.example.id!r}: {err}") from err
     stats.env_seconds += time.perf_counter() - t0
+    r.info = dict(result.info)
     if result.info.get("error"):
         r.errors.append(str(result.info["error"]))
 

@@ -13,9 +13,12 @@ Public hooks a user overrides to adapt a method to a new task (see README "Your 
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +42,22 @@ log = logging.getLogger(__name__)
 
 #: The student's adapter name when the student is trained with LoRA.
 STUDENT_ADAPTER = "student"
+
+#: Short names of the ``step_timings`` phases in the progress line.
+PHASE_NAMES = {"generation": "gen", "student_step": "student", "composer_step": "composer"}
+
+
+def _fenced(text: str) -> str:
+    """``text`` in a markdown code fence longer than any run of backticks inside it."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def _md_escape(text: str) -> str:
+    """``text`` with markdown's special characters escaped (for short labels outside code fences)."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return re.sub(r"([\\`*_{}\[\]()#+\-.!|~])", r"\\\1", text)
 
 
 class _HookedEpisode(Episode):
@@ -114,6 +133,22 @@ class OnPolicyModule(LightningModule):
         gradient_checkpointing: trade compute for activation memory in the student's backward.
         validate_before_training: run the val split once before the first step, logged at step 0.
         seed: base seed of rollout sampling (each rank adds its rank).
+        log_samples: trajectories shown as TensorBoard text (``samples/val``, ``samples/train``): the
+            first ``log_samples`` val episodes of every validation (0: none).
+        log_samples_every_n_steps: also show the first ``log_samples`` training trajectories of every
+            n-th step (0: never).
+        sample_prompt_chars: characters of the prompt's end shown in a sample (the replies and
+            observations are shown whole).
+        save_generations: write every validation episode (conversation, reward, success, turns,
+            truncation, the checker's verdict) to ``<log_dir>/generations/val_step_<N>.jsonl`` (N: the
+            training steps done); nothing is written without a logger.
+        progress_every_n_steps: log one INFO line every n training steps (step, trajectories so far,
+            reward, success, loss, seconds by phase; 0: none).
+
+    Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``). The
+    validation that runs after training step k is logged at x = k under ``val/`` (Lightning's own
+    ``self.log`` would file it under k - 1) and at x = the trajectories generated so far under
+    ``by_rollouts/``.
     """
 
     def __init__(
@@ -137,6 +172,11 @@ class OnPolicyModule(LightningModule):
         gradient_checkpointing: bool = False,
         validate_before_training: bool = False,
         seed: int = 0,
+        log_samples: int = 4,
+        log_samples_every_n_steps: int = 10,
+        sample_prompt_chars: int = 400,
+        save_generations: bool = True,
+        progress_every_n_steps: int = 1,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -145,6 +185,10 @@ class OnPolicyModule(LightningModule):
             raise ValueError(f"rollouts_per_example must be >= 1, got {rollouts_per_example}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training rollouts, got {temperature}")
+        for key, value in (("log_samples", log_samples), ("log_samples_every_n_steps", log_samples_every_n_steps),
+                           ("sample_prompt_chars", sample_prompt_chars), ("progress_every_n_steps", progress_every_n_steps)):
+            if value < 0:
+                raise ValueError(f"{key} must be >= 0 (0 = off), got {value}; set model.init_args.{key}")
         for key, config in (("lora", lora), ("composer_lora", self.composer_lora_config())):
             check_lora_config(as_lora_config(config), key)  # before the weights load; target_modules after
         self.model_name = model
@@ -164,6 +208,10 @@ class OnPolicyModule(LightningModule):
         self.val_reward = MeanMetric()
         self.val_success = MeanMetric()
         self.val_turns = MeanMetric()
+        #: the batches of the current evaluation (samples and the generations file; reset by log_evaluation).
+        self.eval_batches: list[RolloutBatch] = []
+        #: reward, success rate and loss of the last training step (the progress line).
+        self.last_step_values: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public hooks
     def build_messages(self, task: Task, example: Example) -> list[Message]:
@@ -472,6 +520,11 @@ class OnPolicyModule(LightningModule):
         for phase, seconds in self.step_timings.items():
             values[f"time/{phase}"] = seconds
         self.log_dict({k: float(v) for k, v in values.items()}, on_step=True, on_epoch=False, batch_size=len(batch))
+        self.last_step_values = {
+            "reward": float(shared["train/reward_mean"]),
+            "success": float(shared["train/success_rate"]),
+            **({"loss": float(values["train/loss"])} if "train/loss" in values else {}),
+        }
         self.log("reward", float(shared["train/reward_mean"]), prog_bar=True, logger=False, batch_size=len(batch))
         self.log("rollouts", float(self.rollouts_consumed), prog_bar=True, logger=False, batch_size=len(batch))
         self.log_by_rollouts({k.split("/", 1)[1]: v for k, v in values.items() if k.startswith("train/")})
@@ -507,9 +560,13 @@ class OnPolicyModule(LightningModule):
         self.val_reward.update(rewards)
         self.val_success.update((rewards >= self.hparams.success_threshold).float())
         self.val_turns.update(torch.tensor([float(m.get("turns", 1)) for m in batch.metadata]))
+        self.eval_batches.append(batch)
 
     @override
     def on_validation_epoch_end(self) -> None:
+        if self._trainer is not None and self.trainer.sanity_checking:
+            self.reset_evaluation()  # Lightning's sanity check: nothing logged, written or remembered
+            return
         values = self.log_evaluation("val")
         if values is None:
             return
@@ -527,30 +584,228 @@ class OnPolicyModule(LightningModule):
         if values is not None:
             self.last_test = values
 
+    def reset_evaluation(self) -> None:
+        """Forget the episodes of the current evaluation (metrics and batches)."""
+        for metric in (self.val_reward, self.val_success, self.val_turns):
+            metric.reset()
+        self.eval_batches = []
+
     def log_evaluation(self, prefix: str, *, direct_step: int | None = None) -> dict[str, float] | None:
         """Log ``<prefix>/reward_mean``, ``<prefix>/success_rate`` and ``<prefix>/turns_mean`` of the
-        episodes since the last call (also ``by_rollouts/<prefix>_...``), reset the metrics and return
-        the values (None when no episode ran).
+        episodes since the last call (also ``by_rollouts/<prefix>_...``), show the first ``log_samples``
+        episodes as TensorBoard text (``samples/<prefix>``), write every episode to
+        ``<log_dir>/generations/<prefix>_step_<N>.jsonl``, reset and return the values (None when no
+        episode ran).
 
-        ``direct_step`` writes straight to the loggers at that step (outside Lightning's validation loop,
-        e.g. the evaluation before training, which ``self.log`` would file under a later step).
+        Inside ``fit`` the values are written straight to the loggers at x = the training steps done
+        (``self.log`` would file the validation after step k under k - 1); they still reach
+        ``trainer.callback_metrics`` (checkpoint monitors). ``direct_step`` writes at that step instead
+        (outside Lightning's validation loop, e.g. the evaluation before training, at 0).
         """
         if self.val_reward.update_count == 0:
+            self.eval_batches = []
             return None
         values = {
             f"{prefix}/reward_mean": self.val_reward.compute(),
             f"{prefix}/success_rate": self.val_success.compute(),
             f"{prefix}/turns_mean": self.val_turns.compute(),
         }
-        if direct_step is None:
+        in_fit = self._trainer is not None and self.trainer.state.fn == "fit"
+        step = int(self.global_step) if direct_step is None else int(direct_step)
+        if direct_step is None and not in_fit:  # `lopd validate` / `lopd test`: Lightning's loggers and results
             self.log_dict(values, prog_bar=False)
-        elif self.global_rank == 0:
-            for logger in self.loggers:
-                logger.log_metrics({k: float(v) for k, v in values.items()}, step=direct_step)
+        else:
+            if direct_step is None:
+                self.log_dict(values, prog_bar=False, logger=False)
+            self.log_to_loggers({k: float(v) for k, v in values.items()}, step)
         self.log_by_rollouts({f"{prefix}_" + k.split("/", 1)[1]: v for k, v in values.items()})
-        for metric in (self.val_reward, self.val_success, self.val_turns):
-            metric.reset()
+        records = self.evaluation_records(prefix, step)
+        path = self.write_generations(prefix, step, records)
+        self.log_sample_text(prefix, step, records)
+        if self.global_rank == 0:
+            log.info(
+                "%s after step %d: reward %.3f | success %.3f | turns %.2f | %d episodes%s", prefix, step,
+                float(values[f"{prefix}/reward_mean"]), float(values[f"{prefix}/success_rate"]),
+                float(values[f"{prefix}/turns_mean"]), len(records), f" | generations {path}" if path else "",
+            )
+        self.reset_evaluation()
         return {k: float(v) for k, v in values.items()}
+
+    def log_to_loggers(self, values: dict[str, float], step: int) -> None:
+        """Write scalars to every logger at ``step`` (rank 0), bypassing Lightning's step bookkeeping."""
+        if self.global_rank != 0:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(values, step=step)
+
+    # ------------------------------------------------------------------ samples and generations
+    def trajectory_records(self, batch: RolloutBatch, prefix: str, step: int, rows: int | None = None) -> list[dict[str, Any]]:
+        """One JSON-ready dict per trajectory of ``batch`` (its first ``rows``): ``step``, ``split``,
+        ``example_id``, ``reward``, ``success``, ``turns``, ``done``, ``truncation``, ``errors`` (the
+        checker's verdicts), ``info`` (the last step's ``StepResult.info``) and ``messages``."""
+        out = []
+        for i in range(len(batch) if rows is None else min(rows, len(batch))):
+            meta = batch.metadata[i]
+            reward = float(batch.rewards[i])
+            out.append({
+                "step": int(step),
+                "split": prefix,
+                "example_id": batch.example_ids[i],
+                "reward": reward,
+                "success": bool(reward >= self.hparams.success_threshold),
+                "turns": meta.get("turns"),
+                "done": meta.get("done"),
+                "truncation": meta.get("truncation"),
+                "errors": list(meta.get("errors") or []),
+                "info": dict(meta.get("info") or {}),
+                "messages": [dict(m) for m in batch.messages[i]],
+            })
+        return out
+
+    def evaluation_records(self, prefix: str, step: int) -> list[dict[str, Any]]:
+        """The records (:meth:`trajectory_records`) of the current evaluation, gathered from every rank
+        in the val split's order (an example that a distributed sampler repeated to even out the ranks
+        is kept once). Empty when nothing would use them (no logger, or samples and file both off)."""
+        wanted = (self.hparams.save_generations or self.hparams.log_samples > 0) and bool(self.loggers)
+        if not wanted:
+            return []
+        records = [r for batch in self.eval_batches for r in self.trajectory_records(batch, prefix, step)]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, records)
+            seen: set[str] = set()
+            records = []
+            for r in (r for rank_records in gathered for r in rank_records):
+                if r["example_id"] not in seen:
+                    seen.add(r["example_id"])
+                    records.append(r)
+            dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            if dm is not None and hasattr(dm, "val_examples_list"):
+                order = {ex.id: i for i, ex in enumerate(dm.val_examples_list)}
+                records.sort(key=lambda r: order.get(r["example_id"], len(order)))
+        return records
+
+    def generations_dir(self) -> Path | None:
+        """``<log_dir>/generations`` of the first logger (None without a logger)."""
+        if not self.loggers:
+            return None
+        logger = self.loggers[0]
+        root = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        return None if root is None else Path(root) / "generations"
+
+    def write_generations(self, prefix: str, step: int, records: list[dict[str, Any]]) -> Path | None:
+        """Write ``records`` to ``<log_dir>/generations/<prefix>_step_<step>.jsonl`` (rank 0, one JSON
+        object a line); returns the path, or None when nothing was written."""
+        if not self.hparams.save_generations or self.global_rank != 0 or not records:
+            return None
+        directory = self.generations_dir()
+        if directory is None:
+            return None
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{prefix}_step_{step}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        return path
+
+    def log_sample_text(self, prefix: str, step: int, records: list[dict[str, Any]]) -> None:
+        """The first ``log_samples`` records as one markdown text, TensorBoard tag ``samples/<prefix>`` at
+        ``step`` (rank 0, TensorBoard loggers only)."""
+        n = int(self.hparams.log_samples)
+        if n <= 0 or not records or self.global_rank != 0:
+            return
+        text = "\n\n---\n\n".join(self.sample_markdown(r) for r in records[:n])
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(f"samples/{prefix}", text, global_step=step)
+
+    def sample_markdown(self, record: dict[str, Any]) -> str:
+        """One trajectory as markdown: a header (example, reward, success, turns, truncation), the
+        checker's verdict, the prompt's last ``sample_prompt_chars`` characters, then every reply and
+        observation. Every text from the model or the task sits in a code fence longer than any run of
+        backticks inside it, so nothing in it is read as markdown."""
+        messages = record["messages"]
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+        turns = record.get("turns")
+        head = [f"**{_md_escape(str(record['example_id']))}** (step {record['step']})",
+                f"reward {record['reward']:.3f}", "success" if record["success"] else "failure",
+                f"{turns} turn{'' if turns == 1 else 's'}"]
+        if record.get("truncation"):
+            head.append(f"cut: {_md_escape(str(record['truncation']))}")
+        parts = [" · ".join(head)]
+        verdict = "; ".join(record.get("errors") or [])
+        extra = {k: v for k, v in (record.get("info") or {}).items() if k != "error"}
+        if verdict:
+            parts.append("checker:\n\n" + _fenced(verdict))
+        if extra:
+            parts.append("info:\n\n" + _fenced(json.dumps(extra, ensure_ascii=False, default=str)))
+        prompt = "\n\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in messages[:first])
+        limit = int(self.hparams.sample_prompt_chars)
+        if len(prompt) > limit:
+            prompt = "..." + prompt[len(prompt) - limit:] if limit > 0 else "..."
+            label = f"prompt (last {limit} characters)"
+        else:
+            label = "prompt"
+        parts.append(f"{label}:\n\n" + _fenced(prompt))
+        turn = 0
+        for m in messages[first:]:
+            role = _md_escape(str(m.get("role")))
+            if role == "assistant":
+                turn += 1
+                role = f"assistant (turn {turn})"
+            content = str(m.get("content") or "")
+            if not content.strip():  # an empty fence says nothing: show what the whitespace is
+                role += " (empty)" if not content else " (whitespace only, shown escaped)"
+                content = repr(content) if content else ""
+            parts.append(f"{role}:\n\n" + _fenced(content))
+        return "\n\n".join(parts)
+
+    # ------------------------------------------------------------------ progress
+    def progress_line(self, batch: RolloutBatch | None = None) -> str:
+        """The one-line summary of the last training step, e.g. ``step 3/20 | trajectories 12 | reward
+        0.250 | success 0.250 | loss 0.0123 | gen 20.1s student 10.2s teacher 3.0s``."""
+        step = int(self.global_step)
+        max_steps = int(self.trainer.max_steps) if self._trainer is not None and self.trainer.max_steps else -1
+        parts = [f"step {step}/{max_steps}" if max_steps > 0 else f"step {step}",
+                 f"trajectories {self.rollouts_consumed}"]
+        values = self.last_step_values
+        if "reward" in values:
+            parts += [f"reward {values['reward']:.3f}", f"success {values['success']:.3f}"]
+        if "loss" in values:
+            parts.append(f"loss {values['loss']:.4g}")
+        no_bank = batch is None or getattr(batch, "experiences", None) is None
+        phases = [f"{PHASE_NAMES.get(k, k)} {v:.1f}s" for k, v in self.step_timings.items()
+                  if not (k == "retrieval" and no_bank)]
+        if phases:
+            parts.append(" ".join(phases))
+        return " | ".join(parts)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """The progress line (every ``progress_every_n_steps``) and the training samples (every
+        ``log_samples_every_n_steps``), on rank 0."""
+        if self.global_rank != 0:
+            return
+        step = int(self.global_step)
+        every = int(self.hparams.progress_every_n_steps)
+        if every > 0 and step % every == 0:
+            log.info("%s", self.progress_line(batch))
+        every = int(self.hparams.log_samples_every_n_steps)
+        if every > 0 and step % every == 0 and self.hparams.log_samples > 0 and isinstance(batch, RolloutBatch):
+            records = self.trajectory_records(batch, "train", step, rows=int(self.hparams.log_samples))
+            self.log_sample_text("train", step, records)
+
+    @override
+    def configure_callbacks(self):
+        """Lightning's default progress bar, replaced by one that counts training steps (``step k/N``)
+        instead of epochs: the on-policy stream is one endless epoch (``max_epochs=-1``), which the default
+        bar showed as ``Epoch 0/-2``. A progress bar of any other class, or none, is left alone."""
+        from lopd_lightning.callbacks import step_progress_bar
+
+        if self._trainer is None:
+            return []
+        bar = step_progress_bar(self.trainer.progress_bar_callback)
+        return [bar] if bar is not None else []
 
     @override
     def on_train_start(self) -> None:

@@ -2,7 +2,16 @@
 
 A task is a set of examples, the student's first messages for each, an environment that answers the
 student's replies, and a reward in [0, 1]. Single-turn tasks only implement :meth:`Task.score`;
-multi-turn tasks override :meth:`Task.start` and return their own :class:`Episode`.
+multi-turn tasks set ``multi_turn = True`` (and ``max_turns``), override :meth:`Task.start` and return
+their own :class:`Episode`.
+
+The rollout loop, per example: ``messages = task.initial_messages(example)``, ``episode =
+task.start(example)``; then, until the episode is done or ``max_turns`` replies were made, the student
+replies to ``messages`` and ``result = episode.step(reply)`` answers with a :class:`StepResult` whose
+``messages`` (tool results, the next user turn) are appended; at the end ``episode.reward()`` is the
+trajectory's reward and ``result.info`` of the last step is kept with the trajectory (its ``"error"``
+is shown as the checker's verdict in the logged samples). README "Your own task: the Task contract"
+lists every attribute and method.
 
 Messages follow the chat-template convention of transformers: ``{"role": "system" | "user" |
 "assistant" | "tool", "content": str}``.
@@ -161,8 +170,13 @@ class Task(abc.ABC):
 
     #: registry name (``get_task(name)``).
     name: str = "task"
-    #: True when the environment answers with tool results or further user turns.
+    #: True when the environment answers with tool results or further user turns (the episode of
+    #: :meth:`start` then takes several replies; without it an episode gets one reply).
     multi_turn: bool = False
+    #: the most replies per episode (None: 8 when ``multi_turn``, else 1); ``model.init_args.max_turns``
+    #: overrides it. An episode that has not said ``done`` by then is cut (``truncation="max_turns"``,
+    #: with a warning naming these attributes once per task).
+    max_turns: int | None = None
 
     #: fraction of :meth:`all_examples` held out as "val" (:func:`split_examples`).
     val_fraction: float = 0.25
