@@ -1,8 +1,13 @@
 """The ``lopd`` command: ``--print_config`` of every shipped config (without loading any model),
-``lopd tasks verify|list`` and ``lopd build-memory``."""
+``lopd tasks verify|list``, ``lopd build-memory``, one-line errors naming the key (``--debug`` for the
+traceback), checks before the weights load, and the help, warnings and logs a new user sees."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +16,7 @@ import yaml
 from lopd_lightning.cli import _lightning_cli, main
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
+from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks import TASK_NAMES
 from lopd_lightning.tasks.toy import ToyTask
 
@@ -119,7 +125,9 @@ def test_build_memory_from_rollouts_keeps_what_reaches_min_reward(tmp_path, caps
 
 
 @pytest.mark.parametrize("subcommand, prefix", [("validate", "val"), ("test", "test")])
-def test_validate_and_test_subcommands_run_greedy_episodes(tmp_path, subcommand, prefix):
+def test_validate_and_test_subcommands_run_greedy_episodes(tmp_path, subcommand, prefix, monkeypatch):
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     cli = _lightning_cli([
         subcommand, "-c", str(TINY_YAML), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
         "--trainer.enable_progress_bar=false",
@@ -127,6 +135,8 @@ def test_validate_and_test_subcommands_run_greedy_episodes(tmp_path, subcommand,
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     assert metrics[f"{prefix}/turns_mean"] == 1.0  # the toy task is single-turn
     assert 0.0 <= metrics[f"{prefix}/success_rate"] <= metrics[f"{prefix}/reward_mean"] <= 1.0
+    # without a logger the run's config.yaml has no folder to go to: none in the root dir or the current one
+    assert not (tmp_path / "config.yaml").exists() and list((tmp_path / "cwd").iterdir()) == []
 
 
 def test_build_memory_writes_to_the_configured_bank_path_then_fit_loads_it(tmp_path, capsys):
@@ -152,3 +162,272 @@ def test_build_memory_from_references_replays_and_scores_each_reference(tmp_path
     printed = capsys.readouterr().out
     assert "skipped toy/" in printed and "its reference solution scores 1.0" in printed
     assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 0
+
+
+# ---------------------------------------------------------------------- one-line errors (issue 14, item 1)
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    """``lopd <args>`` in process: (exit status, stderr)."""
+    try:
+        code = main(args)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(err: str, expected: str) -> None:
+    """stderr ends with exactly ``error: <expected>``: one error line, no traceback, no usage or union dump."""
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"error: {expected}", err
+    assert sum(line.startswith("error:") for line in lines) == 1, err
+    for noise in ("Traceback", "usage:", "Given value", "Does not validate", "Subtypes"):
+        assert noise not in err, err
+
+
+def test_a_missing_model_folder_is_one_line_naming_the_key(tmp_path, capsys):
+    missing = tmp_path / "no_such_model"
+    code, err = run_main(["fit", "-c", str(TINY_YAML), f"--model.init_args.model={missing}", "--trainer.logger=false"], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"model folder '{missing}' does not exist (model.init_args.model); give a local "
+                               f"Hugging Face folder, 'smollm2-135m-instruct' (packaged) or 'tiny'")
+
+
+def test_num_latents_zero_is_one_line_naming_the_key_before_the_model_loads(capsys, no_model_loading):
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.num_latents=0", "--trainer.logger=false"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "model.init_args.num_latents must be >= 1 (latent tokens per experience), got 0")
+
+
+def test_a_module_check_without_the_key_in_its_message_gets_the_key_named(capsys, no_model_loading):
+    """base.py's "rollouts_per_example must be >= 1" is shown as model.init_args.rollouts_per_example ..."""
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=0"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "model.init_args.rollouts_per_example must be >= 1, got 0")
+
+
+def test_a_misspelt_task_is_one_line_with_did_you_mean(capsys, no_model_loading):
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--data.init_args.task=tyo", "--trainer.logger=false"], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"unknown task 'tyo' (data.init_args.task); did you mean 'toy'? known tasks: "
+                               f"{', '.join(TASK_NAMES)} (or give a Task subclass)")
+    code, err = run_main(["tasks", "verify", "bfcl_simpel_python"], capsys)
+    assert code == 2
+    assert err.startswith("error: unknown task 'bfcl_simpel_python'; did you mean 'bfcl_simple_python'?")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model.init_args.num_latens=3"],
+         "unknown key model.init_args.num_latens (LOPDModule has no argument 'num_latens'); "
+         "did you mean model.init_args.num_latents?"),
+        (["--data.init_args.taks=toy"],
+         "unknown key data.init_args.taks (OnPolicyDataModule has no argument 'taks'); did you mean data.init_args.task?"),
+        (["--trainer.max_stepz=3"],
+         "unknown option --trainer.max_stepz=3; did you mean --trainer.max_steps? (see `lopd fit --help`)"),
+        (["--model.init_args.num_latents=abc"], "model.init_args.num_latents: expected int, got 'abc'"),
+        (["--model=LOPDModul"],
+         "model: no class 'LOPDModul'; give a class path such as lopd_lightning.modules.LOPDModule; "
+         "did you mean 'LOPDModule'?"),
+    ],
+    ids=["model_key", "data_key", "trainer_key", "wrong_type", "class_name"],
+)
+def test_a_wrong_key_on_the_command_line_is_one_line_with_did_you_mean(args, expected, capsys, no_model_loading):
+    code, err = run_main(["fit", "-c", str(TINY_YAML), *args], capsys)
+    assert code == 2
+    assert_one_line_error(err, expected)
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        ("num_latents: 4", "num_latens: 4",
+         "unknown key model.init_args.num_latens (LOPDModule has no argument 'num_latens'); "
+         "did you mean model.init_args.num_latents?"),
+        ("max_steps: 2", "max_step: 2", "unknown key trainer.max_step (lopd fit has no such option); did you mean trainer.max_steps?"),
+    ],
+    ids=["model_key", "trainer_key"],
+)
+def test_a_wrong_key_in_a_config_file_is_one_line_with_did_you_mean(tmp_path, old, new, expected, capsys, no_model_loading):
+    config = tmp_path / "bad.yaml"
+    config.write_text(TINY_YAML.read_text().replace(old, new))
+    code, err = run_main(["fit", "-c", str(config)], capsys)
+    assert code == 2
+    assert_one_line_error(err, expected)
+
+
+def test_unknown_commands_and_missing_config_files_are_one_line(tmp_path, capsys):
+    code, err = run_main(["fitt", "-c", str(TINY_YAML)], capsys)
+    assert code == 2
+    assert_one_line_error(err, "unknown command 'fitt'; did you mean 'fit'? (commands: fit, validate, test, "
+                               "build-memory, tasks, export; see `lopd --help`)")
+    code, err = run_main(["fit", "-c", str(tmp_path / "none.yaml")], capsys)
+    assert code == 2
+    assert_one_line_error(err, f"-c/--config: File does not exist: '{tmp_path / 'none.yaml'}'")
+
+
+def test_debug_flag_and_environment_variable_show_the_traceback(tmp_path, monkeypatch, capsys):
+    def root_cause(error: BaseException) -> BaseException:
+        while error.__cause__ or error.__context__:
+            error = error.__cause__ or error.__context__
+        return error
+
+    args = ["fit", "-c", str(TINY_YAML), f"--model.init_args.model={tmp_path / 'none'}", "--trainer.logger=false"]
+    with pytest.raises(Exception) as raised:  # the whole chain, as Python prints it: jsonargparse's wrapper too
+        main([*args, "--debug"])
+    assert isinstance(root_cause(raised.value), FileNotFoundError)
+    monkeypatch.setenv("LOPD_DEBUG", "1")
+    with pytest.raises(Exception) as raised:
+        main(args)
+    assert isinstance(root_cause(raised.value), FileNotFoundError)
+    monkeypatch.setenv("LOPD_DEBUG", "0")
+    assert run_main(args, capsys)[0] == 1
+
+
+def test_the_console_command_prints_two_lines_for_a_config_error(tmp_path):
+    """The real process: no LightningCLI warning about `args`, Lightning's INFO line once, then the error."""
+    script = Path(sys.executable).parent / "lopd"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lopd_lightning.cli"]
+    result = subprocess.run(
+        [*command, "fit", "-c", str(TINY_YAML), "--model.init_args.num_latents=0", "--trainer.logger=false"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "LOPD_DEBUG")},
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == "error: model.init_args.num_latents must be >= 1 (latent tokens per experience), got 0"
+    assert "args parameter" not in result.stderr
+    assert result.stderr.count("Seed set to 0") == 1, result.stderr  # was printed twice (two handlers)
+    assert len(lines) == 2, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- fail fast (issue 14, item 6)
+def one_experience_bank(folder: Path) -> Path:
+    from lopd_lightning.memory.bank import Experience
+
+    task = ToyTask()
+    bank = ExperienceBank(get_embedder("hashing"))
+    ex = task.examples("train")[0]
+    bank.add([Experience(task_id=ex.id, task_text=ex.text, trace="answer", reward=1.0)])
+    return bank.save(folder)
+
+
+def test_a_missing_or_too_small_bank_fails_before_the_student_loads(tmp_path, capsys, no_model_loading):
+    from lopd_lightning.modules import LOPDModule
+
+    with pytest.raises(FileNotFoundError, match=r"model.init_args.bank_path '.*none' holds no experience bank"):
+        LOPDModule("tiny", bank_path=str(tmp_path / "none"))
+    bank = one_experience_bank(tmp_path / "bank")
+    with pytest.raises(ValueError, match=r"num_experiences J=2 is larger than the bank .*\(1 experiences\)"):
+        LOPDModule("tiny", bank_path=str(bank), num_experiences=2)
+    with pytest.raises(ValueError, match=r"\(1 experiences\)"):  # a capacity below J counts too
+        LOPDModule("tiny", bank_path=str(bank), num_experiences=2, bank_capacity=1)
+    code, err = run_main(["fit", "-c", str(TINY_YAML), f"--model.init_args.bank_path={bank}"], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"num_experiences J=2 is larger than the bank at '{bank}' (1 experiences); "
+                               f"set model.init_args.num_experiences <= 1 or build a larger bank (`lopd build-memory`)")
+
+
+def test_build_memory_from_references_does_not_load_the_student(tmp_path, capsys, no_model_loading):
+    out = tmp_path / "bank"
+    assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--out", str(out), "--limit", "3"]) == 0
+    assert "bank: 3 experiences from 3 train examples (reference solutions)" in capsys.readouterr().out
+    assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 3
+
+
+class ShoutingLOPD(LOPDModule):
+    """A subclass whose experience hook build-memory --from-references must use (no weights needed)."""
+
+    def experience_from_trajectory(self, task, example, messages, reward):
+        exp = super().experience_from_trajectory(task, example, messages, reward)
+        return dataclasses.replace(exp, trace=exp.trace.upper())
+
+
+class BackboneReadingLOPD(LOPDModule):
+    """A hook that reads the backbone: build-memory falls back to the whole module."""
+
+    def experience_from_trajectory(self, task, example, messages, reward):
+        exp = super().experience_from_trajectory(task, example, messages, reward)
+        return dataclasses.replace(exp, trace=f"{exp.trace} [{type(self.backbone).__name__}]")
+
+
+def test_build_memory_from_references_runs_a_subclass_hooks(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bank"
+    with monkeypatch.context() as m:
+        m.setattr("lopd_lightning.modules.base.load_student", lambda *a, **k: pytest.fail("the student was loaded"))
+        assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--out", str(out), "--limit", "2",
+                     f"--model.class_path={__name__}.ShoutingLOPD"]) == 0
+    traces = [r.trace for r in ExperienceBank.load(out, get_embedder("hashing")).records]
+    assert len(traces) == 2 and all(t == t.upper() and "[ACTION]" in t for t in traces)
+    assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--out", str(out), "--limit", "2",
+                 f"--model.class_path={__name__}.BackboneReadingLOPD"]) == 0
+    traces = [r.trace for r in ExperienceBank.load(out, get_embedder("hashing")).records]
+    assert len(traces) == 2 and all(t.endswith("[PeftModelForCausalLM]") for t in traces)
+
+
+def test_build_memory_refuses_a_module_without_a_bank(tmp_path, capsys, no_model_loading):
+    code, err = run_main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--out", str(tmp_path / "b"),
+                          "--model.class_path=lopd_lightning.modules.SFTModule"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "model.class_path lopd_lightning.modules.SFTModule has no experience bank; "
+                               "build-memory is for LOPDModule (or a subclass)")
+
+
+# ---------------------------------------------------------------------- papercuts (issue 14, item 7)
+def test_help_lists_every_command_and_no_predict(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    commands = [line.split()[0] for line in out.split("commands:\n")[1].split("\n\n")[0].splitlines()]
+    assert commands == ["fit", "validate", "test", "build-memory", "tasks", "export"]
+    assert "--debug" in out and "predict" not in out
+    code, err = run_main(["predict", "-c", str(TINY_YAML)], capsys)
+    assert code == 2 and err.startswith("error: unknown command 'predict'")
+
+
+def test_no_lightning_cli_warning_about_args(monkeypatch, capsys, no_model_loading):
+    """The command line read from sys.argv is passed once: LightningCLI's warning about args does not fire."""
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", ["lopd", "fit", "-c", str(TINY_YAML), "--print_config"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+    assert exit_info.value.code in (0, None)
+    assert not [w for w in caught if "args parameter" in str(w.message)]
+
+
+def test_lightning_tips_are_not_printed_and_its_info_lines_are_kept():
+    import logging
+
+    import lightning as L
+
+    from lopd_lightning.cli import configure_logging
+
+    configure_logging()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    handler = Keep(level=logging.INFO)
+    logger.addHandler(handler)
+    try:
+        L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)  # "GPU available" + the litlogger tip
+    finally:
+        logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    assert any("GPU available" in m for m in messages)
+    assert not [m for m in messages if "Tip" in m], messages
+    assert logging.getLogger("lightning").propagate is False  # its own handler only: each line once
+
+
+def test_tasks_verify_takes_a_task_class_path(capsys):
+    assert main(["tasks", "verify", "lopd_lightning.tasks.toy.ToyTask", "--limit", "4"]) == 0
+    assert "lopd_lightning.tasks.toy.ToyTask: 4/4 reference solutions score 1.0" in capsys.readouterr().out
+    code, err = run_main(["tasks", "verify", "lopd_lightning.tasks.toy.NoSuchTask"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "module 'lopd_lightning.tasks.toy' has no 'NoSuchTask' (task 'lopd_lightning.tasks.toy.NoSuchTask')")

@@ -445,7 +445,7 @@ def test_unknown_task_name_lists_known_ones(no_model_loading):
     with pytest.raises(ValueError, match=r"unknown task 'nope'.*toy"):
         OnPolicyDataModule("nope")
     # through the CLI: LightningCLI instantiates the model first, so the name is checked before that
-    with pytest.raises(ValueError, match=r"unknown task 'nope'; known tasks: .*bfcl_simple_python.*toy"):
+    with pytest.raises(ValueError, match=r"unknown task 'nope' \(data.init_args.task\); known tasks: .*bfcl_simple_python.*toy"):
         _lightning_cli(["-c", str(TINY_YAML), "--data.init_args.task=nope", "--trainer.logger=false"], run=False)
 
 
@@ -453,8 +453,8 @@ def test_unknown_task_name_lists_known_ones(no_model_loading):
     "overrides, message",
     [
         ({"rollouts_per_example": 0}, "rollouts_per_example must be >= 1"),
-        ({"num_experiences": -1}, "num_experiences >= 0"),
-        ({"num_latents": 0}, "num_latents >= 1"),
+        ({"num_experiences": -1}, "model.init_args.num_experiences must be >= 0"),
+        ({"num_latents": 0}, "model.init_args.num_latents must be >= 1"),
         ({"top_m": 0}, "top_m must be >= 1"),
     ],
 )

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+#: What ``lopd export`` writes beside an exported student (method, checkpoint, form, base model).
+EXPORT_INFO = "lopd_export.json"
+
 #: ChatML with the tokenizer's EOS closing each turn; used by the tiny test tokenizer.
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -152,6 +155,28 @@ def tiny_model(
     return model
 
 
+def _model_folder(name_or_path: str) -> Path:
+    """The folder of a student name: the packaged SmolLM2's cached folder, or the path itself."""
+    return smollm2_folder() if name_or_path == SMOLLM2_NAME else Path(name_or_path)
+
+
+def adapter_base(folder: str | Path) -> str | None:
+    """The base model of an adapter folder written by ``lopd export --adapter`` (None: not one).
+
+    An adapter folder holds ``adapter_config.json`` and no ``config.json``. Its base is the packaged model
+    when ``lopd_export.json`` names it (:data:`SMOLLM2_NAME`), else peft's ``base_model_name_or_path``.
+    """
+    folder = Path(folder)
+    if not (folder / "adapter_config.json").exists() or (folder / "config.json").exists():
+        return None
+    info = folder / EXPORT_INFO
+    if info.exists():
+        base = json.loads(info.read_text()).get("base_model")
+        if base == SMOLLM2_NAME:
+            return base
+    return json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a student: ``"tiny"``, ``"smollm2-135m-instruct"`` or a local folder.
 
@@ -163,7 +188,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """
     if name_or_path == "tiny":
         return tiny_tokenizer()
-    folder = smollm2_folder() if name_or_path == SMOLLM2_NAME else Path(name_or_path)
+    folder = _model_folder(name_or_path)
     if not folder.exists():
         raise FileNotFoundError(
             f"model folder {str(folder)!r} does not exist (model.init_args.model); give a local Hugging Face "
@@ -185,7 +210,8 @@ def load_student(
 
     Args:
         name_or_path: ``"tiny"`` (random, from :func:`tiny_model`), ``"smollm2-135m-instruct"`` (the
-            packaged model) or a local Hugging Face folder.
+            packaged model), a local Hugging Face folder, or an adapter folder of ``lopd export --adapter``
+            (its base loaded and the LoRA merged in: a plain model).
         dtype: weights dtype (float32 by default; bfloat16 on GPUs).
         seed: seed of the tiny model's weights.
 
@@ -202,11 +228,24 @@ def load_student(
     if name_or_path == "tiny":
         model = tiny_model(vocab_size=len(tokenizer), seed=seed).to(dtype)
     else:
-        folder = smollm2_folder() if name_or_path == SMOLLM2_NAME else Path(name_or_path)
+        folder = _model_folder(name_or_path)
+        base = adapter_base(folder)
+        config_folder = folder if base is None else _model_folder(base)
+        if not (config_folder / "config.json").exists():
+            raise FileNotFoundError(
+                f"no config.json in {str(config_folder)!r}" + ("" if base is None else f", the base model of the "
+                f"adapter folder {str(folder)!r}") + "; give a Hugging Face model folder (model.init_args.model)"
+            )
         # the vocabulary check reads config.json only: a mismatch fails before the weights load
-        config_vocab = getattr(AutoConfig.from_pretrained(folder, local_files_only=True), "vocab_size", None)
-        _check_vocab(len(tokenizer), config_vocab, name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+        config = AutoConfig.from_pretrained(config_folder, local_files_only=True)
+        _check_vocab(len(tokenizer), getattr(config, "vocab_size", None), name_or_path)
+        if base is None:
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+        else:  # an exported student LoRA beside its base: merged into a plain model
+            from peft import PeftModel
+
+            model = AutoModelForCausalLM.from_pretrained(config_folder, local_files_only=True, dtype=dtype)
+            model = PeftModel.from_pretrained(model, folder, local_files_only=True).merge_and_unload()
     _check_vocab(len(tokenizer), model.get_input_embeddings().weight.shape[0], name_or_path)
     model.config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config is not None:

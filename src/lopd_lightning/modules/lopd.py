@@ -19,6 +19,7 @@ One training step (manual optimisation, two optimisers):
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,37 @@ DEFAULT_COMPOSER_LORA = {
     "lora_dropout": 0.0,
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
+
+
+def check_bank(bank_path: str, num_experiences: int, *, capacity: int | None = None, size: int | None = None) -> None:
+    """Refuse a ``bank_path`` that holds no bank, or a bank smaller than J, naming the config keys.
+
+    Args:
+        size: the bank's size (default: read from its ``meta.json``, capped at ``capacity``), so the check
+            runs before anything is loaded.
+
+    Raises:
+        FileNotFoundError: no ``meta.json`` in ``bank_path``.
+        ValueError: the bank holds fewer than ``num_experiences`` experiences.
+    """
+    meta = Path(bank_path) / "meta.json"
+    if not meta.exists():
+        raise FileNotFoundError(
+            f"model.init_args.bank_path {bank_path!r} holds no experience bank; build it first with "
+            f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), "
+            f"or set model.init_args.bank_path to null to start with an empty bank"
+        )
+    if size is None:
+        size = json.loads(meta.read_text(encoding="utf-8")).get("size")
+        if size is None:
+            return  # a bank written without its size: checked once it is loaded
+        size = int(size) if capacity is None else min(int(size), int(capacity))
+    if size < num_experiences:
+        raise ValueError(
+            f"num_experiences J={num_experiences} is larger than the bank at {bank_path!r} "
+            f"({size} experiences); set model.init_args.num_experiences <= {size} "
+            f"or build a larger bank (`lopd build-memory`)"
+        )
 
 
 class LOPDModule(OnPolicyModule):
@@ -148,10 +180,14 @@ class LOPDModule(OnPolicyModule):
         **kwargs: Any,
     ):
         # checks that need no model run before the student is loaded
-        if num_experiences < 0 or num_latents < 1:
-            raise ValueError(f"need num_experiences >= 0 and num_latents >= 1, got J={num_experiences}, K={num_latents}")
+        if num_latents < 1:
+            raise ValueError(f"model.init_args.num_latents must be >= 1 (latent tokens per experience), got {num_latents}")
+        if num_experiences < 0:
+            raise ValueError(f"model.init_args.num_experiences must be >= 0 (experiences per task), got {num_experiences}")
         if top_m < 1:
-            raise ValueError(f"top_m must be >= 1, got {top_m}")
+            raise ValueError(f"model.init_args.top_m must be >= 1, got {top_m}")
+        if bank_path:  # the bank's size from its meta.json: a missing or too small bank fails before the weights load
+            check_bank(bank_path, num_experiences, capacity=bank_capacity)
         if kwargs.get("gradient_checkpointing"):
             # one backward pass runs through the student, teacher and composer graphs, which were built
             # under different LoRA adapters; activation checkpointing recomputes each segment in that
@@ -164,7 +200,7 @@ class LOPDModule(OnPolicyModule):
             )
         chunk = distill_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"distill_chunk_size must be None or an int >= 1, got {distill_chunk_size!r}")
+            raise ValueError(f"model.init_args.distill_chunk_size must be null or an int >= 1, got {distill_chunk_size!r}")
         self._composer_lora = dict(DEFAULT_COMPOSER_LORA if composer_lora is None else composer_lora)
         super().__init__(model, **kwargs)
         self.save_hyperparameters()
@@ -181,21 +217,10 @@ class LOPDModule(OnPolicyModule):
             self.teacher.head_parameters()
         embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
         if bank_path:
-            if not (Path(bank_path) / "meta.json").exists():
-                raise FileNotFoundError(
-                    f"bank_path {bank_path!r} holds no experience bank; build it first with "
-                    f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), "
-                    f"or set model.init_args.bank_path to null to start with an empty bank"
-                )
             self.bank = ExperienceBank.load(
                 bank_path, embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
             )
-            if len(self.bank) < num_experiences:
-                raise ValueError(
-                    f"num_experiences J={num_experiences} is larger than the bank at {bank_path!r} "
-                    f"({len(self.bank)} experiences); set model.init_args.num_experiences <= {len(self.bank)} "
-                    f"or build a larger bank (`lopd build-memory`)"
-                )
+            check_bank(bank_path, num_experiences, size=len(self.bank))
         else:
             self.bank = ExperienceBank(
                 embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval

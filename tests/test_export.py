@@ -1,0 +1,154 @@
+"""``lopd export``: the student of any method's checkpoint as a Hugging Face folder (LoRA merged, or the
+student LoRA beside its base) that transformers loads with the student's logits, without the composer,
+its anchor or any other adapter, and that ``lopd validate`` accepts as its model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from lopd_lightning.adapters import adapter_parameters, is_lora_student
+from lopd_lightning.cli import main
+from lopd_lightning.data import OnPolicyDataModule
+from lopd_lightning.export import export_checkpoint, export_student, load_module, module_class
+from lopd_lightning.models import load_student, tiny_model
+from lopd_lightning.modules import GRPOModule, LOPDModule, SFTModule
+from helpers import ParityToy
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "configs" / "tiny.yaml"
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+IDS = torch.tensor([[60, 105, 110, 32, 116, 104, 101, 32, 119, 111, 114, 100, 1]])
+
+
+def make(method: str, lora=LORA):
+    if method == "lopd":
+        return LOPDModule("tiny", lora=lora, num_latents=2, num_experiences=1, composer_depth=1, embedder="hashing",
+                          max_new_tokens=4, top_m=4, max_experience_tokens=32, learning_rate=1e-2)
+    if method == "grpo":
+        return GRPOModule("tiny", lora=lora, rollouts_per_example=2, max_new_tokens=4, learning_rate=1e-2)
+    return SFTModule("tiny", lora=lora, learning_rate=1e-2)
+
+
+def perturb(module) -> None:
+    """Give every adapter (the student's LoRA and, for LOPD, the composer's) non-zero weights, so that the
+    student differs from the base and an export that merged another adapter would differ from the student."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name in getattr(module.backbone, "peft_config", {}):
+            for p in adapter_parameters(module.backbone, name):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+
+
+def train(module, root: Path) -> Path:
+    """Two steps with a checkpoint after each; returns the last checkpoint."""
+    checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_last=True)
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, limit_val_batches=0, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(root), callbacks=[checkpoints],
+    )
+    trainer.fit(module, OnPolicyDataModule(ParityToy(), examples_per_step=1, val_examples=1))
+    assert trainer.global_step == 2
+    return root / "ckpt" / "last.ckpt"
+
+
+def student_logits(module) -> torch.Tensor:
+    with torch.no_grad(), module.student_context():
+        return module.backbone(input_ids=IDS).logits
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+@pytest.mark.parametrize("method", ["lopd", "grpo"])
+def test_exported_student_has_the_modules_student_logits(tmp_path, method):
+    module = make(method)
+    perturb(module)
+    ckpt = train(module, tmp_path)
+    expected = student_logits(module.eval())
+    base = logits_of(tiny_model(seed=0))
+    assert (expected - base).abs().max() > 1e-2  # the student is not the base: the export must carry it
+
+    merged = export_checkpoint(ckpt, tmp_path / "merged")
+    weights = load_file(merged / "model.safetensors")
+    assert not [k for k in weights if "lora" in k or "composer" in k or "anchor" in k]
+    hf = AutoModelForCausalLM.from_pretrained(merged, local_files_only=True)
+    torch.testing.assert_close(logits_of(hf), expected, atol=1e-5, rtol=1e-5)
+    info = json.loads((merged / "lopd_export.json").read_text())
+    assert info["form"] == "merged" and info["global_step"] == 2 and info["method"].endswith(type(module).__name__)
+
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter", adapter=True)
+    assert not (adapter / "config.json").exists()
+    lora = load_file(adapter / "adapter_model.safetensors")
+    assert len(lora) == len(adapter_parameters(module.backbone, "student"))  # the student's LoRA, nothing else
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((adapter / "base").resolve())  # tiny has no folder of its own
+    hf = AutoModelForCausalLM.from_pretrained(adapter, local_files_only=True)  # transformers' peft integration
+    torch.testing.assert_close(logits_of(hf), expected, atol=1e-5, rtol=1e-5)
+
+    for folder in (merged, adapter):  # what lopd fit/validate load as model.init_args.model
+        model, tokenizer = load_student(str(folder))
+        assert not hasattr(model, "peft_config")
+        torch.testing.assert_close(logits_of(model), expected, atol=1e-5, rtol=1e-5)
+        assert tokenizer.chat_template == module.tokenizer.chat_template
+
+
+def test_a_full_parameter_student_exports_merged_and_refuses_adapter(tmp_path, capsys):
+    module = make("sft", lora=None)
+    ckpt = train(module, tmp_path)
+    assert not is_lora_student(module.backbone)
+    folder = export_checkpoint(ckpt, tmp_path / "student")
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(folder)), student_logits(module.eval()),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(ckpt), "--out", str(tmp_path / "adapter"), "--adapter"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --adapter needs a LoRA student") and "Traceback" not in "".join(err)
+
+
+def test_the_module_class_comes_from_the_checkpoint_or_is_asked_for():
+    lopd_keys = {k: None for k in ("model", "num_latents")}
+    with pytest.raises(ValueError, match="lopd export --class"):
+        module_class({"hyper_parameters": lopd_keys})
+    assert module_class({"hyper_parameters": {"_class_path": "lopd_lightning.modules.GRPOModule"}}) is GRPOModule
+    assert module_class({"hyper_parameters": {}}, "LOPDModule") is LOPDModule
+    with pytest.raises(ValueError, match="not an lopd_lightning OnPolicyModule"):
+        module_class({"hyper_parameters": {}}, "lopd_lightning.data.OnPolicyDataModule")
+
+
+def test_export_refuses_to_overwrite_a_folder_it_did_not_write(tmp_path):
+    module = make("grpo")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_student(module, tmp_path / "mine")
+    export_student(module, tmp_path / "out", adapter=True)
+    export_student(module, tmp_path / "out")  # over an earlier export: replaced, no adapter file left behind
+    assert not (tmp_path / "out" / "adapter_config.json").exists() and (tmp_path / "out" / "config.json").exists()
+
+
+def test_lopd_fit_then_export_then_validate_on_the_exported_student(tmp_path, capsys):
+    """The command-line round trip: a `lopd fit` checkpoint (its class path stored by LightningCLI) is exported,
+    and `lopd validate` runs with the folder as its model."""
+    common = ["-c", str(TINY_YAML), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+              "--data.init_args.val_examples=1"]
+    assert main(["fit", *common, "--trainer.max_steps=1", "--trainer.val_check_interval=1"]) == 0
+    [ckpt] = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "student")]) == 0
+    assert f"-> {tmp_path / 'student'}" in capsys.readouterr().out
+    module, _ = load_module(ckpt)
+    assert type(module) is LOPDModule
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "student")),
+                               student_logits(module), atol=1e-5, rtol=1e-5)
+    assert main(["validate", *common, f"--model.init_args.model={tmp_path / 'student'}"]) == 0
