@@ -263,3 +263,13 @@ def test_gradient_isolation_full_student(full_backbone):
     trainable = [p for p in base_parameters(pm)]
     assert all(p.grad is not None for p in trainable)
     assert all(p.grad is None for p in composer_lora_parameters(pm))
+
+
+def test_a_misspelt_lora_field_names_the_config_key_and_the_closest_field():
+    from lopd_lightning.adapters import as_lora_config
+
+    with pytest.raises(ValueError, match=r"^model.init_args.composer_lora.lora_alfa is not a LoraConfig field; did you mean 'lora_alpha'\?$"):
+        as_lora_config({"r": 4, "lora_alfa": 8}, key="composer_lora")
+    with pytest.raises(TypeError, match="model.init_args.lora must be a dict"):
+        as_lora_config(8)
+    assert as_lora_config({"r": 4, "target_modules": ("q_proj",)}).target_modules == {"q_proj"}

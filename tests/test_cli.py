@@ -198,10 +198,20 @@ def test_num_latents_zero_is_one_line_naming_the_key_before_the_model_loads(caps
 
 
 def test_a_module_check_without_the_key_in_its_message_gets_the_key_named(capsys, no_model_loading):
-    """base.py's "rollouts_per_example must be >= 1" is shown as model.init_args.rollouts_per_example ..."""
+    """GRPO's "ppo_epochs must be >= 1" is shown as model.init_args.ppo_epochs ..."""
+    config = ROOT / "configs" / "compare_tiny" / "grpo.yaml"
+    code, err = run_main(["fit", "-c", str(config), "--model.init_args.ppo_epochs=0", "--trainer.logger=false"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "model.init_args.ppo_epochs must be >= 1, got 0")
+
+
+def test_the_base_checks_name_their_keys(capsys, no_model_loading):
     code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=0"], capsys)
     assert code == 1
     assert_one_line_error(err, "model.init_args.rollouts_per_example must be >= 1, got 0")
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.lora={r: 4, lora_alfa: 8}"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "model.init_args.lora.lora_alfa is not a LoraConfig field; did you mean 'lora_alpha'?")
 
 
 def test_a_misspelt_task_is_one_line_with_did_you_mean(capsys, no_model_loading):

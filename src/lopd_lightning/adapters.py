@@ -91,24 +91,41 @@ def default_lora_config(
     )
 
 
-def as_lora_config(config: LoraConfig | dict[str, Any] | None, *, default: LoraConfig | None = None) -> LoraConfig | None:
+def as_lora_config(
+    config: LoraConfig | dict[str, Any] | None, *, default: LoraConfig | None = None, key: str = "lora"
+) -> LoraConfig | None:
     """A ``LoraConfig`` from a config or its keyword arguments (``task_type`` defaults to ``"CAUSAL_LM"``);
     ``default`` for None.
 
+    Args:
+        key: the config's name under ``model.init_args`` (``"lora"``, ``"composer_lora"``), for errors.
+
     Raises:
-        TypeError: ``config`` is neither a ``LoraConfig``, a dict nor None (or a key is not a LoraConfig field).
+        TypeError: ``config`` is neither a ``LoraConfig``, a dict nor None.
+        ValueError: a key of the dict is not a ``LoraConfig`` field (the message names the closest one).
     """
     if config is None:
         return default
     if isinstance(config, LoraConfig):
         return config
     if isinstance(config, dict):
+        import dataclasses
+        import difflib
+
+        fields = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+        for name in config:
+            if name not in fields:
+                close = difflib.get_close_matches(str(name), sorted(fields), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; LoRA fields include r, lora_alpha, lora_dropout, target_modules"
+                raise ValueError(f"model.init_args.{key}.{name} is not a LoraConfig field{hint}")
         kwargs = dict(config)
         if "target_modules" in kwargs and isinstance(kwargs["target_modules"], tuple):
             kwargs["target_modules"] = list(kwargs["target_modules"])
         kwargs.setdefault("task_type", "CAUSAL_LM")
         return LoraConfig(**kwargs)
-    raise TypeError(f"expected a LoraConfig, a dict of LoraConfig arguments or None, got {type(config).__name__}")
+    raise TypeError(
+        f"model.init_args.{key} must be a dict of LoraConfig arguments, a LoraConfig or null, got {type(config).__name__}"
+    )
 
 
 def prepare_backbone(
@@ -143,8 +160,8 @@ def prepare_backbone(
     """
     if isinstance(model, PeftModel):
         raise TypeError("prepare_backbone expects a plain model; it is already a PeftModel")
-    student_cfg = as_lora_config(student_lora, default=None)
-    composer_cfg = as_lora_config(composer_lora, default=None)
+    student_cfg = as_lora_config(student_lora, key="lora")
+    composer_cfg = as_lora_config(composer_lora, key="composer_lora")
     check_lora_config(student_cfg, "lora", model=model)
     check_lora_config(composer_cfg, "composer_lora", model=model)
     if student_cfg is None and composer_cfg is None:

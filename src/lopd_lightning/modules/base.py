@@ -182,15 +182,15 @@ class OnPolicyModule(LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         if rollouts_per_example < 1:
-            raise ValueError(f"rollouts_per_example must be >= 1, got {rollouts_per_example}")
+            raise ValueError(f"model.init_args.rollouts_per_example must be >= 1, got {rollouts_per_example}")
         if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for training rollouts, got {temperature}")
+            raise ValueError(f"model.init_args.temperature must be > 0 for training rollouts, got {temperature}")
         for key, value in (("log_samples", log_samples), ("log_samples_every_n_steps", log_samples_every_n_steps),
                            ("sample_prompt_chars", sample_prompt_chars), ("progress_every_n_steps", progress_every_n_steps)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0 (0 = off), got {value}; set model.init_args.{key}")
         for key, config in (("lora", lora), ("composer_lora", self.composer_lora_config())):
-            check_lora_config(as_lora_config(config), key)  # before the weights load; target_modules after
+            check_lora_config(as_lora_config(config, key=key), key)  # before the weights load; target_modules after
         self.model_name = model
         backbone, self.tokenizer = load_student(model, dtype=dtype, seed=seed)
         if gradient_checkpointing:
