@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from lopd_lightning.sandbox import run_checked
 from lopd_lightning.tasks import get_task
 from lopd_lightning.tasks.code import DEFAULT_SYSTEM_PROMPT, HumanEvalTask, extract_code
 
@@ -122,7 +123,7 @@ def test_wrong_and_malformed_replies_score_zero(by_id):
     assert task.score(ex, None) == 0.0  # type: ignore[arg-type]
 
 
-NONCE_HUNT = """
+SECRET_HUNT = """
 import os, re, sys
 found = []
 sources = [lambda: sys.stdin.read(), lambda: open('/proc/self/cmdline', 'rb').read().decode(errors='replace'),
@@ -154,14 +155,15 @@ HACKS = {
     "    os.kill(os.getpid(), signal.SIGKILL)\n",
     "fake-success": WRONG
     + "print('All tests passed!')\nprint('OK')\nimport atexit\natexit.register(print, 'PASSED')\n",
-    "nonce-hunt": WRONG + NONCE_HUNT,
-    "nonce-hunt-in-function": "def has_close_elements(numbers, threshold):\n"
-    + "".join("    " + line + "\n" for line in NONCE_HUNT.strip().splitlines()),
+    "secret-hunt": WRONG + SECRET_HUNT,
+    "secret-hunt-in-function": "def has_close_elements(numbers, threshold):\n"
+    + "".join("    " + line + "\n" for line in SECRET_HUNT.strip().splitlines()),
     "always-equal": "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
     "def has_close_elements(numbers, threshold):\n    return Yes()\n",
     "int-subclass": "class Yes(int):\n    def __eq__(self, other):\n        return True\n"
     "def has_close_elements(numbers, threshold):\n    return Yes()\n",
-    "trace-hook": "import sys\nsys.settrace(lambda *args: None)\n" + FUNCTION,  # even a right answer: no hooks
+    "trace-hook": "import sys\nsys.settrace(lambda *args: None)\n" + WRONG,
+    "generator": "def has_close_elements(numbers, threshold):\n    yield False\n",
 }
 
 
@@ -178,27 +180,116 @@ def test_reward_hacks_score_zero(task, by_id):
     assert dict(zip(names, rewards)) == {name: 0.0 for name in names}
 
 
-def test_candidate_output_cannot_push_out_the_nonce(task, by_id):
+def test_much_candidate_output_does_not_hide_a_pass(task, by_id):
     ex = by_id["HumanEval/0"]
     noisy = f"```python\n{FUNCTION}\nfor _ in range(20000):\n    print('x' * 100)\n```"
     assert task.score(ex, noisy) == 1.0
 
 
-FRAME_WALK = """
-import os, re, sys
+# What a pass looked like when the checks ran in the candidate's own process: a per-run secret line
+# printed last. Each hunt below writes every such line it finds (or a made-up one), then exits 0; now there
+# is no secret and the verdict is the checker process's exit status.
+SHAPE = 'rb"\\n[0-9a-f]{32}\\n"'
+FORGE = "for token in found or [b'\\n%s\\n' % bytes(32).hex()[:32].encode()]:\n    os.write(1, token)\nos._exit(0)\n"
+
+FRAME_WALK = f"""
+import gc, os, re, sys
+found = []
 frame = sys._getframe()
-while frame is not None:
-    for const in frame.f_code.co_consts:
-        if isinstance(const, bytes) and re.fullmatch(rb"\\n[0-9a-f]{32}\\n", const):
-            os.write(1, const)
-            os._exit(0)
+while frame is not None:  # every frame: constants, locals, globals
+    for value in [*frame.f_code.co_consts, *frame.f_locals.values(), *frame.f_globals.values()]:
+        if isinstance(value, bytes) and re.fullmatch({SHAPE}, value):
+            found.append(value)
     frame = frame.f_back
+for obj in gc.get_objects():  # every object the collector knows
+    if obj is found:
+        continue
+    for value in (list(obj.values()) if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()):
+        if isinstance(value, bytes) and re.fullmatch({SHAPE}, value):
+            found.append(value)
 """
 
+MEMORY_SCAN = f"""
+import os, re
+found = []
+with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
+    for line in maps:
+        start, end = (int(x, 16) for x in line.split()[0].split('-'))
+        if 'r' not in line.split()[1] or end - start > 64 << 20:
+            continue
+        try:
+            mem.seek(start)
+            found += re.findall({SHAPE}, mem.read(end - start))
+        except (OSError, OverflowError):
+            pass
+"""
 
-@pytest.mark.xfail(strict=True, reason="known gap: introspection can read the nonce (see build_test_program)")
-def test_known_gap_frame_introspection_reads_the_nonce(task, by_id):
-    assert task.score(by_id["HumanEval/0"], f"```python\n{WRONG}{FRAME_WALK}```") == 0.0
+# Looks for the checker among the machine's processes (its command line says "checker") and tries to
+# read its memory, environment and fds, or trace it: all refused (or it is not even visible).
+CHECKER_HUNT = """
+import ctypes, os
+reached, seen = [], 0
+libc = ctypes.CDLL(None, use_errno=True)
+for pid in [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:
+    try:
+        if b'"checker"' not in open('/proc/%s/cmdline' % pid, 'rb').read():
+            continue
+    except OSError:
+        continue
+    seen += 1
+    for what in ('mem', 'environ', 'fd/3'):
+        try:
+            with open('/proc/%s/%s' % (pid, what), 'rb') as f:
+                f.read(1)
+            reached.append(what)
+        except OSError:
+            pass
+    if libc.ptrace(0x4206, int(pid), 0, 0) == 0:  # PTRACE_SEIZE: traces without stopping it
+        reached.append('ptrace')
+        libc.ptrace(17, int(pid), 0, 0)  # PTRACE_DETACH
+print('REACHED', reached, 'SEEN', seen, flush=True)
+"""
+
+INTROSPECTION = {
+    "frame-walk": WRONG + FRAME_WALK + FORGE,
+    "frame-walk-in-function": "def has_close_elements(numbers, threshold):\n"
+    + "".join("    " + line + "\n" for line in (FRAME_WALK + FORGE).strip().splitlines()),
+    "proc-self-mem": WRONG + MEMORY_SCAN + FORGE,
+    "checker-hunt": WRONG + CHECKER_HUNT,
+    "checker-hunt-in-function": "def has_close_elements(numbers, threshold):\n"
+    + "".join("    " + line + "\n" for line in CHECKER_HUNT.strip().splitlines()) + "    return True\n",
+    "fake-pass": WRONG + "import os\nfound = []\n" + FORGE,
+}
+
+
+def test_introspection_finds_no_secret_and_cannot_reach_the_checker(task, by_id):
+    # The known gap of the in-process harness, closed: the checks run in another process.
+    ex = by_id["HumanEval/0"]
+    pairs = [(ex, f"```python\n{code}```") for code in INTROSPECTION.values()]
+    rewards = task.score_many(pairs)
+    assert dict(zip(INTROSPECTION, rewards)) == {name: 0.0 for name in INTROSPECTION}
+    for name in ("checker-hunt", "checker-hunt-in-function"):
+        program, checker = task.programs(ex, pairs[list(INTROSPECTION).index(name)][1])
+        result = run_checked(program, checker, module="solution", timeout_s=3.0, memory_mb=512)
+        assert not result.passed and "REACHED [] SEEN" in result.program.stdout, result
+        if result.isolation != "bwrap":  # without a PID namespace the checker is in sight, and refuses
+            assert "SEEN 0" not in result.program.stdout, result
+
+
+def test_right_answers_pass_whatever_else_the_candidate_does_in_its_own_process(task, by_id):
+    # Rebinding builtins, a trace hook or printing cannot change the checker: a right answer passes.
+    ex = by_id["HumanEval/0"]
+    noisy = ("import builtins, sys\nbuiltins.all = lambda *args: True\nbuiltins.AssertionError = KeyError\n"
+             "sys.settrace(lambda *args: None)\nprint('FAILED')\n" + FUNCTION)
+    assert task.score(ex, f"```python\n{noisy}```") == 1.0
+
+
+def test_the_reason_of_a_zero_names_the_breach(task, by_id):
+    ex = by_id["HumanEval/0"]
+    reward, info = task.score_with_info(ex, f"```python\n{HACKS['always-equal']}```")
+    assert reward == 0.0 and "not plain built-in data" in info["error"] and info["status"] == "error"
+    reward, info = task.score_with_info(ex, f"```python\n{WRONG}```")
+    assert reward == 0.0 and "AssertionError" in info["error"]
 
 
 @pytest.mark.slow

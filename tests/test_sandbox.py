@@ -2,20 +2,51 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
 import pytest
 
-from lopd_lightning.sandbox import SandboxResult, isolation_report, run_code, run_many
+from lopd_lightning.sandbox import (
+    SandboxResult,
+    bwrap_available,
+    isolation_report,
+    run_checked,
+    run_code,
+    run_many,
+    run_many_checked,
+)
 from helpers import alive
 
 FAST = dict(timeout_s=1.5, memory_mb=256)
+MY_PID_NS = os.readlink("/proc/self/ns/pid")
+#: a program's first line: its process group, uid and PID namespace (see left_behind)
+MARK = "import os\nprint(os.getpgid(0), os.getuid(), os.readlink('/proc/self/ns/pid'), flush=True)\n"
 
 
 @pytest.fixture(scope="module")
 def isolation() -> dict:
     return isolation_report()
+
+
+def left_behind(stdout: str) -> list[int]:
+    """Live processes of a run that printed MARK first: its process group and one-off uid, or, when it
+    had a PID namespace of its own (bubblewrap: its pgid means nothing out here), that namespace."""
+    pgid, uid, ns = stdout.split()[:3]
+    uid = int(uid) if int(uid) != os.getuid() else None
+    if ns == MY_PID_NS:
+        return alive(pgid=int(pgid), uid=uid)
+    found = alive(pgid=-1, uid=uid) if uid is not None else []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and os.readlink(f"/proc/{name}/ns/pid") == ns:
+                with open(f"/proc/{name}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                        found.append(int(name))
+        except OSError:
+            continue
+    return found
 
 
 
@@ -71,9 +102,7 @@ def test_code_that_never_returns_control_times_out(code):
     assert result.status == "timeout"
 
 
-FORK_BOMB = """
-import os
-print(os.getpgid(0), os.getuid(), flush=True)
+FORK_BOMB = MARK + """
 while True:
     try:
         os.fork()
@@ -86,8 +115,7 @@ def test_fork_bomb_is_bounded_and_leaves_no_process():
     start = time.monotonic()
     result = run_code(FORK_BOMB, timeout_s=1.5, python_guards=False)
     assert result.status == "timeout" and time.monotonic() - start < 5.0
-    pgid, uid = map(int, result.stdout.split()[:2])
-    assert alive(pgid=pgid, uid=uid if uid != os.getuid() else None) == []
+    assert left_behind(result.stdout) == []
 
 
 def test_fork_is_refused_by_the_python_guards():
@@ -100,14 +128,10 @@ def test_fork_is_refused_by_the_python_guards():
 def test_child_escaping_its_session_is_killed(isolation):
     if not isolation["user_switch"]:
         pytest.skip("escaping the session is only caught with a one-off user id (trainer runs as root)")
-    code = (
-        "import os, time\nprint(os.getpgid(0), os.getuid(), flush=True)\n"
-        "if os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(0.2)"
-    )
+    code = MARK + "import time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(0.2)"
     result = run_code(code, timeout_s=1.5, python_guards=False)
     assert result.status == "ok"
-    pgid, uid = map(int, result.stdout.split()[:2])
-    assert alive(pgid=pgid, uid=uid) == []
+    assert left_behind(result.stdout) == []
 
 
 @pytest.mark.parametrize(
@@ -236,3 +260,289 @@ def test_bad_limits_raise():
         run_code("pass", memory_mb=-1)
     with pytest.raises(ValueError):
         run_many(["pass"], max_workers=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Isolation modes
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_isolation_report_says_which_isolation_a_run_gets(isolation):
+    assert isolation["mode"] in ("bwrap", "namespaces+uid", "uid-only", "process-only")
+    assert isolation["bwrap"] == (isolation["mode"] == "bwrap")
+    if isolation["root"] or isolation["user_switch"]:
+        assert isolation["reads_all_files"] is False  # no CAP_DAC_READ_SEARCH kept any more
+    if isolation["bwrap"]:
+        assert isolation["pid_isolated"] and isolation["private_tmp"] and isolation["network_isolated"]
+        fallback = isolation_report(bwrap=False)
+        assert fallback["mode"] != "bwrap" and not fallback["bwrap"] and not fallback["pid_isolated"]
+
+
+def test_bubblewrap_can_be_turned_off_or_required(monkeypatch):
+    code = "import os\nprint(os.readlink('/proc/self/ns/pid'))"
+    monkeypatch.setenv("LOPD_SANDBOX_BWRAP", "0")
+    assert run_code(code, **FAST).stdout.strip() == MY_PID_NS  # the fallback: no PID namespace
+    assert isolation_report()["mode"] != "bwrap"
+    monkeypatch.delenv("LOPD_SANDBOX_BWRAP")
+    assert run_code(code, bwrap=False, **FAST).stdout.strip() == MY_PID_NS
+    if bwrap_available():
+        assert run_code(code, bwrap=True, **FAST).stdout.strip() != MY_PID_NS
+    else:
+        with pytest.raises(RuntimeError, match="bubblewrap"):
+            run_code(code, bwrap=True, **FAST)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain data between the checker and the candidate
+# ---------------------------------------------------------------------------------------------------
+
+PLAIN_VALUES = [
+    None, True, False, 0, -7, 2**64, -(2**70000), 1.5, -0.0, float("inf"), float("-inf"), 1e308, 5e-324,
+    complex(1, -2), complex(float("inf"), 0.5), "", "héllo\n\x00\udcff", b"", b"\x00\xff", [], (), set(),
+    frozenset(), {}, [1, [2, [3]]], (1,), (1, [2, (3,)]), [(1, 2), [1, 2]], {1, "a", (2, 3)},
+    frozenset({frozenset({1})}), {"a": 1, 2: [3], (4, 5): {"x": None}, None: b"z", 1.5: frozenset({1})},
+    [True, 1, 1.0], {True: "t"}, "x" * 100_000, list(range(1000)),
+]
+
+
+@pytest.mark.parametrize("value", PLAIN_VALUES, ids=[f"{type(v).__name__}-{i}" for i, v in enumerate(PLAIN_VALUES)])
+def test_plain_data_round_trip_keeps_types(value):
+    from lopd_lightning.sandbox_child import decode, encode
+
+    text = encode(value)
+    assert "\n" not in text and text.isascii()
+    back = decode(text)
+
+    def same(a, b):  # equal, same exact types all the way down (tuple is not list, bool is not int)
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, float):
+            return (a != a and b != b) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    assert same(value, back)
+    assert same(float("nan"), decode(encode(float("nan"))))
+
+
+class Sneaky(int):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+@pytest.mark.parametrize(
+    "value",
+    [Sneaky(1), [Sneaky(1)], object(), bytearray(b"x"), range(3), iter([1]), (x for x in []), type, print,
+     {"k": object()}, [[[[[]]]]]],
+    ids=["int-subclass", "nested-subclass", "object", "bytearray", "range", "iterator", "generator", "type",
+         "function", "dict-value", "too-deep"],
+)
+def test_anything_else_is_not_plain_data(value):
+    from lopd_lightning.sandbox_child import NotPlainData, encode
+
+    with pytest.raises(NotPlainData):
+        encode(value, max_depth=4)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"x": 1}', '{"t": 1}', '{"s": [[1]]}', '{"d": [[[1], 2]]}', '{"d": [1]}', '{"b": "zz"}',
+     '{"i": "12"}', '{"c": ["1", 2]}', '{"t": [1], "s": [2]}', "[" * 5000 + "]" * 5000, "[1,", "",
+     '{"__class__": "os.system"}', '"\\ud800" x'],
+)
+def test_decode_refuses_what_encode_never_makes(text):
+    from lopd_lightning.sandbox_child import decode
+
+    with pytest.raises(ValueError):
+        decode(text)
+
+
+def test_decode_bounds_depth_and_size():
+    from lopd_lightning.sandbox_child import decode, encode
+
+    deep = "[" * 150 + "]" * 150
+    with pytest.raises(ValueError, match="deeper"):
+        decode(deep)
+    assert decode(deep, max_depth=200) is not None
+    with pytest.raises(ValueError, match="values"):
+        decode(encode(list(range(2000))), max_items=1000)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks in another process (run_checked)
+# ---------------------------------------------------------------------------------------------------
+
+#: the candidate's own end of the channel: the pipe it answers on (found as any program could)
+ANSWER_FD = """
+import fcntl, os, stat
+def answer_fd():
+    for name in sorted(os.listdir('/proc/self/fd'), key=int):
+        fd = int(name)
+        try:
+            if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode) and fcntl.fcntl(fd, fcntl.F_GETFL) & 3 == 1:
+                return fd
+        except OSError:
+            pass
+"""
+
+CHECK_F = "f = candidate_function('f')\nassert f(1) == 2\nassert f(2) == 3\n"
+
+
+def checked(program: str, checker: str = CHECK_F, **options):
+    options = {**FAST, "python_guards": False, **options}
+    start = time.monotonic()
+    result = run_checked(program, checker, **options)
+    assert time.monotonic() - start < options["timeout_s"] + 3.0, result
+    return result
+
+
+def test_checked_pass_and_fail():
+    good = checked("def f(x):\n    return x + 1\n")
+    assert good.passed and good.ok and good.status == "ok" and good.reason == "", good
+    assert good.checker.ok and good.program.ok and good.isolation in ("bwrap", "namespaces+uid", "uid-only",
+                                                                      "process-only")
+    bad = checked("def f(x):\n    return x + 2\n")
+    assert not bad.passed and bad.status == "error" and "AssertionError" in bad.reason, bad
+
+
+def test_checked_values_keep_their_types_both_ways():
+    program = "def echo(*args, **kwargs):\n    return [args, kwargs, [type(a).__name__ for a in args]]\n"
+    checker = (
+        "echo = candidate_function('echo')\n"
+        "args = ((1, 2), [1, 2], {1, 2}, frozenset({3}), {(1, 2): b'x'}, 1.5, -0.0, 2 ** 100, 1j, None, True)\n"
+        "back, kwargs, names = echo(*args, key=(1,))\n"
+        "assert back == args and kwargs == {'key': (1,)}, back\n"
+        "assert names == ['tuple', 'list', 'set', 'frozenset', 'dict', 'float', 'float', 'int', 'complex',"
+        " 'NoneType', 'bool'], names\n"
+        "assert type(back[0]) is tuple and type(back[1]) is list and str(back[6]) == '-0.0'\n"
+        "nan = echo(float('nan'))[0][0]\nassert nan != nan\n"
+    )
+    result = checked(program, checker)
+    assert result.passed, result
+
+
+def test_checked_exceptions_travel_as_builtin_exceptions():
+    program = (
+        "class MyError(KeyError):\n    pass\n"
+        "def f(kind):\n"
+        "    if kind == 'value':\n        raise ValueError('bad value')\n"
+        "    if kind == 'mine':\n        raise MyError('mine')\n"
+        "    raise type('Custom', (Exception,), {})('odd')\n"
+    )
+    checker = (
+        "f = candidate_function('f')\n"
+        "try:\n    f('value')\nexcept ValueError as e:\n    assert 'bad value' in str(e)\n"
+        "else:\n    raise SystemExit(5)\n"
+        "try:\n    f('mine')\nexcept KeyError:\n    pass\nelse:\n    raise SystemExit(6)\n"
+        "try:\n    f('other')\nexcept Exception as e:\n    assert type(e) is Exception and 'odd' in str(e), repr(e)\n"
+    )
+    assert checked(program, checker).passed
+
+
+@pytest.mark.parametrize(
+    "program, words",
+    [
+        ("class Yes:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes()\n",
+         ["not plain built-in data"]),
+        ("class Yes(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes(x + 1)\n",
+         ["not plain built-in data"]),
+        ("def f(x):\n    yield x + 1\n", ["generator"]),
+        ("def f(x):\n    v = []\n    for _ in range(10 ** 5):\n        v = [v]\n    return v\n", ["deeper"]),
+        ("def f(x):\n    return [0] * 10 ** 7\n", ["values"]),
+        ("def f(x):\n    raise SystemExit(0)\n", ["SystemExit"]),
+        ("def g(x):\n    return x + 1\n", ["does not define f"]),
+        ("def f(x):\n    import os\n    os._exit(0)\n", ["ended", "candidate: exit status 0"]),
+        ("def f(x):\n    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n", ["ended", "SIGKILL"]),
+        (ANSWER_FD + "os.close(answer_fd())\ndef f(x):\n    return x + 1\n", ["ended"]),
+        (ANSWER_FD + "os.write(answer_fd(), b'{\"n\":1,\"ok\":2}\\n')\ndef f(x):\n    return x + 1\n",
+         ["before call|more than one answer|answered call 1 when call 2"]),
+        (ANSWER_FD + "def f(x):\n    os.write(answer_fd(), b'garbage\\n')\n    return x + 1\n",
+         ["not a valid|more than one answer"]),
+        (ANSWER_FD + "def f(x):\n    os.write(answer_fd(), b'x' * (17 << 20))\n", ["longer than"]),
+        (ANSWER_FD + "def f(x):\n    os.write(answer_fd(), b'{\"n\":1,\"ok\":{\"__reduce__\":1}}\\n')\n"
+         "    import time\n    time.sleep(5)\n", ["not plain data"]),
+        (ANSWER_FD + "def f(x):\n"
+         "    os.write(answer_fd(), b'{\"n\":1,\"ok\":' + b'[' * 100000 + b']' * 100000 + b'}\\n')\n"
+         "    import time\n    time.sleep(5)\n", ["not a valid message"]),
+        ("import sys\ndef f(x):\n    sys._getframe(1).f_globals['encode'] = lambda v: '[' * 500 + ']' * 500\n"
+         "    return x + 1\n", ["deeper"]),
+        ("import sys\ndef f(x):\n    sys._getframe(1).f_globals['encode'] = lambda v: '{\"x\": 1}'\n"
+         "    return x + 1\n", ["not plain data"]),
+    ],
+    ids=["always-equal", "int-subclass", "generator", "deep-recursion", "ten-million", "system-exit",
+         "undefined", "exit-0", "kill-itself", "closes-its-channel", "answers-before-asked", "garbage",
+         "huge-line", "unknown-tag", "json-bomb", "patched-encoder-deep", "patched-encoder-tag"],
+)
+def test_checked_breaches_by_the_candidate_fail_fast(program, words):
+    result = checked(program)
+    assert not result.passed and result.status != "timeout", result
+    assert result.checker.returncode == 3 or "SystemExit" in words, result
+    reason = result.reason.lower()
+    assert all(any(w in reason for w in alternatives.lower().split("|")) for alternatives in words), result
+
+
+def test_checked_candidate_that_never_answers_times_out():
+    start = time.monotonic()
+    result = checked("def f(x):\n    while True:\n        pass\n", timeout_s=1.0)
+    assert not result.passed and result.status == "timeout" and "wall-clock" in result.reason, result
+    assert time.monotonic() - start < 3.0
+
+
+def test_checked_verdict_is_the_checkers_alone():
+    # Whatever the candidate's process prints or how it ends counts for nothing: only the checks do.
+    fake = "import os\nprint('All tests passed!')\nos.write(1, b'\\n' + b'0' * 32 + b'\\n')\nos._exit(0)\n"
+    assert not checked(fake).passed
+    # and a right answer passes whatever else the candidate does in its own process
+    noisy = ("import builtins, sys\nbuiltins.AssertionError = KeyError\nsys.settrace(lambda *a: None)\n"
+             "def f(x):\n    print('noise' * 1000)\n    return x + 1\n")
+    assert checked(noisy).passed
+
+
+def test_checked_processes_are_apart(isolation):
+    program = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+        "def f(x):\n    return [os.getuid(), os.readlink('/proc/self/ns/pid'), libc.prctl(3, 0, 0, 0, 0)]\n"
+    )
+    checker = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+        "uid, pidns, dumpable = candidate_function('f')(0)\n"
+        "print(uid, os.getuid(), pidns, os.readlink('/proc/self/ns/pid'), dumpable, libc.prctl(3, 0, 0, 0, 0))\n"
+    )
+    result = checked(program, checker)
+    assert result.passed, result
+    c_uid, k_uid, c_ns, k_ns, c_dump, k_dump = result.checker.stdout.split()
+    assert k_dump == "0"  # the checker is non-dumpable: no same-uid process may trace or read it
+    if isolation["user_switch"]:
+        assert c_uid != k_uid and "0" not in (c_uid, k_uid)
+    if isolation["pid_isolated"]:
+        assert c_ns != k_ns
+
+
+def test_checked_processes_hold_only_their_own_ends_of_the_channel():
+    open_fds = ("import os\ndef fds():\n    out = []\n    for fd in range(256):\n        try:\n"
+                "            os.fstat(fd)\n            out.append(fd)\n        except OSError:\n            pass\n"
+                "    return out\n")
+    checker = open_fds + "print(fds(), candidate_function('fds')())\n"
+    result = checked(open_fds, checker)
+    assert result.passed, result
+    mine, theirs = result.checker.stdout.strip().split("] [")
+    assert len(mine.split(",")) == 5 and len(theirs.split(",")) == 5, result.checker.stdout  # 0, 1, 2, r, w
+
+
+def test_checked_program_runs_as_its_module_and_waits_for_the_checker():
+    program = "MAIN = __name__ == '__main__'\ndef f(x):\n    return [__name__, MAIN]\n"
+    checker = "print(candidate_function('f')(0))\n"
+    result = checked(program, checker, module="solution")
+    assert result.passed and result.checker.stdout.strip() == "['solution', False]", result
+
+
+def test_run_many_checked_keeps_order():
+    pairs = [(f"def f(x):\n    return x + {i}\n", CHECK_F) for i in (1, 2, 1)]
+    results = run_many_checked(pairs, max_workers=2, **FAST)
+    assert [r.passed for r in results] == [True, False, True]
+    assert run_many_checked([]) == []

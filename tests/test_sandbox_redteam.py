@@ -3,10 +3,13 @@ with a clear ``reason``, and leave the host unharmed (no surviving process, no f
 outside its own directory, no signal delivered, no secret read).
 
 Most attacks run with ``python_guards=False`` (or bypass the guards through ``ctypes``), so that they test
-the OS-level limits rather than the Python-level monkeypatches. Where the sandbox has a known gap, the
-test is an ``xfail(strict=True)`` whose reason names the gap (see README, "The sandbox: threat model").
-Attacks that only hold with a one-off user id (the trainer runs as root) are skipped, with a reason, when
-the trainer is not root; those that would harm the trainer itself if they succeeded are never run then.
+the OS-level limits rather than the Python-level monkeypatches. They run in the isolation mode this
+machine gives by default (``ISO["mode"]``: bubblewrap when it is installed, else namespaces and a one-off
+uid as root, else the process limits only); the attacks on what the modes do differently also run with
+bubblewrap turned off when it is installed. A gap of the weakest mode ("process-only": the trainer is not
+root and has no bubblewrap) is an ``xfail(strict=True)`` there, whose reason names the gap (see README,
+"The sandbox: threat model"). Attacks that only hold with a one-off user id are skipped, with a reason,
+without one; those that would harm the trainer itself if they succeeded are never run then.
 """
 
 from __future__ import annotations
@@ -30,12 +33,36 @@ ISO = isolation_report()
 ROOT_ONLY = pytest.mark.skipif(
     not ISO["user_switch"], reason="needs a one-off user id, i.e. a trainer running as root"
 )
+#: the weakest mode: the program shares the trainer's uid, with no namespace (its gaps are xfails)
+SHARED_UID = ISO["mode"] == "process-only"
+#: the isolation of the fallback without bubblewrap (what a machine without it gets)
+FALLBACK = isolation_report(bwrap=False) if ISO["bwrap"] else ISO
 NO_GUARDS = dict(python_guards=False)
 LIMIT = 1.5
 #: wall-clock slack over the limit: killing, reaping and draining the pipes on 2 shared cores.
 SLACK = 3.0
 
-PRELUDE = "import os\nprint('MARK', os.getpgid(0), os.getuid(), flush=True)\n"
+
+def modes(gap: str | None = None, *, when=lambda report: report["mode"] == "process-only") -> list:
+    """bwrap= options to run a mode-dependent attack with: the default, and the fallback when bubblewrap
+    is installed (the fallback must hold on machines without it). ``gap``: the reason of the strict
+    xfail of a run whose isolation report satisfies ``when`` (by default: the "process-only" mode)."""
+    def param(value, report: dict, name: str):
+        marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap and when(report) else []
+        return pytest.param(value, id=name, marks=marks)
+
+    out = [param(None, ISO, "default")]
+    if ISO["bwrap"]:
+        out.append(param(False, FALLBACK, "no-bwrap"))
+    return out
+
+
+MODES = modes()
+
+PRELUDE = (
+    "import os\nprint('MARK', os.getpgid(0), os.getuid(), os.readlink('/proc/self/ns/pid'), flush=True)\n"
+)
+MY_PID_NS = os.readlink("/proc/self/ns/pid")
 
 
 
@@ -56,15 +83,44 @@ def _my_zombies() -> list[int]:
     return out
 
 
+def in_pid_namespace(ns: str) -> list[int]:
+    """Live processes of the machine in PID namespace ``ns`` (a run under bubblewrap has its own)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{name}/ns/pid") != ns:
+                continue
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            found.append(int(name))
+    return found
+
+
+def left_behind(stdout: str) -> list[int]:
+    """Live processes of a run whose first line of output was the PRELUDE's mark: its process group
+    and one-off uid or, when it had a PID namespace of its own (its pgid means nothing out here), that
+    namespace and its uid."""
+    mark = next((line.split() for line in stdout.splitlines() if line.startswith("MARK ")), None)
+    if mark is None:
+        return []
+    pgid, uid, ns = int(mark[1]), int(mark[2]), mark[3]
+    uid = uid if uid != os.getuid() else None
+    if ns != MY_PID_NS:
+        return in_pid_namespace(ns) + (alive(pgid=-1, uid=uid) if uid is not None else [])
+    return alive(pgid=pgid, uid=uid)
+
+
 def attack(code: str, *, timeout_s: float = LIMIT, **options):
     """Run ``PRELUDE + code``; check the time limit and that no process of the run survives."""
     start = time.monotonic()
     result = run_code(PRELUDE + code, timeout_s=timeout_s, memory_mb=options.pop("memory_mb", 256), **options)
     assert time.monotonic() - start < timeout_s + SLACK, result
-    mark = next((line.split() for line in result.stdout.splitlines() if line.startswith("MARK ")), None)
-    if mark is not None:
-        pgid, uid = int(mark[1]), int(mark[2])
-        assert alive(pgid=pgid, uid=uid if uid != os.getuid() else None) == []
+    assert left_behind(result.stdout) == []
     assert _my_zombies() == []
     return result
 
@@ -73,6 +129,16 @@ def failed(result, *words: str) -> bool:
     """A failing result whose reason mentions all of ``words`` (case-insensitive)."""
     reason = result.reason.lower()
     return not result.ok and bool(reason) and all(w.lower() in reason for w in words)
+
+
+#: what a program sees of what it may not reach: refused, or not there at all (a PID namespace, a
+#: covered directory, a read-only file system)
+OUT_OF_REACH = ("permission", "no such file", "no such process", "read-only file system")
+
+
+def refused(result) -> bool:
+    """A failing result whose reason says the target was refused or is out of sight."""
+    return any(failed(result, word) for word in OUT_OF_REACH)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -174,8 +240,8 @@ def test_many_files_under_the_size_limit_cannot_fill_the_disk():
 
 
 def test_inodes_are_capped():
-    if not ISO["private_tmp"]:
-        pytest.skip("the inode cap is part of the private tmpfs (trainer runs as root)")
+    if not (ISO["private_tmp"] and ISO["user_switch"]):
+        pytest.skip("the inode cap is part of root's private tmpfs (trainer runs as root)")
     result = attack("for i in range(10 ** 6):\n    open('f%d' % i, 'w').close()", max_disk_mb=1)
     assert failed(result, "no space left"), result
 
@@ -221,11 +287,10 @@ def home_decoy():
     folder.rmdir()
 
 
-@pytest.mark.xfail(not ISO["user_switch"], strict=True,
-                   reason="gap: a trainer that is not root shares its uid with the program, whose "
-                          "unguarded writes reach every file of the trainer's")
 @pytest.mark.parametrize("how", ["remove", "overwrite", "rmtree", "chmod"])
-def test_deleting_or_changing_the_harness_fails(home_decoy, how):
+@pytest.mark.parametrize("bwrap", modes(gap="gap: a trainer that is not root (without bubblewrap) shares its uid "
+                                        "with the program, whose unguarded writes reach every file of the trainer's"))
+def test_deleting_or_changing_the_harness_fails(home_decoy, how, bwrap):
     folder = str(home_decoy.parent)
     code = {
         "remove": f"os.remove({str(home_decoy)!r})",
@@ -233,10 +298,10 @@ def test_deleting_or_changing_the_harness_fails(home_decoy, how):
         "rmtree": f"import shutil\nshutil.rmtree({folder!r})",
         "chmod": f"os.chmod({str(home_decoy)!r}, 0o777)",
     }[how]
-    result = attack(code, **NO_GUARDS)
+    result = attack(code, bwrap=bwrap, **NO_GUARDS)
     assert home_decoy.read_text() == "HARNESS = True\n"
     assert stat.S_IMODE(home_decoy.stat().st_mode) == 0o644
-    assert failed(result, "permission"), result
+    assert refused(result), result
 
 
 @ROOT_ONLY
@@ -247,7 +312,7 @@ def test_writing_to_system_directories_fails():
         "    except OSError as e:\n        print('refused', p, e.errno)\nraise PermissionError('all refused')"
     )
     result = attack(code, **NO_GUARDS)
-    assert "WROTE" not in result.stdout and failed(result, "permission"), result
+    assert "WROTE" not in result.stdout and failed(result, "permission"), result  # it raises PermissionError
     assert not any(os.path.exists(p) for p in ("/etc/lopd-pwned", "/usr/lopd-pwned", "/root/lopd-pwned"))
 
 
@@ -278,14 +343,39 @@ def test_world_writable_directories_keep_nothing():
     assert not any(os.path.exists(f"{d}/{name}") for d in ("/tmp", "/var/tmp", "/dev/shm"))
 
 
-@pytest.mark.xfail(bool(ISO["reads_all_files"]), strict=True,
-                   reason="gap: as root, the one-off uid keeps CAP_DAC_READ_SEARCH because this "
-                          "interpreter lives in a root-only directory, so it reads every file")
-def test_reading_etc_shadow_fails():
+@pytest.mark.parametrize("bwrap", modes(gap="gap: as root where no mount namespace can be made (\"uid-only\"), "
+                                        "the one-off uid keeps CAP_DAC_READ_SEARCH to reach an interpreter in a "
+                                        "root-only folder, so it reads every file",
+                                        when=lambda report: bool(report["reads_all_files"])))
+def test_reading_etc_shadow_fails(bwrap):
+    # As root, the one-off uid has no capability left (the interpreter under /root is reachable through
+    # the covered /root instead of CAP_DAC_READ_SEARCH): /etc/shadow (mode 0640, root:shadow) is refused.
     if not os.path.exists("/etc/shadow"):
         pytest.skip("no /etc/shadow here")
-    result = attack("print(len(open('/etc/shadow').read()))")
+    result = attack("print(len(open('/etc/shadow').read()))", bwrap=bwrap)
     assert failed(result, "permission"), result
+    assert "MARK" in result.stdout and len(result.stdout.splitlines()) == 1
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("bwrap", MODES)
+def test_root_only_directories_are_covered_but_the_interpreter_imports(bwrap):
+    # /root (0700) holds this interpreter (pyenv) on many machines: the program sees only the
+    # interpreter's own directories there, read-only, and still imports what HumanEval's tests import.
+    code = (
+        "import sys, collections, fractions, functools, hashlib, heapq, itertools, json, math, random, re, "
+        "statistics, string, typing, ctypes, decimal, datetime\n"
+        "print(hashlib.sha256(b'x').hexdigest()[:8], math.gcd(12, 18))\n"
+        "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+        "try:\n    print(sorted(os.listdir('/root')))\nexcept OSError as e:\n    print('refused', e.errno)\n"
+        "open('/root/lopd-pwned', 'w')\n"
+    )
+    result = attack(code, bwrap=bwrap, **NO_GUARDS)
+    lines = result.stdout.splitlines()
+    assert lines[1] == "2d711642 6", result
+    assert int(lines[2], 16) == 0  # no capability at all
+    assert ".cache" not in lines[3] and "lopd" not in lines[3]  # e.g. ['.pyenv'], or refused
+    assert refused(result) and not os.path.exists("/root/lopd-pwned"), result
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,9 +383,9 @@ def test_reading_etc_shadow_fails():
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(not ISO["user_switch"], strict=True,
-                   reason="gap: a trainer that is not root shares its uid with the program, which can "
-                          "read the trainer's /proc entries (environ, cwd, fds, memory maps)")
+@pytest.mark.xfail(SHARED_UID, strict=True,
+                   reason="gap: a trainer that is not root (without bubblewrap) shares its uid with the "
+                          "program, which can read the trainer's /proc entries (environ, cwd, fds, maps)")
 @pytest.mark.parametrize("entry", ["environ", "cwd", "fd", "maps", "mem"])
 def test_parent_proc_entries_are_closed(entry, monkeypatch):
     monkeypatch.setenv("LOPD_REDTEAM_SECRET", "hunter2")
@@ -310,7 +400,7 @@ def test_parent_proc_entries_are_closed(entry, monkeypatch):
     }[entry]
     result = attack(code, **NO_GUARDS)
     assert "hunter2" not in result.stdout
-    assert failed(result, "permission"), result
+    assert refused(result), result  # a PID namespace (bubblewrap) does not even show the trainer
 
 
 @pytest.fixture
@@ -322,9 +412,9 @@ def decoy_process():
     proc.wait()
 
 
-@pytest.mark.xfail(not ISO["user_switch"], strict=True,
-                   reason="gap: a trainer that is not root shares its uid with the program, which can "
-                          "signal the trainer's processes")
+@pytest.mark.xfail(SHARED_UID, strict=True,
+                   reason="gap: a trainer that is not root (without bubblewrap) shares its uid with the "
+                          "program, which can signal the trainer's processes")
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP", "SIGTERM"])
 def test_signalling_the_trainers_processes_fails(decoy_process, sig):
     code = f"import signal\nos.kill({decoy_process.pid}, signal.{sig})"
@@ -333,7 +423,7 @@ def test_signalling_the_trainers_processes_fails(decoy_process, sig):
     with open(f"/proc/{decoy_process.pid}/stat") as f:
         state = f.read().rsplit(")", 1)[1].split()[0]
     assert decoy_process.poll() is None and state not in ("T", "t", "Z"), state
-    assert failed(result, "permission"), result
+    assert refused(result), result
 
 
 @ROOT_ONLY  # never run where it would work: kill(-1) from the trainer's own uid kills the test run
@@ -346,7 +436,7 @@ def test_kill_everything_and_the_parent_fails(decoy_process):
     )
     result = attack(code, **NO_GUARDS)
     assert decoy_process.poll() is None
-    assert failed(result, "permission"), result
+    assert refused(result), result  # under bubblewrap its parent is the namespace's init
 
 
 def test_ignoring_sigterm_and_stopping_itself_time_out():
@@ -388,11 +478,14 @@ raise SystemExit(4)
 """
 
 
-@pytest.mark.xfail(not ISO["user_switch"], strict=True,
-                   reason="gap: a trainer that is not root cannot tell the program's processes from its "
-                          "own once one leaves the session with setsid() (no cgroup, no pid namespace)")
-def test_daemonised_grandchild_is_killed():
-    result = attack(DAEMON, **NO_GUARDS)
+@pytest.mark.parametrize("bwrap", modes(gap="gap: a trainer that is not root (without bubblewrap) cannot tell "
+                                        "the program's processes from its own once one leaves the session with "
+                                        "setsid() (no cgroup, no pid namespace)"))
+def test_daemonised_grandchild_is_killed(bwrap):
+    result = attack(DAEMON, bwrap=bwrap, **NO_GUARDS)  # checks that nothing of the run is left
+    assert failed(result, "exit status 4"), result
+    if MY_PID_NS not in result.stdout:
+        return  # the printed pid is its PID namespace's own: attack() found nothing left in there
     pid = int(next(line for line in result.stdout.splitlines() if line.startswith("DAEMON")).split()[1])
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -402,7 +495,6 @@ def test_daemonised_grandchild_is_killed():
     if state not in ("gone", "Z", "X"):
         os.kill(pid, signal.SIGKILL)  # do not leave it behind (the gap case)
     assert state in ("gone", "Z", "X")
-    assert failed(result, "exit status 4"), result
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,24 +5,23 @@ ordered by number ("HumanEval/0" .. "HumanEval/163"). Source: Chen et al. 2021, 
 Language Models Trained on Code".
 
 The reward is 1.0 when the student's function passes *all* of the problem's tests and 0.0 otherwise.
-How a reply becomes a program, and why a program cannot fake a pass, is described in
-:func:`build_test_program`; the sandbox's own promises are in :mod:`lopd_lightning.sandbox`.
+How a reply becomes two programs (the candidate's and the checker's, run in separate processes), and
+why the candidate cannot fake a pass, is described in :func:`build_programs`; the sandbox's own
+promises are in :mod:`lopd_lightning.sandbox`.
 """
 
 from __future__ import annotations
 
-import ast
 import re
-import secrets
 from collections.abc import Sequence
 
-from lopd_lightning.sandbox import SandboxResult, run_many
+from lopd_lightning.sandbox import CheckedResult, run_many_checked
 from lopd_lightning.tasks.base import Example, Message, Task
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "HumanEvalTask",
-    "build_test_program",
+    "build_programs",
     "extract_code",
     "passed",
 ]
@@ -99,175 +98,77 @@ def extract_code(completion: str, *, prompt: str, entry_point: str) -> str:
     return code
 
 
-def _imported_modules(*sources: str) -> list[str]:
-    """Top-level module names that the (trusted) prompt and test import."""
-    names: set[str] = set()
-    for source in sources:
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names.update(alias.name.split(".")[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module.split(".")[0])
-    return sorted(names)
+# The two programs. Placeholders are replaced by ascii() literals, so any reply text is a valid literal.
+# The candidate's process: the prompt (its imports and helpers), then the reply, in module "solution".
+_CANDIDATE = """\
+exec(compile(@PROMPT@, "<prompt>", "exec"), globals())
+exec(compile(@CANDIDATE@, "<candidate>", "exec"), globals())
+"""
 
-
-# The test program. Placeholders are replaced by ascii() literals, so any reply text is a valid literal.
-# Everything the harness needs after the candidate has run is bound to a local before it runs, so
-# rebinding a builtin or a module attribute cannot change the harness itself.
-_HARNESS = '''\
-def _lopd_harness():
-    import builtins, os, sys
-    _write, _exit, _flush_out, _flush_err = os.write, os._exit, sys.stdout.flush, sys.stderr.flush
-    _gettrace, _getprofile, _modules = sys.gettrace, sys.getprofile, sys.modules
-    _type, _id, _callable, _exec, _compile, _vars = type, id, callable, exec, compile, vars
-    _keys, _values, _set_add = dict.keys, dict.values, set.add
-    PROMPT, CANDIDATE, TEST, ENTRY, WATCH = @PROMPT@, @CANDIDATE@, @TEST@, @ENTRY@, @WATCH@
-
-    def fail(why):
-        _write(2, ("lopd harness: " + why + "\\n").encode())
-        _exit(1)
-
-    for name in WATCH:
-        __import__(name)
-    # The tests and the helpers they call (the prompt's) live in a namespace the candidate never gets.
+# The checker's process: the prompt and the test in a namespace of its own, ``check`` called with a proxy
+# of the candidate's function (``candidate_function`` is given by the sandbox, see run_checked).
+_CHECKER = """\
+def _lopd_check():
+    import builtins
+    PROMPT, TEST, ENTRY = @PROMPT@, @TEST@, @ENTRY@
     tests = {"__name__": "__lopd_tests__", "__builtins__": builtins}
-    _exec(_compile(PROMPT, "<prompt>", "exec"), tests)
-    _exec(_compile(TEST, "<test>", "exec"), tests)
-    check = tests["check"]
-    solution = {"__name__": "solution", "__builtins__": builtins}
-    _exec(_compile(PROMPT, "<prompt>", "exec"), solution)
-    watched = [(builtins, dict(_vars(builtins)))]
-    watched += [(_modules[name], dict(_vars(_modules[name]))) for name in WATCH]
-    watched_modules = [(name, _modules[name]) for name in WATCH]
-    missing = object()
-
-    def intact():
-        if _gettrace() is not None or _getprofile() is not None:
-            return False
-        for name, module in watched_modules:
-            if _modules.get(name) is not module:
-                return False
-        for module, snapshot in watched:
-            namespace = _vars(module)
-            for key, value in snapshot.items():
-                if namespace.get(key, missing) is not value:
-                    return False
-        return True
-
-    # identities of types, compared as ints: a metaclass cannot make its class hash or compare equal
-    plain_types = {_id(t) for t in (int, float, complex, bool, str, bytes, type(None))}
-    sequence_types = {_id(t) for t in (list, tuple, set, frozenset)}
-    dict_type = _id(dict)
-
-    def plain(value):
-        stack, seen = [value], set()
-        while stack:
-            item = stack.pop()
-            kind = _id(_type(item))
-            if kind in plain_types:
-                continue
-            if kind in sequence_types or kind == dict_type:
-                if _id(item) in seen:
-                    continue
-                _set_add(seen, _id(item))
-                if kind == dict_type:
-                    stack.extend(_keys(item))
-                    stack.extend(_values(item))
-                else:
-                    stack.extend(item)
-                continue
-            return False
-        return True
-
-    _exec(_compile(CANDIDATE, "<candidate>", "exec"), solution)
-    if not intact():
-        fail("the candidate changed builtins, a module the tests use, or installed a trace hook")
-    function = solution.get(ENTRY)
-    if not _callable(function):
-        fail("the candidate does not define " + ENTRY)
-
-    def candidate(*args, **kwargs):
-        result = function(*args, **kwargs)
-        if not intact():
-            fail("the candidate changed builtins, a module the tests use, or installed a trace hook")
-        if not plain(result):
-            fail("the candidate returned a " + repr(_type(result)) + ", not plain built-in data")
-        return result
-
+    exec(compile(PROMPT, "<prompt>", "exec"), tests)
+    exec(compile(TEST, "<test>", "exec"), tests)
+    candidate = candidate_function(ENTRY)
     tests[ENTRY] = candidate  # some tests call the function by name (HumanEval/33)
-    check(candidate)
-    if not intact():
-        fail("the candidate changed builtins, a module the tests use, or installed a trace hook")
-    _flush_out()
-    _flush_err()
-    _write(1, @NONCE@)
-    _exit(0)
+    tests["check"](candidate)
 
 
-_lopd_harness()
-'''
+_lopd_check()
+"""
 
 
-def build_test_program(*, prompt: str, test: str, entry_point: str, code: str, nonce: str) -> str:
-    """The program that runs ``code`` against a HumanEval test and prints ``nonce`` only if it passes.
+def build_programs(*, prompt: str, test: str, entry_point: str, code: str) -> tuple[str, str]:
+    """The (candidate, checker) programs that test ``code`` against a HumanEval test with
+    :func:`~lopd_lightning.sandbox.run_checked` (the candidate runs as module ``"solution"``).
 
-    Order inside the program (one process, the sandbox's):
-      1. the prompt and the test are executed into a *tests* namespace (the prompt's imports and
-         helpers, and ``check``); the candidate never gets this namespace, so defining its own
-         ``check`` or redefining a helper the tests call (e.g. ``poly``) changes nothing;
-      2. the prompt, then the candidate ``code``, are executed into a *solution* namespace (so the
-         candidate may rely on the prompt's imports and helpers);
-      3. ``check`` is called (and the tests namespace's ``entry_point`` is bound, as some tests call
-         the function by name) with a wrapper around the candidate's ``entry_point`` that, after every
-         call, fails the run if builtins or a module the tests import were rebound (e.g.
-         ``builtins.abs = ...``, ``math.fabs = ...``), if a trace/profile hook is set (which could
-         skip lines of the test), or if the result is not plain built-in data (int, float, complex,
-         bool, str, bytes, None, and lists/tuples/sets/dicts of them: this stops objects whose
-         ``__eq__`` always answers True);
-      4. only then, stdout is flushed and ``"\\n" + nonce + "\\n"`` is written to fd 1 and the process
-         ends with ``os._exit(0)`` (no atexit handler of the candidate runs after it).
+    The two run in separate sandboxed processes (as root, under two different one-off user ids; the
+    checker is non-dumpable in every mode):
 
-    An early exit (``sys.exit``, ``os._exit``, ``raise SystemExit``, a signal, a crash), a failing or
-    skipped assert, or a timeout ends the process before step 4, so the nonce is never printed. The
-    nonce is fresh per run (:func:`secrets.token_hex`) and is not in any file or on the command line:
-    the program reaches the interpreter through a pipe that is at its end and replaced by /dev/null
-    before the candidate runs (see :mod:`lopd_lightning.sandbox`). Reading stdin, the working
-    directory, ``sys.argv`` or ``/proc/self/cmdline`` does not reveal it, and what the candidate prints
-    counts for nothing.
+      * the *candidate* executes the prompt (its imports and helpers, so the reply may rely on them),
+        then the reply ``code``, as module ``solution`` (so an ``if __name__ == "__main__":`` block in
+        the reply does not run), and then answers calls to its functions;
+      * the *checker* executes the prompt and the test (which defines ``check``) in a namespace of its
+        own, binds ``entry_point`` there to a proxy of the candidate's function (some tests call the
+        function by name), and calls ``check(proxy)``. Each call sends the arguments to the candidate's
+        process as plain data and decodes the answer as plain data (int, float, complex, bool, str,
+        bytes, None, and lists/tuples/sets/frozensets/dicts of them, never unpickled or evaluated):
+        an object whose ``__eq__`` always answers True, a generator or any other type ends the run as a
+        failure, and so does any breach of the protocol by the candidate's process.
 
-    Not defended (all need deliberate introspection of the running interpreter, which no in-process
-    check can stop): walking frames (``sys._getframe``) or the garbage collector to read the nonce or
-    the tests, reading ``/proc/self/mem``, and patching built-in types through ``ctypes``. Stopping
-    those would need the asserts to run in another process than the candidate.
+    The reply passes when ``check`` returns: the checker's exit status 0 is the verdict, and nothing the
+    candidate's process does (exit early, kill itself, print "passed", rebind builtins or ``check`` or
+    a helper the tests call, install a trace hook, walk frames or read ``/proc/self/mem``) reaches the
+    checker's process: its own namespace is all it can change. There is no secret to find.
 
     Args:
         prompt: the problem's prompt. test: its test code (defines ``check(candidate)``).
         entry_point: the function under test. code: the candidate program (see :func:`extract_code`).
-        nonce: the secret success line (hex; pass a fresh ``secrets.token_hex(16)`` per run).
 
     Returns:
-        Python source (ASCII).
+        (candidate program, checker program): Python sources (ASCII).
     """
-    watch = _imported_modules(prompt, test)
     fills = {
         "@PROMPT@": ascii(prompt),
         "@CANDIDATE@": ascii(code),
         "@TEST@": ascii(test),
         "@ENTRY@": ascii(entry_point),
-        "@WATCH@": ascii(tuple(watch)),
-        "@NONCE@": ascii(f"\n{nonce}\n".encode()),
     }
-    return re.sub("|".join(re.escape(k) for k in fills), lambda m: fills[m.group(0)], _HARNESS)
+
+    def fill(template: str) -> str:
+        return re.sub("|".join(re.escape(k) for k in fills), lambda m: fills[m.group(0)], template)
+
+    return fill(_CANDIDATE), fill(_CHECKER)
 
 
-def passed(result: SandboxResult, nonce: str) -> bool:
-    """True when the test program of :func:`build_test_program` ran to its end: status "ok", exit
-    status 0 and the nonce on the last line of stdout."""
-    return result.status == "ok" and result.returncode == 0 and result.stdout.endswith(f"\n{nonce}\n")
+def passed(result: CheckedResult) -> bool:
+    """True when the checks of :func:`build_programs` ran to their end (the checker's verdict)."""
+    return result.passed
 
 
 class HumanEvalTask(Task):
@@ -280,10 +181,12 @@ class HumanEvalTask(Task):
     Args:
         val_fraction: fraction of the problems in the "val" split (rounded up), in (0, 1).
         seed: seed of the split's permutation.
-        timeout_s: wall-clock seconds each test program may run (see :func:`run_code`).
-        memory_mb: address-space limit of each test program, MiB.
+        timeout_s: wall-clock seconds each reply's candidate and checker processes may run together
+            (see :func:`~lopd_lightning.sandbox.run_checked`).
+        memory_mb: address-space limit of each of the two processes, MiB.
         system_prompt: the system message; None for none.
-        max_workers: programs run at once by :meth:`score_many` (default ``min(4, cpu count)``).
+        max_workers: replies run at once by :meth:`score_many`, two processes each (default
+            ``min(4, cpu count)``).
 
     Raises:
         ValueError: ``val_fraction`` outside (0, 1) or a non-positive limit.
@@ -344,13 +247,11 @@ class HumanEvalTask(Task):
         code = (example.data["prompt"] + example.data["canonical_solution"]).rstrip("\n")
         return f"```python\n{code}\n```"
 
-    def program(self, example: Example, completion: str, *, nonce: str) -> str:
-        """The test program for one reply (see :func:`build_test_program`)."""
+    def programs(self, example: Example, completion: str) -> tuple[str, str]:
+        """The (candidate, checker) programs for one reply (see :func:`build_programs`)."""
         data = example.data
         code = extract_code(completion, prompt=data["prompt"], entry_point=data["entry_point"])
-        return build_test_program(
-            prompt=data["prompt"], test=data["test"], entry_point=data["entry_point"], code=code, nonce=nonce
-        )
+        return build_programs(prompt=data["prompt"], test=data["test"], entry_point=data["entry_point"], code=code)
 
     def score(self, example: Example, completion: str) -> float:
         """1.0 if the reply's function passes all tests of ``example``, else 0.0. Never raises on bad
@@ -365,11 +266,12 @@ class HumanEvalTask(Task):
     def score_many(
         self, pairs: Sequence[tuple[Example, str]], *, max_workers: int | None = None
     ) -> list[float]:
-        """Rewards of many (example, reply) pairs, run in parallel with :func:`run_many`.
+        """Rewards of many (example, reply) pairs, run in parallel with
+        :func:`~lopd_lightning.sandbox.run_many_checked`.
 
         Args:
             pairs: (example, assistant reply) pairs.
-            max_workers: programs at once; default the task's ``max_workers``.
+            max_workers: replies at once; default the task's ``max_workers``.
 
         Returns:
             One reward in {0.0, 1.0} per pair, in order. A reply that is not text, or is empty or
@@ -380,28 +282,28 @@ class HumanEvalTask(Task):
     def _score_many_with_info(
         self, pairs: Sequence[tuple[Example, str]], *, max_workers: int | None = None
     ) -> list[tuple[float, dict]]:
-        nonces = [secrets.token_hex(16) for _ in pairs]
         out: list[tuple[float, dict]] = []
         programs, runnable = [], []
-        for i, ((example, completion), nonce) in enumerate(zip(pairs, nonces)):
+        for i, (example, completion) in enumerate(pairs):
             if not isinstance(completion, str):
                 out.append((0.0, {"error": f"reply is not text but {type(completion).__name__}"}))
             elif not completion.strip():
                 out.append((0.0, {"error": "empty reply"}))
             else:
                 out.append((0.0, {}))
-                programs.append(self.program(example, completion, nonce=nonce))
+                programs.append(self.programs(example, completion))
                 runnable.append(i)
-        results = run_many(
+        results = run_many_checked(
             programs,
             max_workers=max_workers if max_workers is not None else self.max_workers,
+            module="solution",
             timeout_s=self.timeout_s,
             memory_mb=self.memory_mb,
         )
         for i, result in zip(runnable, results):
-            if passed(result, nonces[i]):
+            if passed(result):
                 out[i] = (1.0, {})
             else:
-                why = result.reason or "the program ended without passing all tests"
+                why = result.reason or "the checks did not pass"
                 out[i] = (0.0, {"error": f"tests failed: {why}", "status": result.status})
         return out
