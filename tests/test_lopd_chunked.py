@@ -81,10 +81,15 @@ def one_step(tmp_path: Path, bank_dir: Path, chunk: int | None, **overrides) -> 
     return {"logged": step["logged"], "batch": step["batch"], "grads": grads}
 
 
-def assert_same_step(ref: dict, got: dict, *, rtol: float = 1e-5, atol: float = 1e-7, loss_atol: float = 1e-7) -> None:
-    """Two :func:`one_step` results: the same logged losses (rel 1e-5) and, parameter by parameter, the same
-    gradients (``rtol`` / ``atol``); every group of the reference has a non-zero gradient, so the comparison
-    cannot pass vacuously."""
+def assert_same_step(ref: dict, got: dict, *, rtol: float = 1e-5, atol: float = 1e-7, loss_atol: float = 1e-6) -> None:
+    """Two :func:`one_step` results: the same logged losses (rel 1e-5, or ``loss_atol`` absolute) and,
+    parameter by parameter, the same gradients (``rtol`` / ``atol``); every group of the reference has a
+    non-zero gradient, so the comparison cannot pass vacuously.
+
+    ``loss_atol``: the student's distillation KL of a barely trained toy step is about 2e-5, a sum of
+    terms p (log p - log q) whose float32 rounding is about 1e-7 each; two exact evaluations (whole
+    logits against chunks, on different matmul shapes) differ by about that much (1.1e-7 seen on an
+    AVX2 CPU), so 1e-6 absolute is the float32 resolution of that number, not slack."""
     for tag in LOGGED:
         assert got["logged"][tag] == pytest.approx(ref["logged"][tag], rel=1e-5, abs=loss_atol), tag
     assert set(got["grads"]) == set(ref["grads"])
@@ -136,7 +141,7 @@ def test_bad_chunk_size_fails_before_loading_the_model(monkeypatch, bad):
         raise AssertionError("the student was loaded before the config error was raised")
 
     monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
-    with pytest.raises(ValueError, match="distill_chunk_size must be None or an int >= 1"):
+    with pytest.raises(ValueError, match="model.init_args.distill_chunk_size must be null or an int >= 1"):
         make_module(None, distill_chunk_size=bad)
 
 
