@@ -13,11 +13,14 @@ section 5). Contexts:
 - ``text_nearest``: the top-1 retrieved bank experience (exact cosine over MiniLM embeddings of the task
   text) as text, in the framing the latents use ("Here is a reference example ...", "Now complete your
   task.");
-- ``text_random``: a random bank experience (seeded per question), same framing;
+- ``text_random``: a random bank experience, the same one for every trajectory of a question and for the
+  teacher's own answer to it (seeded by the question's id), same framing;
 - ``latent_untrained``: the latents of the freshly initialised composer (J experiences, K latents each);
 - ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
   (L_init on the bank's successful train trajectories);
 - ``latent_trained``: the composer of a finished LOPD run (``--trained-checkpoint``); null without one.
+  Its latents condition the same teacher as every other context (the start student's weights, not the
+  student that run trained), so the contexts differ in nothing else.
 
 Reported per context (``contexts.<name>``):
 
@@ -29,8 +32,8 @@ Reported per context (``contexts.<name>``):
 - ``separation``: mean per-token delta on successful trajectories minus that on failed ones (how much
   more the teacher likes what succeeded than what failed: the privilege the margin is meant to create;
   unaffected by how many trajectories fail);
-- ``delta_balanced``: successes and failures weighed equally, (delta_success + delta_failure) / 2, a
-  value that a teacher unsure of everything cannot earn when most trajectories fail;
+  (with binary rewards, the mean of delta_success and delta_failure, i.e. successes and failures weighed
+  equally, is this separation measured per trajectory, halved);
 - ``teacher_greedy_success``: the fraction of held-out questions the teacher solves when it answers
   greedily itself with that context;
 - ``latent_rms`` (latent contexts): the root-mean-square entry of the latents, against
@@ -56,52 +59,54 @@ CONTEXTS = ("text_nearest", "text_random", "latent_untrained", "latent_warm_star
 
 
 # ---------------------------------------------------------------------------------------- statistics
-def trajectory_stats(per_question: dict[str, list[tuple[float, float]]], subset: str = "all", *,
-                     weighting: str = "paper") -> float | None:
-    """Delta over the trajectories of ``per_question`` ({question: [(reward, mean token delta), ...]}).
+#: one trajectory: (reward, mean token delta, sum of its token deltas, its token count)
+Trajectory = tuple[float, float, float, int]
+
+
+def trajectory_stats(per_question: dict[str, list[Trajectory]], subset: str = "all") -> float | None:
+    """Delta over the trajectories of ``per_question`` ({question: [trajectory, ...]}): the mean over
+    trajectories of A * (mean delta over the trajectory's tokens), A = 2r - 1 (docs/METHOD.md 5).
 
     Args:
         subset: "all", "success" (r >= 1), "failure" (r < 1) or "mixed" (questions with both outcomes).
-        weighting: "paper": A = 2r - 1 (docs/METHOD.md 5); "balanced": successes and failures weighed
-            equally, the mean of the success and failure means of A * delta.
 
     Returns:
         The mean of A * delta over the chosen trajectories, or None when there is none.
     """
-    if weighting == "balanced":
-        s = trajectory_stats(per_question, "success")
-        f = trajectory_stats(per_question, "failure")
-        return None if s is None or f is None else (s + f) / 2
     values = []
     for trajectories in per_question.values():
-        outcomes = {r >= 1.0 for r, _ in trajectories}
+        outcomes = {t[0] >= 1.0 for t in trajectories}
         if subset == "mixed" and len(outcomes) < 2:
             continue
-        for r, d in trajectories:
+        for r, d, *_ in trajectories:
             if (subset == "success" and r < 1.0) or (subset == "failure" and r >= 1.0):
                 continue
             values.append((2 * r - 1) * d)
     return sum(values) / len(values) if values else None
 
 
-def separation(per_question: dict[str, list[tuple[float, float]]]) -> float | None:
-    """Mean token delta on successful trajectories minus that on failed ones (no outcome weight)."""
-    succ = [d for t in per_question.values() for r, d in t if r >= 1.0]
-    fail = [d for t in per_question.values() for r, d in t if r < 1.0]
-    if not succ or not fail:
+def separation(per_question: dict[str, list[Trajectory]]) -> float | None:
+    """The per-token mean delta over every token of the successful trajectories minus that over every
+    token of the failed ones (no outcome weight; None without both outcomes)."""
+    sums = {True: 0.0, False: 0.0}
+    counts = {True: 0, False: 0}
+    for trajectories in per_question.values():
+        for r, _, total, n in trajectories:
+            sums[r >= 1.0] += total
+            counts[r >= 1.0] += n
+    if not counts[True] or not counts[False]:
         return None
-    return sum(succ) / len(succ) - sum(fail) / len(fail)
+    return sums[True] / counts[True] - sums[False] / counts[False]
 
 
-def bootstrap_ci(per_question: dict[str, list[tuple[float, float]]], *, resamples: int, seed: int,
-                 weighting: str = "paper") -> list[float] | None:
+def bootstrap_ci(per_question: dict[str, list[Trajectory]], *, resamples: int, seed: int) -> list[float] | None:
     """A 95% percentile interval of Delta from ``resamples`` bootstrap draws of the questions."""
     keys = sorted(per_question)
     rng = random.Random(seed)
     draws = []
     for _ in range(resamples):
         sample = {f"{i}": per_question[rng.choice(keys)] for i in range(len(keys))}
-        value = trajectory_stats(sample, weighting=weighting)
+        value = trajectory_stats(sample)
         if value is not None:
             draws.append(value)
     if not draws:
@@ -110,17 +115,14 @@ def bootstrap_ci(per_question: dict[str, list[tuple[float, float]]], *, resample
     return [draws[int(0.025 * (len(draws) - 1))], draws[int(math.ceil(0.975 * (len(draws) - 1)))]]
 
 
-def summarise(per_question: dict[str, list[tuple[float, float]]], *, resamples: int, seed: int) -> dict[str, Any]:
-    s, f = trajectory_stats(per_question, "success"), trajectory_stats(per_question, "failure")
+def summarise(per_question: dict[str, list[Trajectory]], *, resamples: int, seed: int) -> dict[str, Any]:
     return {
         "delta_mean": trajectory_stats(per_question),
         "delta_ci": bootstrap_ci(per_question, resamples=resamples, seed=seed),
-        "delta_success": s,
-        "delta_failure": f,
+        "delta_success": trajectory_stats(per_question, "success"),
+        "delta_failure": trajectory_stats(per_question, "failure"),
         "delta_mixed_groups": trajectory_stats(per_question, "mixed"),
         "separation": separation(per_question),
-        "delta_balanced": trajectory_stats(per_question, weighting="balanced"),
-        "delta_balanced_ci": bootstrap_ci(per_question, resamples=resamples, seed=seed, weighting="balanced"),
     }
 
 
@@ -149,8 +151,9 @@ def fill_bank(module, task) -> int:
     return len(records)
 
 
-def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[float]]:
-    """Per trajectory, the mean over its assistant tokens of log pi_T - log pi_S for each context.
+def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[tuple[float, float, int]]]:
+    """Per trajectory and context, (the mean over its assistant tokens of log pi_T - log pi_S, their sum,
+    the token count).
 
     ``contexts`` maps a name to ``("text", [ids per row])`` or ``("latent", composer)``.
     """
@@ -176,7 +179,8 @@ def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[floa
                 batch.input_ids, batch.attention_mask, batch.context_position, **kwargs
             )
             teacher = unpack(token_logps(logits[None], tokens[None])[0], mask)
-            out[name] = (((teacher - student) * mask).sum(dim=1) / counts).tolist()
+            sums = ((teacher - student) * mask).sum(dim=1)
+            out[name] = list(zip((sums / counts).tolist(), sums.tolist(), mask.sum(dim=1).tolist(), strict=True))
     return out
 
 
@@ -219,6 +223,13 @@ def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=No
                         use_cache=True, **{cache_key: cache})
             cache = out[cache_key]
     return module.tokenizer.decode(reply, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def random_record(module, seed: int, example_id: str):
+    """The ``text_random`` experience of a question: one bank record drawn by a generator seeded with the
+    question's id (the same for its trajectories and for the teacher's own answer)."""
+    records = module.bank.records
+    return records[random.Random(f"{seed}:{example_id}").randrange(len(records))]
 
 
 def reply_reward(task, example, reply: str) -> float:
@@ -318,8 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         load_trained_composer(module, args.trained_checkpoint)
         composers["latent_trained"] = module.composer
 
-    rng = random.Random(args.seed)
-    per_question: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in CONTEXTS}
+    per_question: dict[str, dict[str, list[Trajectory]]] = {name: {} for name in CONTEXTS}
     student_rewards: dict[str, list[float]] = {}
     rms: dict[str, list[float]] = {}
     t0 = time.perf_counter()
@@ -329,10 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             batch = module.make_batch(task, examples)
         contexts: dict[str, Any] = {}
         nearest = [exps[0].trace if exps else None for exps in batch.experiences]
-        randoms = []
-        for meta in batch.metadata:
-            record = module.bank.records[rng.randrange(len(module.bank.records))]
-            randoms.append(record.trace)
+        randoms = [random_record(module, args.seed, example_id).trace for example_id in batch.example_ids]
         contexts["text_nearest"] = ("text", module.teacher.encode_text_context(nearest))
         contexts["text_random"] = ("text", module.teacher.encode_text_context(randoms))
         for name, composer in composers.items():
@@ -342,7 +349,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True)):
             student_rewards.setdefault(example_id, []).append(float(reward))
             for name in contexts:
-                per_question[name].setdefault(example_id, []).append((float(reward), deltas[name][row]))
+                mean, total, n = deltas[name][row]
+                per_question[name].setdefault(example_id, []).append((float(reward), mean, total, int(n)))
         print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     timings["sample_and_score_s"] = time.perf_counter() - t0
@@ -365,8 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ids = module.teacher.encode_text_context([exps[0].trace if exps else None])[0]
                 reply = teacher_greedy_reply(module, task, example, context_ids=ids, max_new_tokens=args.max_new_tokens)
             elif name == "text_random":
-                record = module.bank.records[random.Random(f"{args.seed}:{example.id}").randrange(len(module.bank.records))]
-                ids = module.teacher.encode_text_context([record.trace])[0]
+                ids = module.teacher.encode_text_context([random_record(module, args.seed, example.id).trace])[0]
                 reply = teacher_greedy_reply(module, task, example, context_ids=ids, max_new_tokens=args.max_new_tokens)
             else:
                 reply = teacher_greedy_reply(module, task, example, composer=composers[name],

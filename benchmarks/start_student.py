@@ -124,10 +124,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     recipe = recipe_of(args)
     cached = args.out / "recipe.json"
+    student_name = str(args.out.relative_to(REPO_ROOT) if args.out.is_relative_to(REPO_ROOT) else args.out)
     if cached.exists() and args.results.exists() and json.loads(cached.read_text()) == recipe:
         result = json.loads(args.results.read_text())
-        print(f"cached start student {args.out}: held-out {result['heldout_success']:.3f}")
-        return result
+        if result.get("recipe") == recipe and result.get("student") == student_name:  # this student's result
+            print(f"cached start student {args.out}: held-out {result['heldout_success']:.3f}")
+            return result
 
     import lightning as L
     import torch
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "heldout_rewards": {ex.id: r for ex, r in zip(heldout, rewards, strict=True)},
         "train_and_dev_eval_s": round(train_s, 1),
         "heldout_eval_s": round(heldout_s, 1),
-        "student": str(args.out.relative_to(REPO_ROOT) if args.out.is_relative_to(REPO_ROOT) else args.out),
+        "student": student_name,
         **run_metadata(seed=args.seed, argv=argv),
     }
     write_json_atomic(result, args.results)

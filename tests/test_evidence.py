@@ -21,8 +21,9 @@ def start():
     return load_benchmark("start_student")
 
 
-# two questions: q1 mixed (a success with delta 0.4, a failure with delta -0.2), q2 two failures (0.1, 0.3)
-PER_QUESTION = {"q1": [(1.0, 0.4), (0.0, -0.2)], "q2": [(0.0, 0.1), (0.0, 0.3)]}
+# two questions: q1 mixed (a success with mean delta 0.4 over 2 tokens, a failure with -0.2 over 4), q2 two
+# failures (0.1 over 1 token, 0.3 over 3); each trajectory is (reward, mean delta, delta sum, token count)
+PER_QUESTION = {"q1": [(1.0, 0.4, 0.8, 2), (0.0, -0.2, -0.8, 4)], "q2": [(0.0, 0.1, 0.1, 1), (0.0, 0.3, 0.9, 3)]}
 
 
 def test_margin_statistics_by_hand(margin):
@@ -31,12 +32,10 @@ def test_margin_statistics_by_hand(margin):
     assert margin.trajectory_stats(PER_QUESTION, "success") == pytest.approx(0.4)
     assert margin.trajectory_stats(PER_QUESTION, "failure") == pytest.approx((0.2 - 0.1 - 0.3) / 3)
     assert margin.trajectory_stats(PER_QUESTION, "mixed") == pytest.approx((0.4 + 0.2) / 2)  # q1 only
-    # separation: mean delta on successes (0.4) minus on failures ((-0.2 + 0.1 + 0.3) / 3)
-    assert margin.separation(PER_QUESTION) == pytest.approx(0.4 - 0.2 / 3)
-    # balanced: successes and failures weighed equally
-    assert margin.trajectory_stats(PER_QUESTION, weighting="balanced") == pytest.approx((0.4 + (-0.2 / 3)) / 2)
-    assert margin.separation({"q": [(0.0, 0.1)]}) is None
-    assert margin.trajectory_stats({"q": [(0.0, 0.1)]}, "success") is None
+    # separation, per token: successes 0.8 / 2 tokens; failures (-0.8 + 0.1 + 0.9) / (4 + 1 + 3) tokens
+    assert margin.separation(PER_QUESTION) == pytest.approx(0.4 - 0.2 / 8)
+    assert margin.separation({"q": [(0.0, 0.1, 0.1, 1)]}) is None
+    assert margin.trajectory_stats({"q": [(0.0, 0.1, 0.1, 1)]}, "success") is None
 
 
 def test_bootstrap_interval_resamples_questions_and_covers_the_mean(margin):

@@ -128,3 +128,33 @@ def test_resume_after_an_interruption_matches_the_uninterrupted_run(tmp_path):
     assert resumed.steps[TOTAL_STEPS]["logged"]["train/bank_added"] == reference.steps[TOTAL_STEPS]["logged"]["train/bank_added"]
     assert reference.steps[TOTAL_STEPS]["bank"] > 4
     assert reference.steps[TOTAL_STEPS]["beta"] > 0
+
+
+def test_a_checkpoint_with_the_old_untrained_composer_adapter_still_resumes(tmp_path, caplog):
+    """GRPO checkpoints written while every method carried an (unused) composer LoRA hold its weights;
+    they resume with one warning instead of failing on "Unexpected key(s)"."""
+    import torch
+
+    from lopd_lightning.modules import GRPOModule
+    from helpers import ParityToy, quiet_trainer
+
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    module = GRPOModule("tiny", lora=lora, rollouts_per_example=2, max_new_tokens=4)
+    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
+    trainer.fit(module, dm)
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    checkpoint = torch.load(path, weights_only=False)
+    old = {k.replace(".student.", ".composer."): torch.zeros_like(v) for k, v in checkpoint["state_dict"].items()
+           if ".student." in k}
+    assert old and all(k not in checkpoint["state_dict"] for k in old)
+    checkpoint["state_dict"].update(old)  # what the earlier version saved
+    torch.save(checkpoint, path)
+
+    resumed = GRPOModule("tiny", lora=lora, rollouts_per_example=2, max_new_tokens=4)
+    with caplog.at_level("WARNING"):
+        quiet_trainer(tmp_path / "2", max_steps=2).fit(resumed, dm, ckpt_path=str(path))
+    assert f"holds {len(old)} composer-adapter weights" in caplog.text
+    loaded = GRPOModule.load_from_checkpoint(path)  # lopd export's path, strict loading
+    assert not any(".composer." in k for k in loaded.state_dict())

@@ -111,6 +111,28 @@ class _HookedTask(Task):
         return self.task.experience_text(example, messages)
 
 
+def drop_stale_composer_weights(module: torch.nn.Module, checkpoint: dict[str, Any]) -> list[str]:
+    """Remove from ``checkpoint["state_dict"]`` the composer-adapter weights a module without a composer
+    cannot hold, with one warning; returns the keys removed.
+
+    Checkpoints of GRPO, SDPO, OPSD, Skill-SD and SFT written before this was fixed carried an untrained
+    composer LoRA (``...lora_A.composer.weight``) that these methods no longer have; without this, resuming
+    or exporting such a checkpoint fails with "Unexpected key(s)". Called before the state dict loads.
+    """
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict):
+        return []
+    own = set(module.state_dict())
+    stale = [k for k in state if ".composer." in k and k not in own]
+    for key in stale:
+        del state[key]
+    if stale:
+        log.warning("this checkpoint holds %d composer-adapter weights that %s has no use for (an earlier "
+                    "version gave every method an untrained composer); they are ignored", len(stale),
+                    type(module).__name__)
+    return stale
+
+
 class OnPolicyModule(LightningModule):
     """Base of every method: owns the student, makes rollouts, validates, logs.
 
@@ -830,6 +852,7 @@ class OnPolicyModule(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        drop_stale_composer_weights(self, checkpoint)
         state = checkpoint.get("lopd_state", {})
         self.rollouts_consumed = int(state.get("rollouts_consumed", 0))
         self.non_finite_steps = int(state.get("non_finite_steps", 0))
