@@ -218,11 +218,46 @@ def test_a_misspelt_task_is_one_line_with_did_you_mean(capsys, no_model_loading)
     code, err = run_main(["fit", "-c", str(TINY_YAML), "--data.init_args.task=tyo", "--trainer.logger=false"], capsys)
     assert code == 1
     assert_one_line_error(err, f"unknown task 'tyo' (data.init_args.task); did you mean 'toy'? known tasks: "
-                               f"{', '.join(TASK_NAMES)} (or give a Task subclass)")
+                               f"{', '.join(TASK_NAMES)} (or give a Task subclass as data.init_args.task: "
+                               f"{{class_path: module.Class}})")
     code, err = run_main(["tasks", "verify", "bfcl_simpel_python"], capsys)
     assert code == 2
     assert err.startswith("error: unknown task 'bfcl_simpel_python'; did you mean 'bfcl_simple_python'?")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_task_class_path_given_as_a_name_shows_the_form_that_works(tmp_path, monkeypatch, capsys, no_model_loading):
+    (tmp_path / "mymod.py").write_text("from lopd_lightning.tasks.toy import ToyTask\n\n\nclass GuessTask(ToyTask):\n    name = 'guess'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--data.init_args.task=mymod.GuessTask", "--trainer.logger=false"],
+                         capsys)
+    assert code == 1
+    assert_one_line_error(err, "data.init_args.task 'mymod.GuessTask' is not a task name; to use a Task subclass give "
+                               "its class path as data.init_args.task: {class_path: mymod.GuessTask} (command line: "
+                               f"--data.init_args.task.class_path=mymod.GuessTask); known task names: {', '.join(TASK_NAMES)}")
+    # the form the message shows is accepted (parsed and checked; the run itself is not started here)
+    cli = _lightning_cli(["-c", str(TINY_YAML), "--data.init_args.task.class_path=mymod.GuessTask"], run=False,
+                         instantiate=False)
+    assert cli.config.data.init_args.task.class_path == "mymod.GuessTask"
+
+
+@pytest.mark.parametrize(
+    "lora, expected",
+    [
+        ("{r: 0}", "model.init_args.lora.r must be a positive integer (the LoRA rank, e.g. 8), got 0"),
+        ("{r: 4, lora_dropout: 2}",
+         "model.init_args.lora.lora_dropout must be a probability in [0, 1] (e.g. 0.05), got 2"),
+        ("{r: 4, layers_pattern: layers}",
+         "model.init_args.lora.layers_pattern: When `layers_pattern` is specified, `layers_to_transform` must also "
+         "be specified. (peft's LoraConfig refused it; fix or remove the value)"),
+    ],
+    ids=["r_zero", "dropout", "peft_refuses"],
+)
+def test_a_lora_value_peft_refuses_names_the_key_before_the_model_loads(lora, expected, capsys, no_model_loading):
+    """peft said "model: `r` should be a positive integer ..." once the student had loaded."""
+    code, err = run_main(["fit", "-c", str(TINY_YAML), f"--model.init_args.lora={lora}", "--trainer.logger=false"], capsys)
+    assert code == 1
+    assert_one_line_error(err, expected)
 
 
 @pytest.mark.parametrize(

@@ -152,3 +152,128 @@ def test_lopd_fit_then_export_then_validate_on_the_exported_student(tmp_path, ca
     torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "student")),
                                student_logits(module), atol=1e-5, rtol=1e-5)
     assert main(["validate", *common, f"--model.init_args.model={tmp_path / 'student'}"]) == 0
+
+
+# ----------------------------------------------------------------------- bad input: one line, nothing loaded
+def run_export(args: list[str], capsys) -> tuple[int, str]:
+    """``lopd export <args>`` in process: (exit status, stderr)."""
+    try:
+        code = main(["export", *args])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(err: str, expected: str) -> None:
+    assert err.strip().splitlines() == [f"error: {expected}"], err
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Reading a checkpoint or building a module fails the test: the check must come first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint or a model was loaded")
+
+    monkeypatch.setattr("lopd_lightning.export.torch.load", refuse)
+    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
+
+
+def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path, capsys):
+    """torch.load's 26-line UnpicklingError traceback before."""
+    code, err = run_export([str(TINY_YAML), "--out", str(tmp_path / "x")], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"checkpoint {str(TINY_YAML)!r} is not a Lightning checkpoint (torch.load: "
+                               f"UnpicklingError: invalid load key, '#'.); give the .ckpt file that lopd fit wrote "
+                               f"(in its checkpoints/ folder)")
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    code, err = run_export([str(empty), "--out", str(tmp_path / "x")], capsys)
+    assert code == 1 and err.startswith(f"error: checkpoint {str(empty)!r} is not a Lightning checkpoint (torch.load: ")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "plain.pt")
+    code, err = run_export([str(tmp_path / "plain.pt"), "--out", str(tmp_path / "x")], capsys)
+    assert_one_line_error(err, f"checkpoint {str(tmp_path / 'plain.pt')!r} is not a Lightning checkpoint (no "
+                               f"state_dict); give the .ckpt file that lopd fit wrote (in its checkpoints/ folder)")
+
+
+def test_a_folder_given_as_the_checkpoint_is_one_line_naming_its_checkpoints(tmp_path, capsys, nothing_loads):
+    """It said "does not exist" for a folder that exists."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    code, err = run_export([str(run), "--out", str(tmp_path / "x")], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"checkpoint {str(run)!r} is a folder; give the .ckpt file in it that lopd fit wrote")
+    (run / "checkpoints" / "step=2.ckpt").write_bytes(b"x")
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    code, err = run_export([str(run), "--out", str(tmp_path / "x")], capsys)
+    assert_one_line_error(err, f"checkpoint {str(run)!r} is a folder; give the .ckpt file in it that lopd fit wrote, "
+                               f"e.g. {str(run / 'checkpoints' / 'last.ckpt')!r}")
+
+
+def test_a_bad_out_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch, nothing_loads):
+    """--out an existing file (NotADirectoryError), --out . (ValueError: empty name), a non-empty folder (refused
+    only after the model had loaded) are refused before the checkpoint is read."""
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"not read")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, err = run_export([str(ckpt), "--out", str(afile)], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"--out {str(afile)!r} is a file, not a folder; give a new folder "
+                               f"(lopd export CKPT --out FOLDER)")
+    code, err = run_export([str(ckpt), "--out", str(afile / "student")], capsys)
+    assert_one_line_error(err, f"--out {str(afile / 'student')!r}: {str(afile)!r} is a file, not a folder; "
+                               f"give a new folder (--out)")
+    monkeypatch.chdir(tmp_path)
+    code, err = run_export([str(ckpt), "--out", "."], capsys)
+    assert code == 1
+    assert_one_line_error(err, "--out '.' is the current folder or holds it, and an export replaces its folder; "
+                               "give a new folder (e.g. --out student)")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    code, err = run_export([str(ckpt), "--out", "mine"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "--out 'mine' is not empty and holds no earlier export; give a new folder (--out)")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "last.ckpt", "mine"]  # nothing written
+
+
+def fake_checkpoint(path: Path, model: str) -> Path:
+    """A checkpoint of an SFT module built on ``model``, as `lopd fit` stores its class path (no weights)."""
+    hparams = {"_class_path": "lopd_lightning.modules.SFTModule", "model": model, "lora": LORA}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams, "global_step": 1}, path)
+    return path
+
+
+def test_a_base_model_that_moved_names_lopd_export_model(tmp_path, capsys, monkeypatch):
+    """It named model.init_args.model, a key of lopd fit's config that export has no way to set."""
+    gone = tmp_path / "models" / "base"
+    ckpt = fake_checkpoint(tmp_path / "last.ckpt", str(gone))
+    monkeypatch.setattr("lopd_lightning.modules.base.load_student",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was loaded")))
+    code, err = run_export([str(ckpt), "--out", str(tmp_path / "x")], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"the checkpoint's base model {str(gone)!r} does not exist (moved or deleted?); give "
+                               f"its folder with lopd export CKPT --out FOLDER --model BASE_FOLDER")
+    code, err = run_export([str(ckpt), "--out", str(tmp_path / "x"), "--model", str(tmp_path / "nowhere")], capsys)
+    assert_one_line_error(err, f"--model {str(tmp_path / 'nowhere')!r} does not exist; give the base model's folder, "
+                               f"'smollm2-135m-instruct' (packaged) or 'tiny'")
+
+
+def test_an_adapter_base_model_that_moved_names_lopd_export_model(tmp_path, capsys):
+    """A base that exists but is an exported adapter whose own base moved: the loader's message, with the
+    export's option in place of model.init_args.model."""
+    from lopd_lightning.models import tiny_tokenizer
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    tiny_tokenizer().save_pretrained(adapter)
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    ckpt = fake_checkpoint(tmp_path / "last.ckpt", str(adapter))
+    code, err = run_export([str(ckpt), "--out", str(tmp_path / "x")], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"no config.json in {str(tmp_path / 'gone')!r}, the base model of the adapter folder "
+                               f"{str(adapter)!r}; give a Hugging Face model folder (the checkpoint's base model; "
+                               f"give another with lopd export --model BASE_FOLDER)")
+

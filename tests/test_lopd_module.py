@@ -489,3 +489,8 @@ def test_beta_stays_put_without_latents(tmp_path):
     recorder = Recorder()
     make_trainer(tmp_path, max_steps=2, callbacks=[recorder]).fit(module, datamodule=make_dm())
     assert [s["beta_after"] for s in recorder.steps] == [0.3, 0.3]
+
+
+def test_a_misspelt_embedder_is_refused_before_the_model_loads():
+    with pytest.raises(ValueError, match=r"^model.init_args.embedder 'hashng' is not an embedder; did you mean 'hashing'\? choose one of minilm, backbone, hashing$"):
+        LOPDModule("no-such-model", embedder="hashng")

@@ -240,6 +240,57 @@ def test_a_disabled_or_custom_progress_bar_is_left_alone(tmp_path):
     assert type(trainer.progress_bar_callback) is Mine
 
 
+def test_the_step_bar_replaces_the_default_without_lightnings_override_line(tmp_path):
+    """Lightning's "callbacks returned in configure_callbacks will override ... RichProgressBar" INFO line
+    came with every run; the default bar is now taken out before the step bar is added, so no line."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.INFO)
+    lightning_log = logging.getLogger("lightning")  # the parent of Lightning's rank_zero loggers
+    old_level = lightning_log.level
+    lightning_log.setLevel(logging.INFO)
+    lightning_log.addHandler(handler)
+    try:
+        trainer = quiet_trainer(tmp_path, max_steps=1, enable_progress_bar=True)
+        trainer.fit(make_module(log_samples=0), make_dm(val_examples=1))
+    finally:
+        lightning_log.removeHandler(handler)
+        lightning_log.setLevel(old_level)
+    messages = [r.getMessage() for r in records]
+    assert messages, "no Lightning INFO line reached the handler: the check below would prove nothing"
+    assert not [m for m in messages if "will override" in m], messages
+    bars = [c for c in trainer.callbacks if isinstance(c, (RichProgressBar, TQDMProgressBar))]
+    assert len(bars) == 1 and isinstance(bars[0], StepRichProgressBar)  # one bar, the step-counting one
+
+
+def test_the_validation_line_counts_the_episodes_without_a_logger(tmp_path):
+    """Without a logger no records are gathered; the line used to say "0 episodes" although 3 ran."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.INFO)
+    base_log = logging.getLogger("lopd_lightning.modules.base")
+    old_level = base_log.level
+    base_log.setLevel(logging.INFO)
+    base_log.addHandler(handler)
+    try:
+        trainer = quiet_trainer(tmp_path, max_steps=1, limit_val_batches=None, val_check_interval=1,
+                                check_val_every_n_epoch=None)
+        trainer.fit(make_module(), make_dm())
+    finally:
+        base_log.removeHandler(handler)
+        base_log.setLevel(old_level)
+    [line] = [r.getMessage() for r in records if r.getMessage().startswith("val after step ")]
+    assert line.endswith(f"| {VAL_EXAMPLES} episodes"), line
+
+
 def test_step_description_without_a_step_limit():
     class FakeTrainer:
         global_step, max_steps = 7, -1

@@ -102,16 +102,30 @@ def as_lora_config(
 
     Raises:
         TypeError: ``config`` is neither a ``LoraConfig``, a dict nor None.
-        ValueError: a key of the dict is not a ``LoraConfig`` field (the message names the closest one).
+        ValueError: a key of the dict is not a ``LoraConfig`` field (the message names the closest one); a
+            value peft's ``LoraConfig`` refuses, a rank ``r`` below 1 or a ``lora_dropout`` outside [0, 1]
+            (peft checks those two only when it wraps the layers, after the weights loaded); the message
+            names ``model.init_args.<key>.<field>``.
     """
+    import dataclasses
+    import difflib
+    import re
+
+    def checked(lora: LoraConfig) -> LoraConfig:
+        r, dropout = lora.r, lora.lora_dropout
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"model.init_args.{key}.r must be a positive integer (the LoRA rank, e.g. 8), got {r!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
+            raise ValueError(
+                f"model.init_args.{key}.lora_dropout must be a probability in [0, 1] (e.g. 0.05), got {dropout!r}"
+            )
+        return lora
+
     if config is None:
         return default
     if isinstance(config, LoraConfig):
-        return config
+        return checked(config)
     if isinstance(config, dict):
-        import dataclasses
-        import difflib
-
         fields = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
         for name in config:
             if name not in fields:
@@ -122,7 +136,14 @@ def as_lora_config(
         if "target_modules" in kwargs and isinstance(kwargs["target_modules"], tuple):
             kwargs["target_modules"] = list(kwargs["target_modules"])
         kwargs.setdefault("task_type", "CAUSAL_LM")
-        return LoraConfig(**kwargs)
+        try:
+            lora = LoraConfig(**kwargs)
+        except (ValueError, TypeError) as error:  # peft's own checks of the fields (its __post_init__)
+            message = " ".join(str(error).split())
+            named = [n for n in config if re.search(rf"(?<![\w.]){re.escape(str(n))}(?!\w)", message)]
+            where = f"model.init_args.{key}.{named[0]}" if len(named) == 1 else f"model.init_args.{key}"
+            raise ValueError(f"{where}: {message} (peft's LoraConfig refused it; fix or remove the value)") from error
+        return checked(lora)
     raise TypeError(
         f"model.init_args.{key} must be a dict of LoraConfig arguments, a LoraConfig or null, got {type(config).__name__}"
     )

@@ -3,7 +3,8 @@
 - ``lopd fit|validate|test -c CONFIG [-c MORE] [--print_config]``: the Lightning CLI in subclass mode: a
   config names any module (``LOPDModule``, ``GRPOModule``, ...), DataModule, task or callback class.
 - ``lopd build-memory -c CONFIG [--from-references] [--out FOLDER]``: build the experience bank offline.
-- ``lopd tasks verify NAME|module.Class [--limit N]``: replay every reference solution through the task's reward.
+- ``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]``: replay every reference solution through
+  the task's reward, with the turn limit of training.
 - ``lopd tasks list``: the registered task names.
 - ``lopd export CHECKPOINT --out FOLDER [--adapter]``: the student of any method's checkpoint as a Hugging
   Face folder (:mod:`lopd_lightning.export`).
@@ -100,10 +101,16 @@ def check_task_name(config: Any) -> None:
     init_args = data.get("init_args") if hasattr(data, "get") else None
     task = init_args.get("task") if hasattr(init_args, "get") else None
     if isinstance(task, str) and task not in TASK_NAMES:
+        if "." in task:  # a class path given as a name: jsonargparse builds a class only from class_path
+            raise ValueError(
+                f"data.init_args.task {task!r} is not a task name; to use a Task subclass give its class path as "
+                f"data.init_args.task: {{class_path: {task}}} (command line: --data.init_args.task.class_path={task}); "
+                f"known task names: {', '.join(TASK_NAMES)}"
+            )
         hint = did_you_mean(task, TASK_NAMES, quote=True)
         raise ValueError(
             f"unknown task {task!r} (data.init_args.task){hint}{' known' if hint else '; known'} tasks: "
-            f"{', '.join(TASK_NAMES)} (or give a Task subclass)"
+            f"{', '.join(TASK_NAMES)} (or give a Task subclass as data.init_args.task: {{class_path: module.Class}})"
         )
 
 
@@ -378,18 +385,35 @@ def _task(name: str):
         )
     module_name, _, class_name = name.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        module = importlib.import_module(module_name)
     except ImportError as error:
         raise CLIError(f"cannot import {module_name!r} for task {name!r}: {error} (is its folder on PYTHONPATH?)", 2) from error
+    except Exception as error:  # the module itself is broken: a SyntaxError, an error at import time
+        where = f"{type(error).__name__}: {' '.join(str(error).split())}"
+        raise CLIError(f"cannot import {module_name!r} for task {name!r}: {where}; fix the module "
+                       f"(lopd --debug tasks verify {name} shows the traceback)", 1) from error
+    try:
+        cls = getattr(module, class_name)
     except AttributeError as error:
         raise CLIError(f"module {module_name!r} has no {class_name!r} (task {name!r})", 2) from error
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise CLIError(f"{name!r} is not a lopd_lightning.tasks.Task subclass", 2)
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as error:
+        required = [p.name for p in inspect.signature(cls).parameters.values()
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        raise CLIError(
+            f"task class {name!r} needs arguments ({', '.join(required) or error}); lopd tasks verify builds it "
+            f"without any: give them defaults, or verify a subclass that sets them", 2
+        ) from error
+    except ValueError:  # no signature to read (a builtin base): the call below tells
+        pass
     return cls()
 
 
 def tasks_command(argv: list[str]) -> int:
-    """``lopd tasks verify NAME|module.Class [--limit N]`` and ``lopd tasks list``."""
+    """``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]`` and ``lopd tasks list``."""
     from lopd_lightning.tasks import TASK_NAMES
 
     parser = _ArgumentParser(prog="lopd tasks")
@@ -399,19 +423,31 @@ def tasks_command(argv: list[str]) -> int:
     verify.add_argument("name", help=f"one of: {', '.join(TASK_NAMES)}; or a Task subclass as module.Class")
     verify.add_argument("--limit", type=int, default=None, help="only the first N examples")
     verify.add_argument("--split", default="all", choices=["train", "val", "all"])
+    verify.add_argument("--max-turns", type=int, default=None,
+                        help="replies per episode, as model.init_args.max_turns (default: the task's, as in training)")
     args = parser.parse_args(argv)
     if args.action == "list":
         print("\n".join(TASK_NAMES))
         return 0
+    for option, value, default in (("--limit", args.limit, "to replay every example"),
+                                   ("--max-turns", args.max_turns, "for the task's own turn limit")):
+        if value is not None and value < 1:
+            raise CLIError(f"lopd tasks verify: {option} must be >= 1, got {value} (leave it out {default})", 2)
     from lopd_lightning.tasks.verify import verify_task
 
     task = _task(args.name)
     start = time.perf_counter()
-    report = verify_task(task, limit=args.limit, split=args.split)
+    report = verify_task(task, limit=args.limit, split=args.split, max_turns=args.max_turns)
     seconds = time.perf_counter() - start
     print(f"{args.name}: {report.n_full_marks}/{report.n} reference solutions score 1.0 ({seconds:.1f} s)")
     for example_id, reward in report.failures[:20]:
-        print(f"  FAIL {example_id}: reward {reward}")
+        reason = report.reason(example_id)
+        print(f"  FAIL {example_id}: reward {reward}" + (f" ({' '.join(reason.split())[:300]})" if reason else ""))
+    if len(report.failures) > 20:
+        print(f"  ... and {len(report.failures) - 20} more")
+    advice = report.turn_limit_advice()
+    if advice:
+        print(advice)
     return 0 if report.n_full_marks == report.n else 1
 
 

@@ -35,7 +35,7 @@ import torch
 
 from lopd_lightning.models import EXPORT_INFO, SMOLLM2_NAME, adapter_base, smollm2_folder
 
-__all__ = ["export_checkpoint", "export_student", "load_module", "module_class"]
+__all__ = ["check_checkpoint_path", "check_out_folder", "export_checkpoint", "export_student", "load_module", "module_class"]
 
 #: The shipped methods, in the order :func:`module_class` tries them for a checkpoint that does not name its class.
 _METHODS = ("LOPDModule", "GRPOModule", "SDPOModule", "OPSDModule", "SkillSDModule", "SFTModule")
@@ -91,6 +91,67 @@ def module_class(checkpoint: dict[str, Any], name: str | None = None) -> type:
     return cls
 
 
+def check_checkpoint_path(checkpoint_path: str | Path) -> Path:
+    """The checkpoint file ``lopd export`` was given, checked before anything is read.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a folder (the message names the ``.ckpt`` files in it, when it has some).
+    """
+    path = Path(checkpoint_path)
+    if path.is_dir():
+        patterns = ("*.ckpt", "checkpoints/*.ckpt", "*/checkpoints/*.ckpt", "*/*/checkpoints/*.ckpt")  # lopd fit's
+        found = sorted({p for pattern in patterns for p in path.glob(pattern) if p.is_file()},
+                       key=lambda p: (len(p.parts), p.name != "last.ckpt", str(p)))
+        hint = f", e.g. {str(found[0])!r}" if found else ""
+        raise ValueError(
+            f"checkpoint {str(path)!r} is a folder; give the .ckpt file in it that lopd fit wrote{hint}"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (a .ckpt file that lopd fit wrote)")
+    return path
+
+
+def check_out_folder(folder: str | Path) -> Path:
+    """The export folder (``--out``), checked before anything is loaded or written; returns it resolved.
+
+    Raises:
+        ValueError: ``folder`` (or a folder above it) is a file, or it is the current folder or one above it
+            (an export replaces its folder).
+        FileExistsError: ``folder`` holds files that no earlier export wrote.
+    """
+    given = str(folder)
+    resolved = Path(folder).resolve()
+    if resolved.exists() and not resolved.is_dir():
+        raise ValueError(f"--out {given!r} is a file, not a folder; give a new folder (lopd export CKPT --out FOLDER)")
+    above = next((p for p in resolved.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"--out {given!r}: {str(above)!r} is a file, not a folder; give a new folder (--out)")
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise ValueError(
+            f"--out {given!r} is the current folder or holds it, and an export replaces its folder; "
+            f"give a new folder (e.g. --out student)"
+        )
+    if resolved.is_dir() and any(resolved.iterdir()) and not (resolved / EXPORT_INFO).exists():
+        raise FileExistsError(f"--out {given!r} is not empty and holds no earlier export; give a new folder (--out)")
+    return resolved
+
+
+def _check_base_model(name: Any, *, given: bool) -> None:
+    """Raise FileNotFoundError when the base model the module is rebuilt on is a folder that does not exist."""
+    if not isinstance(name, str) or name in ("tiny", SMOLLM2_NAME) or Path(name).exists():
+        return
+    if given:
+        raise FileNotFoundError(
+            f"--model {name!r} does not exist; give the base model's folder, {SMOLLM2_NAME!r} (packaged) or 'tiny'"
+        )
+    raise FileNotFoundError(
+        f"the checkpoint's base model {name!r} does not exist (moved or deleted?); give its folder with "
+        f"lopd export CKPT --out FOLDER --model BASE_FOLDER"
+    )
+
+
 def load_module(
     checkpoint_path: str | Path, *, module_class_name: str | None = None, model: str | None = None
 ) -> tuple[Any, dict[str, Any]]:
@@ -104,15 +165,26 @@ def load_module(
         model: the base model to build on instead of the checkpoint's ``model`` (it moved).
 
     Raises:
-        FileNotFoundError: no such checkpoint.
-        ValueError: see :func:`module_class`; the checkpoint has no ``state_dict``.
+        FileNotFoundError: no such checkpoint; the base model (the checkpoint's, or ``model``) does not exist
+            (the message names ``lopd export --model``).
+        ValueError: a folder or a file that is not a Lightning checkpoint; see :func:`module_class`.
     """
-    path = Path(checkpoint_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (a .ckpt file that lopd fit wrote)")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    path = check_checkpoint_path(checkpoint_path)
+    if model is not None:
+        _check_base_model(model, given=True)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # pickle / zip / EOF errors: not a checkpoint (or a truncated one)
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        raise ValueError(
+            f"checkpoint {str(path)!r} is not a Lightning checkpoint (torch.load: {reason[:200]}); give the .ckpt "
+            f"file that lopd fit wrote (in its checkpoints/ folder)"
+        ) from error
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no state_dict)")
+        raise ValueError(
+            f"checkpoint {str(path)!r} is not a Lightning checkpoint (no state_dict); give the .ckpt file that "
+            f"lopd fit wrote (in its checkpoints/ folder)"
+        )
     cls = module_class(checkpoint, module_class_name)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     init = {k: v for k, v in hparams.items() if not k.startswith("_")}
@@ -121,12 +193,27 @@ def load_module(
         init["bank_path"] = None
     if model is not None:
         init["model"] = model
-    if hparams.get("_instantiator") and module_class_name is None:
-        from lightning.pytorch.cli import instantiate_module
-
-        module = instantiate_module(cls, {"_class_path": hparams["_class_path"], **init})
     else:
-        module = cls(**{k: v for k, v in init.items() if k in params})
+        _check_base_model(init.get("model"), given=False)
+    try:
+        if hparams.get("_instantiator") and module_class_name is None:
+            from lightning.pytorch.cli import instantiate_module
+
+            module = instantiate_module(cls, {"_class_path": hparams["_class_path"], **init})
+        else:
+            module = cls(**{k: v for k, v in init.items() if k in params})
+    except Exception as error:
+        # the module's loader names the config key of `lopd fit`; here the base model is the checkpoint's,
+        # or --model
+        from lopd_lightning.cli import _chain
+
+        named = next((e for e in _chain(error) if "model.init_args.model" in str(e)), None)
+        if named is None:
+            raise
+        where = "lopd export --model" if model is not None else (
+            "the checkpoint's base model; give another with lopd export --model BASE_FOLDER")
+        message = " ".join(str(named).replace("model.init_args.model", where).split())
+        raise (FileNotFoundError if isinstance(named, FileNotFoundError) else ValueError)(message) from error
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"], strict=True)
     module.eval()
@@ -150,7 +237,8 @@ def export_student(module: Any, folder: str | Path, *, adapter: bool = False, in
         info: extra entries of ``lopd_export.json``.
 
     Raises:
-        ValueError: ``adapter`` for a full-parameter student.
+        ValueError: ``adapter`` for a full-parameter student; ``folder`` is a file, the current folder or
+            cannot be created (see :func:`check_out_folder`).
         FileExistsError: ``folder`` holds files that no earlier export wrote.
     """
     from peft import get_peft_model_state_dict
@@ -158,19 +246,21 @@ def export_student(module: Any, folder: str | Path, *, adapter: bool = False, in
 
     from lopd_lightning.adapters import STUDENT, is_lora_student, merged_student
 
-    folder = Path(folder)
     backbone = module.backbone
     if adapter and not is_lora_student(backbone):
         raise ValueError(
             "--adapter needs a LoRA student, and this one was trained full-parameter (model.init_args.lora: null); "
             "export it merged (without --adapter)"
         )
-    if folder.exists() and any(folder.iterdir()) and not (folder / EXPORT_INFO).exists():
-        raise FileExistsError(f"{str(folder)!r} is not empty and holds no earlier export; give a new folder (--out)")
+    given, folder = Path(folder), check_out_folder(folder)
     tmp = folder.with_name(folder.name + ".exporting")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as error:
+        raise ValueError(f"--out {str(folder)!r}: cannot create {str(tmp)!r} ({error.strerror or error}); "
+                         f"give a folder you can write (--out)") from error
     base_name = str(getattr(module, "model_name", module.hparams.get("model")))
     record: dict[str, Any] = {"form": "adapter" if adapter else "merged", "base_model": base_name, **(info or {})}
     if not adapter:
@@ -198,7 +288,7 @@ def export_student(module: Any, folder: str | Path, *, adapter: bool = False, in
     if folder.exists():
         shutil.rmtree(folder)  # an earlier export (checked above)
     tmp.replace(folder)
-    return folder
+    return given
 
 
 def export_checkpoint(
@@ -209,7 +299,13 @@ def export_checkpoint(
     module_class: str | None = None,
     model: str | None = None,
 ) -> Path:
-    """``lopd export``: :func:`load_module` then :func:`export_student`; returns the folder."""
+    """``lopd export``: :func:`load_module` then :func:`export_student`; returns the folder.
+
+    The checkpoint path and ``folder`` are checked before anything is read (a typo in ``--out`` does not
+    cost a model load).
+    """
+    check_checkpoint_path(checkpoint_path)
+    check_out_folder(folder)
     module, checkpoint = load_module(checkpoint_path, module_class_name=module_class, model=model)
     info = {
         "method": f"{type(module).__module__}.{type(module).__qualname__}",

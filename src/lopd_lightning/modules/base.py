@@ -644,14 +644,26 @@ class OnPolicyModule(LightningModule):
         records = self.evaluation_records(prefix, step)
         path = self.write_generations(prefix, step, records)
         self.log_sample_text(prefix, step, records)
+        # the episodes that ran: the records when they were gathered (they are not without a logger)
+        episodes = len(records) if records else self._evaluation_episodes()
         if self.global_rank == 0:
             log.info(
                 "%s after step %d: reward %.3f | success %.3f | turns %.2f | %d episodes%s", prefix, step,
                 float(values[f"{prefix}/reward_mean"]), float(values[f"{prefix}/success_rate"]),
-                float(values[f"{prefix}/turns_mean"]), len(records), f" | generations {path}" if path else "",
+                float(values[f"{prefix}/turns_mean"]), episodes, f" | generations {path}" if path else "",
             )
         self.reset_evaluation()
         return {k: float(v) for k, v in values.items()}
+
+    def _evaluation_episodes(self) -> int:
+        """The episodes of the current evaluation on every rank (an example a distributed sampler repeated
+        to even out the ranks counted once, as :meth:`evaluation_records` keeps it)."""
+        ids = [example_id for batch in self.eval_batches for example_id in batch.example_ids]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, ids)
+            return len({example_id for rank_ids in gathered for example_id in rank_ids})
+        return len(ids)
 
     def log_to_loggers(self, values: dict[str, float], step: int) -> None:
         """Write scalars to every logger at ``step`` (rank 0), bypassing Lightning's step bookkeeping."""
@@ -821,13 +833,21 @@ class OnPolicyModule(LightningModule):
     def configure_callbacks(self):
         """Lightning's default progress bar, replaced by one that counts training steps (``step k/N``)
         instead of epochs: the on-policy stream is one endless epoch (``max_epochs=-1``), which the default
-        bar showed as ``Epoch 0/-2``. A progress bar of any other class, or none, is left alone."""
+        bar showed as ``Epoch 0/-2``. A progress bar of any other class, or none, is left alone.
+
+        The default bar is taken out of ``trainer.callbacks`` here, before any callback hook ran, and the
+        step-counting one returned in its place: Lightning then adds it as a new callback (every hook,
+        ``setup`` included) instead of overriding the Trainer's with its INFO line on every run."""
         from lopd_lightning.callbacks import step_progress_bar
 
         if self._trainer is None:
             return []
-        bar = step_progress_bar(self.trainer.progress_bar_callback)
-        return [bar] if bar is not None else []
+        default = self.trainer.progress_bar_callback
+        bar = step_progress_bar(default)
+        if bar is None:
+            return []
+        self.trainer.callbacks = [c for c in self.trainer.callbacks if c is not default]
+        return [bar]
 
     @override
     def on_train_start(self) -> None:

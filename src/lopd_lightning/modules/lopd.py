@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 COMPOSER_ADAPTER = "composer"
 #: The frozen snapshot of the warm-started composer LoRA (the anchor c_phi0 of docs/METHOD.md section 5).
 ANCHOR_ADAPTER = "composer_anchor"
+#: the embedders a config may name (lopd_lightning.memory.embed.get_embedder).
+EMBEDDERS = ("minilm", "backbone", "hashing")
 DEFAULT_COMPOSER_LORA = {
     "r": 8,
     "lora_alpha": 16,
@@ -186,6 +188,12 @@ class LOPDModule(OnPolicyModule):
             raise ValueError(f"model.init_args.num_experiences must be >= 0 (experiences per task), got {num_experiences}")
         if top_m < 1:
             raise ValueError(f"model.init_args.top_m must be >= 1, got {top_m}")
+        if str(embedder).lower().strip() not in EMBEDDERS:
+            import difflib
+
+            close = difflib.get_close_matches(str(embedder).lower(), EMBEDDERS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"model.init_args.embedder {embedder!r} is not an embedder; {hint}choose one of {', '.join(EMBEDDERS)}")
         if bank_path:  # the bank's size from its meta.json: a missing or too small bank fails before the weights load
             check_bank(bank_path, num_experiences, capacity=bank_capacity)
         if kwargs.get("gradient_checkpointing"):

@@ -234,6 +234,9 @@ class BFCLMultiTurnTask(Task):
     """
 
     multi_turn = True
+    #: replies per episode: the longest ground truth of multi_turn_base takes 14 replies (one call each),
+    #: the shipped BFCL configs allow 32 (``model.init_args.max_turns`` overrides it)
+    max_turns = 32
 
     def __init__(
         self,

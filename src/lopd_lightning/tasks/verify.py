@@ -2,6 +2,11 @@
 
 Every reference must earn full marks: a reference that does not is a bug of the checker or of the
 environment (or an error in the data that the checker must handle), never a reason to drop examples.
+
+A replay gets the turn limit a training episode gets (:func:`turn_limit`, the rule of
+:func:`lopd_lightning.rollout.generate_rollouts`): a reference that needs more replies than the limit
+allows would be cut there by ``lopd fit``, so it is reported as a failure whose reason names the task's
+``multi_turn`` / ``max_turns`` attributes and ``model.init_args.max_turns``.
 """
 
 from __future__ import annotations
@@ -11,68 +16,137 @@ from dataclasses import dataclass, field
 from lopd_lightning.tasks.base import Split, Task
 
 
+def turn_limit(task: Task, max_turns: int | None = None) -> tuple[int, str]:
+    """``(limit, where it comes from)``: the most replies an episode of ``task`` gets in training.
+
+    The rule of :func:`lopd_lightning.rollout.generate_rollouts`: ``max_turns`` when given (the method's
+    ``model.init_args.max_turns``), else the task's ``max_turns`` attribute, else 8 for a ``multi_turn``
+    task and 1 for the others.
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+    if max_turns is not None:
+        limit, source = int(max_turns), "--max-turns (model.init_args.max_turns)"
+    elif getattr(task, "max_turns", None):
+        limit, source = int(task.max_turns), "the task's max_turns attribute"
+    else:
+        limit = 8 if task.multi_turn else 1
+        source = f"the default for {'multi-turn' if task.multi_turn else 'single-turn'} tasks"
+    if limit < 1:
+        raise ValueError(f"max_turns must be >= 1, got {limit}")
+    return limit, source
+
+
 @dataclass
 class VerifyReport:
     """The outcome of :func:`verify_task`.
 
     Attributes:
         n: examples replayed.
-        n_full_marks: examples whose reward was exactly 1.0.
+        n_full_marks: examples whose reward was exactly 1.0 and whose replay was not cut.
         failures: ``(example id, reward)`` of the others, in example order.
         errors: example id -> the exception that stopped its replay (those also count as failures,
             with reward 0.0).
+        cut: example id -> ``(replies fed, replies of the reference)`` of the replays cut at the turn
+            limit before the episode said ``done`` (failures, whatever their reward).
+        max_turns: the turn limit of the replays; ``limit_source``: where it came from (:func:`turn_limit`).
+        multi_turn: the task's ``multi_turn`` attribute; ``task_name``: its name.
     """
 
     n: int = 0
     n_full_marks: int = 0
     failures: list[tuple[str, float]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    cut: dict[str, tuple[int, int]] = field(default_factory=dict)
+    max_turns: int = 1
+    limit_source: str = ""
+    multi_turn: bool = False
+    task_name: str = ""
 
     @property
     def ok(self) -> bool:
         """True when every example earned full marks."""
         return self.n_full_marks == self.n
 
+    def reason(self, example_id: str) -> str | None:
+        """Why the replay of ``example_id`` failed beyond its reward (an error, the turn limit), or None."""
+        if example_id in self.errors:
+            return self.errors[example_id]
+        if example_id in self.cut:
+            fed, total = self.cut[example_id]
+            return f"cut after {fed} of its {total} replies at max_turns={self.max_turns}"
+        return None
 
-def verify_task(task: Task, *, limit: int | None = None, split: Split = "all") -> VerifyReport:
+    def turn_limit_advice(self) -> str | None:
+        """One line on the replays cut at the turn limit and the fix, naming ``multi_turn`` / ``max_turns``
+        (None when none was cut)."""
+        if not self.cut:
+            return None
+        longest = max(total for _, total in self.cut.values())
+        head = (f"{len(self.cut)} of {self.n} replays were cut at max_turns={self.max_turns} ({self.limit_source}), "
+                f"as lopd fit cuts its episodes; the longest reference takes {longest} replies")
+        if not self.multi_turn:
+            return (f"{head}: task {self.task_name!r} has multi_turn = False; a task whose episodes take several "
+                    f"replies sets `multi_turn = True` and `max_turns = {longest}` on its Task class")
+        return (f"{head}: raise the task's `max_turns` attribute to {longest} or set model.init_args.max_turns "
+                f"(and check it with lopd tasks verify --max-turns {longest})")
+
+
+def verify_task(
+    task: Task, *, limit: int | None = None, split: Split = "all", max_turns: int | None = None
+) -> VerifyReport:
     """Replay ``task.reference_replies(example)`` for the examples of ``split`` and record the rewards.
 
     Each example gets a fresh episode (``task.start``); the replies are fed in order through
-    ``episode.step`` until they run out or the episode is done; then ``episode.reward()`` is read.
-    Works for single-turn tasks (one reply) and multi-turn ones.
+    ``episode.step`` until they run out, the episode is done or the turn limit is reached (as in
+    training, :func:`turn_limit`); then ``episode.reward()`` is read. A replay stopped by the limit with
+    replies left and the episode not done is a failure (``report.cut``), whatever its reward. Works for
+    single-turn tasks (one reply) and multi-turn ones.
 
     Args:
         task: any :class:`~lopd_lightning.tasks.base.Task`.
-        limit: replay only the first ``limit`` examples of the split.
+        limit: replay only the first ``limit`` examples of the split (>= 1).
         split: "train", "val" or "all".
+        max_turns: the turn limit (``model.init_args.max_turns``); None: the task's, as in training.
 
     Returns:
         A :class:`VerifyReport`. Exceptions raised while replaying one example are recorded in
         ``errors`` and do not stop the others.
 
     Raises:
-        ValueError: unknown split (from ``task.examples``).
+        ValueError: unknown split (from ``task.examples``), ``limit`` or ``max_turns`` below 1.
     """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    turns, source = turn_limit(task, max_turns)
     examples = task.examples(split)
     if limit is not None:
         examples = examples[:limit]
-    report = VerifyReport()
+    report = VerifyReport(max_turns=turns, limit_source=source, multi_turn=bool(task.multi_turn),
+                          task_name=str(getattr(task, "name", type(task).__name__)))
     for example in examples:
         report.n += 1
         try:
             episode = task.start(example)
-            for reply in task.reference_replies(example):
+            replies = list(task.reference_replies(example))
+            done, fed = False, 0
+            for reply in replies[:turns]:
+                fed += 1
                 if episode.step(reply).done:
+                    done = True
                     break
+            if not done and fed == turns and len(replies) > turns:
+                report.cut[example.id] = (fed, len(replies))
             reward = float(episode.reward())
         except Exception as err:  # record and go on: the report lists every broken example
             report.errors[example.id] = f"{type(err).__name__}: {err}"
             reward = 0.0
-        if reward == 1.0:
+        if reward == 1.0 and example.id not in report.cut:
             report.n_full_marks += 1
         else:
             report.failures.append((example.id, reward))
     return report
 
 
-__all__ = ["VerifyReport", "verify_task"]
+__all__ = ["VerifyReport", "turn_limit", "verify_task"]
