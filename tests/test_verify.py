@@ -72,7 +72,10 @@ def test_the_turn_limit_is_the_rule_of_generate_rollouts():
     task = TwoStepToy()
     task.multi_turn = True
     assert turn_limit(task) == (8, "the default for multi-turn tasks")
-    assert turn_limit(TwoStepToy(), 3) == (3, "--max-turns (model.init_args.max_turns)")
+    assert turn_limit(TwoStepToy(), 3) == (3, "model.init_args.max_turns")
+    assert turn_limit(TwoStepToy(), 3, given_by="--max-turns") == (3, "--max-turns")
+    with pytest.raises(ValueError, match="max_turns must be >= 1, got 0"):
+        turn_limit(TwoStepToy(), 0)
 
 
 def test_a_two_step_task_without_multi_turn_fails_as_lopd_fit_would_cut_it():

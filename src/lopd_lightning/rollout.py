@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lopd_lightning.tasks.base import Episode, Example, Message, Task
+from lopd_lightning.tasks.base import Episode, Example, Message, Task, turn_limit
 
 log = logging.getLogger(__name__)
 
@@ -838,15 +838,7 @@ def generate_rollouts(
         raise ValueError("num_rollouts_per_example and max_new_tokens must be >= 1")
     if generation_batch_size is not None and generation_batch_size < 1:
         raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
-    if max_turns is not None:
-        limit_source = "the max_turns argument (model.init_args.max_turns)"
-    elif getattr(task, "max_turns", None):
-        max_turns, limit_source = int(task.max_turns), "the task's max_turns attribute"
-    else:
-        max_turns = 8 if task.multi_turn else 1
-        limit_source = f"the default for {'multi-turn' if task.multi_turn else 'single-turn'} tasks"
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    max_turns, limit_source = turn_limit(task, max_turns, given_by="the max_turns argument (model.init_args.max_turns)")
     stop_list = list(stop_strings) if stop_strings else None
 
     _, eos_id = _eos(tokenizer)

@@ -318,3 +318,32 @@ def split_examples(examples: list[Example], split: str, *, val_fraction: float, 
     n_val = min(len(examples), max(1, math.ceil(val_fraction * len(examples))))
     val = set(order[:n_val])
     return [ex for i, ex in enumerate(examples) if (i in val) == (split == "val")]
+
+
+#: replies an episode gets when neither the method nor the task sets a limit
+DEFAULT_MAX_TURNS = {True: 8, False: 1}
+
+
+def turn_limit(task: Task, max_turns: int | None = None, *, given_by: str = "model.init_args.max_turns") -> tuple[int, str]:
+    """``(limit, where it comes from)``: the most replies an episode of ``task`` gets.
+
+    The rule every episode loop follows (:func:`lopd_lightning.rollout.generate_rollouts` and
+    ``lopd tasks verify``): ``max_turns`` when given (the method's ``model.init_args.max_turns``), else
+    the task's ``max_turns`` attribute, else 8 for a ``multi_turn`` task and 1 for the others.
+
+    Args:
+        given_by: how the source of an explicit ``max_turns`` is named in messages.
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+    if max_turns is not None:
+        limit, source = int(max_turns), given_by
+    elif getattr(task, "max_turns", None):
+        limit, source = int(task.max_turns), "the task's max_turns attribute"
+    else:
+        limit = DEFAULT_MAX_TURNS[bool(task.multi_turn)]
+        source = f"the default for {'multi-turn' if task.multi_turn else 'single-turn'} tasks"
+    if limit < 1:
+        raise ValueError(f"max_turns must be >= 1, got {limit}")
+    return limit, source

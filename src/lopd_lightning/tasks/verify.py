@@ -3,8 +3,8 @@
 Every reference must earn full marks: a reference that does not is a bug of the checker or of the
 environment (or an error in the data that the checker must handle), never a reason to drop examples.
 
-A replay gets the turn limit a training episode gets (:func:`turn_limit`, the rule of
-:func:`lopd_lightning.rollout.generate_rollouts`): a reference that needs more replies than the limit
+A replay gets the turn limit a training episode gets (:func:`~lopd_lightning.tasks.base.turn_limit`, the rule
+:func:`lopd_lightning.rollout.generate_rollouts` applies): a reference that needs more replies than the limit
 allows would be cut there by ``lopd fit``, so it is reported as a failure whose reason names the task's
 ``multi_turn`` / ``max_turns`` attributes and ``model.init_args.max_turns``.
 """
@@ -13,29 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lopd_lightning.tasks.base import Split, Task
-
-
-def turn_limit(task: Task, max_turns: int | None = None) -> tuple[int, str]:
-    """``(limit, where it comes from)``: the most replies an episode of ``task`` gets in training.
-
-    The rule of :func:`lopd_lightning.rollout.generate_rollouts`: ``max_turns`` when given (the method's
-    ``model.init_args.max_turns``), else the task's ``max_turns`` attribute, else 8 for a ``multi_turn``
-    task and 1 for the others.
-
-    Raises:
-        ValueError: a limit below 1.
-    """
-    if max_turns is not None:
-        limit, source = int(max_turns), "--max-turns (model.init_args.max_turns)"
-    elif getattr(task, "max_turns", None):
-        limit, source = int(task.max_turns), "the task's max_turns attribute"
-    else:
-        limit = 8 if task.multi_turn else 1
-        source = f"the default for {'multi-turn' if task.multi_turn else 'single-turn'} tasks"
-    if limit < 1:
-        raise ValueError(f"max_turns must be >= 1, got {limit}")
-    return limit, source
+from lopd_lightning.tasks.base import Split, Task, turn_limit
 
 
 @dataclass
@@ -119,7 +97,7 @@ def verify_task(
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    turns, source = turn_limit(task, max_turns)
+    turns, source = turn_limit(task, max_turns, given_by="--max-turns (model.init_args.max_turns)")
     examples = task.examples(split)
     if limit is not None:
         examples = examples[:limit]
