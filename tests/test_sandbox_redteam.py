@@ -358,7 +358,10 @@ def test_reading_etc_shadow_fails(bwrap):
 
 
 @ROOT_ONLY
-@pytest.mark.parametrize("bwrap", MODES)
+@pytest.mark.parametrize("bwrap", modes(gap="gap: as root where no mount namespace can be made (\"uid-only\"), "
+                                        "nothing is covered: the one-off uid keeps CAP_DAC_READ_SEARCH to reach an "
+                                        "interpreter in a root-only folder",
+                                        when=lambda report: bool(report["reads_all_files"])))
 def test_root_only_directories_are_covered_but_the_interpreter_imports(bwrap):
     # /root (0700) holds this interpreter (pyenv) on many machines: the program sees only the
     # interpreter's own directories there, read-only, and still imports what HumanEval's tests import.
@@ -549,3 +552,265 @@ def test_becoming_root_again_fails():
     code = "import ctypes\nos.setuid(0)"
     result = attack(code, **NO_GUARDS)
     assert failed(result, "permission"), result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hidden paths: the task's data (hide=), the checker's program, world-writable directories
+# ---------------------------------------------------------------------------------------------------
+
+#: the folder and the file hidden from the program below: the test suite (what a reward hacker would look
+#: for) and a file next to it; a sibling file stays in sight (the control)
+REPO = Path(__file__).resolve().parent.parent
+HIDDEN_FOLDER, HIDDEN_FILE, CONTROL_FILE = REPO / "tests", REPO / "README.md", REPO / "pyproject.toml"
+
+HIDE_PROBE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+FOLDER, FILE, CONTROL, HANDLE = {folder!r}, {file!r}, {control!r}, {handle!r}
+def attempt(tag, folder=FOLDER, file=FILE):
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        names = []
+    if names:
+        print('LISTED', tag, len(names), flush=True)
+    for p in [file] + [os.path.join(folder, n) for n in names[:5]]:
+        try:
+            with open(p, 'rb') as f:
+                if f.read(1):
+                    print('READ', tag, p, flush=True)
+        except OSError:
+            pass
+attempt('plain')
+try:
+    with open(CONTROL, 'rb') as f:
+        print('CONTROL', len(f.read(10)), flush=True)
+except OSError as e:
+    print('control refused', e.errno, flush=True)
+try:
+    open(os.path.join(FOLDER, 'lopd-pwned'), 'w').write('x')
+    print('WROTE', flush=True)
+except OSError as e:
+    print('write refused', e.errno, flush=True)
+# A user and mount namespace of its own, where it holds every capability: unmount the covers, or bind
+# the parent folder without its sub-mounts to see what lies under them.
+if libc.unshare(0x10000000 | 0x20000) == 0:  # CLONE_NEWUSER | CLONE_NEWNS
+    for p in (FOLDER, FILE):
+        if libc.umount2(p.encode(), 2) == 0:  # MNT_DETACH
+            print('UNMOUNTED', p, flush=True)
+    attempt('after-umount')
+    os.makedirs('peek', exist_ok=True)
+    parent = os.path.dirname(FOLDER)
+    if libc.mount(parent.encode(), b'peek', None, 0x1000, None) == 0:  # MS_BIND, not recursive
+        print('BOUND', flush=True)
+        attempt('bind', os.path.join('peek', os.path.basename(FOLDER)), os.path.join('peek', os.path.basename(FILE)))
+else:
+    print('no user namespace', ctypes.get_errno(), flush=True)
+# The hidden file's handle (as the trainer saw it: a guess at best): open it by handle, not by path.
+if HANDLE is not None:
+    class Handle(ctypes.Structure):
+        _fields_ = [('size', ctypes.c_uint), ('type', ctypes.c_int), ('data', ctypes.c_ubyte * 128)]
+    handle = Handle(len(HANDLE[1]), HANDLE[0])
+    handle.data[:len(HANDLE[1])] = list(HANDLE[1])
+    for d in ('/', os.path.dirname(FILE), '.'):
+        try:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        fd = libc.open_by_handle_at(dfd, ctypes.byref(handle), os.O_RDONLY)
+        if fd >= 0 and os.read(fd, 1):
+            print('READ by handle', d, flush=True)
+raise SystemExit(5)
+"""
+
+
+def _file_handle(path) -> tuple[int, bytes] | None:
+    """(type, bytes) of ``name_to_handle_at(path)``, or None where the file system has none."""
+    import ctypes
+
+    class Handle(ctypes.Structure):
+        _fields_ = [("size", ctypes.c_uint), ("type", ctypes.c_int), ("data", ctypes.c_ubyte * 128)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    handle, mount_id = Handle(128, 0), ctypes.c_int()
+    if libc.name_to_handle_at(-100, os.fsencode(path), ctypes.byref(handle), ctypes.byref(mount_id), 0) != 0:
+        return None
+    return handle.type, bytes(handle.data[: handle.size])
+
+
+@pytest.mark.parametrize("bwrap", modes(gap="gap: without a mount namespace (a trainer that is not root and has no "
+                                        "bubblewrap, or \"uid-only\"), hide= cannot cover anything: the program "
+                                        "reads every file the trainer's uid (or its one-off uid) may read",
+                                        when=lambda report: not report["hides_paths"]))
+def test_hidden_folders_and_files_are_out_of_sight(bwrap):
+    # What run_checked(hide=...) does for HumanEval's data (tasks/code.py): a folder and a file the
+    # program could read otherwise are covered, empty and read-only, and neither a namespace trick nor
+    # the file's handle uncovers them.
+    code = HIDE_PROBE.format(folder=str(HIDDEN_FOLDER), file=str(HIDDEN_FILE), control=str(CONTROL_FILE),
+                             handle=_file_handle(HIDDEN_FILE))
+    try:
+        result = attack(code, bwrap=bwrap, hide=[str(HIDDEN_FOLDER), str(HIDDEN_FILE)], **NO_GUARDS)
+    finally:
+        pwned = HIDDEN_FOLDER / "lopd-pwned"
+        if pwned.exists():
+            pwned.unlink()
+            pytest.fail("the program wrote into the hidden folder")
+    assert failed(result, "exit status 5"), result
+    for sign in ("LISTED", "READ", "WROTE", "UNMOUNTED", "BOUND"):
+        assert sign not in result.stdout, result.stdout
+    if ISO["user_switch"] and bwrap is False:
+        assert "CONTROL 10" in result.stdout, result.stdout  # what is not hidden stays readable
+
+
+def _digest(path: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _checker_files() -> list[str]:
+    import lopd_lightning.sandbox as sandbox_module
+    import lopd_lightning.sandbox_child as child_module
+
+    return [os.path.realpath(child_module.__file__), os.path.realpath(sandbox_module.__file__)]
+
+
+@pytest.mark.parametrize("bwrap", modes(gap="gap: a trainer that is not root (without bubblewrap) shares its uid "
+                                        "with the program, which can rewrite the checker's own program "
+                                        "(sandbox_child.py, sandbox.py) and every file of the trainer's: every "
+                                        "later verdict could be forged (see the warning of run_checked)",
+                                        when=lambda report: report["mode"] == "process-only"
+                                        and os.access(_checker_files()[0], os.W_OK)))
+def test_rewriting_the_checkers_program_fails(bwrap):
+    # With the guards on: _io.open is not wrapped, so they are no obstacle. The files are opened for
+    # appending and closed unchanged (nothing is written even where that is allowed).
+    targets = _checker_files()
+    before = [_digest(p) for p in targets]
+    code = (
+        f"import _io\nfor p in {targets!r}:\n    try:\n        _io.open(p, 'ab').close()\n"
+        "        print('WRITABLE', p, flush=True)\n    except OSError as e:\n        print('refused', p, e)\n"
+        "raise PermissionError(13, 'all refused')\n"
+    )
+    result = attack(code, bwrap=bwrap)
+    assert [_digest(p) for p in targets] == before
+    assert "WRITABLE" not in result.stdout, result.stdout
+    assert refused(result), result
+
+
+def world_writable_directories(max_depth: int = 4) -> list[str]:
+    """Directories any user may write to (``o+w``), at most ``max_depth`` below ``/`` (not /proc, /sys),
+    not below one another."""
+    found = []
+    stack = [("/", 0)]
+    while stack:
+        folder, depth = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if not entry.is_dir(follow_symlinks=False) or entry.path in ("/proc", "/sys"):
+                    continue
+                if entry.stat(follow_symlinks=False).st_mode & stat.S_IWOTH:
+                    found.append(entry.path)
+                elif depth + 1 < max_depth:
+                    stack.append((entry.path, depth + 1))
+            except OSError:
+                continue
+    return sorted(found)
+
+
+@pytest.mark.parametrize("bwrap", modes(gap="gap: without a mount namespace (a trainer that is not root and has no "
+                                        "bubblewrap, or \"uid-only\"), the world-writable directories are the "
+                                        "host's: what the program writes there stays",
+                                        when=lambda report: not report["private_tmp"]))
+def test_every_world_writable_directory_keeps_nothing(bwrap):
+    # /tmp, /var/tmp and /dev/shm are private tmpfs; every other world-writable directory (/run/lock,
+    # /var/lock, /var/mail, ...) must not keep a file or folder of the program's either.
+    folders = sorted({*world_writable_directories(), *(d for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+                                                       if os.path.isdir(d))})
+    name = f"lopd-left-{uuid.uuid4().hex[:8]}"
+    code = (
+        f"for d in {folders!r}:\n"
+        "    for make in (lambda p: open(p, 'x').write('x'), os.mkdir):\n"
+        f"        p = os.path.join(d, {name!r} + ('' if make is os.mkdir else '.f'))\n"
+        "        try:\n            make(p)\n            print('WROTE', p, flush=True)\n"
+        "        except OSError as e:\n            print('refused', p, e.errno, flush=True)\n"
+        "raise SystemExit(6)\n"
+    )
+    try:
+        result = attack(code, bwrap=bwrap, **NO_GUARDS)
+    finally:
+        left = [os.path.join(d, name + suffix) for d in folders for suffix in ("", ".f")]
+        left = [p for p in left if os.path.lexists(p)]
+        for p in left:
+            os.rmdir(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+    assert left == [], f"left on the host: {left}"
+    assert failed(result, "exit status 6"), result
+
+
+def _sysv_keys() -> dict[str, set[int]]:
+    """The keys of the host's System V IPC objects (shared memory, message queues, semaphores)."""
+    keys = {}
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                keys[kind] = {int(line.split()[0]) for line in f.readlines()[1:] if line.strip()}
+        except OSError:
+            keys[kind] = set()
+    return keys
+
+
+def _remove_sysv(key: int, owner: int | None) -> None:
+    """Remove what a program left under ``key`` (the gap case): as this user, then as the program's own
+    uid (a root trainer without CAP_SYS_ADMIN may not remove another user's objects; their owner may)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def remove() -> None:
+        for get, args, ctl in ((libc.shmget, (0, 0), libc.shmctl), (libc.msgget, (0,), libc.msgctl),
+                               (libc.semget, (0, 0), libc.semctl)):
+            ident = get(key, *args)
+            if ident >= 0:
+                ctl(ident, 0, 0, None) if ctl is libc.semctl else ctl(ident, 0, None)  # IPC_RMID
+
+    remove()
+    if owner is None or owner == os.getuid() or not any(key in keys for keys in _sysv_keys().values()):
+        return
+    pid = os.fork()
+    if pid == 0:  # a child that becomes the owner, removes, and exits at once
+        try:
+            os.setgroups([])
+            os.setresgid(owner, owner, owner)
+            os.setresuid(owner, owner, owner)
+            remove()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("bwrap", modes(gap="gap: without namespaces (a trainer that is not root and has no "
+                                        "bubblewrap, or \"uid-only\") System V IPC objects are the host's: a "
+                                        "segment the program leaves outlives it (and its one-off uid)",
+                                        when=lambda report: not report["private_tmp"]))
+def test_system_v_ipc_objects_do_not_outlive_the_run(bwrap):
+    if not os.path.exists("/proc/sysvipc/shm"):
+        pytest.skip("no /proc/sysvipc here")
+    key = 0x10D0000 + int(uuid.uuid4().hex[:4], 16)
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"print('shm', libc.shmget({key}, 1 << 20, 0o1666), 'msg', libc.msgget({key}, 0o1666), "
+        f"'sem', libc.semget({key}, 1, 0o1666), flush=True)\nraise SystemExit(7)\n"
+    )
+    result = None
+    try:
+        result = attack(code, bwrap=bwrap, **NO_GUARDS)
+        left = [kind for kind, keys in _sysv_keys().items() if key in keys]
+    finally:
+        mark = next((line.split() for line in (result.stdout if result else "").splitlines()
+                     if line.startswith("MARK ")), None)
+        _remove_sysv(key, int(mark[2]) if mark else None)
+    assert failed(result, "exit status 7") and "shm -1" not in result.stdout, result
+    assert left == [], f"left on the host: {left}"

@@ -21,12 +21,14 @@ Isolation modes (``isolation_report()["mode"]`` says which one a run gets):
   network namespace, a tmpfs over the trainer's home directory (only the interpreter's directories are
   bound back) and fresh ``/tmp``, ``/var/tmp`` and ``/dev/shm`` of ``max_disk_mb`` MiB each.
 * ``"namespaces+uid"``: the trainer is root, without bubblewrap: a one-off user id, a private mount
-  namespace and an empty network namespace (below).
+  namespace (a read-only view of the file system but the private temporary directories), empty
+  network and IPC namespaces (below).
 * ``"process-only"``: the trainer is not root, without bubblewrap: only the process limits and the
-  Python-level guards (below).
+  Python-level guards (below). The program runs under the trainer's own uid: see "What it does not
+  promise"; :func:`run_checked` logs a warning once per process in this mode.
 * (``"uid-only"``: root where no mount namespace can be made, e.g. a container without
   ``CAP_SYS_ADMIN``: the one-off uid, keeping ``CAP_DAC_READ_SEARCH`` when the interpreter lives in a
-  root-only directory.)
+  root-only directory; nothing can be hidden or made read-only.)
 
 What it promises (on Linux):
 
@@ -54,7 +56,18 @@ What it promises (on Linux):
   (root only), ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are fresh tmpfs of ``max_disk_mb`` MiB (1024
   inodes per MiB as root) each: total disk use and file count are capped, and nothing written there is
   seen by the host or outlives the run. (tmpfs lives in RAM, outside ``RLIMIT_AS``: up to 4 x
-  ``max_disk_mb`` per running program.)
+  ``max_disk_mb`` per running program.) **Everything else is read-only** (root, or bubblewrap): every
+  mount of the program's mount namespace is made read-only before these tmpfs are mounted, so no other
+  world-writable directory (``/run/lock``, ``/var/lock``, ``/var/mail``, ...) or file keeps anything
+  either (device files such as ``/dev/null`` stay writable; bubblewrap's fresh ``/dev`` is the
+  sandbox's own). With ``private_tmp=False`` the host's ``/tmp``, ``/var/tmp``, ``/dev/shm`` and working
+  directory are bound back writable instead.
+* **Hidden paths** (``hide=``, root or bubblewrap; in :func:`run_checked` the candidate's view only):
+  each folder is covered by an empty read-only tmpfs, each file by a read-only ``/dev/null``, in the
+  program's own mount namespace, so it cannot read e.g. the tests and reference solutions of the task
+  it is scored on. A user namespace the program makes later holds these mounts locked: it can neither
+  unmount them nor bind their parent without them. ``isolation_report()["hides_paths"]`` says whether
+  this mode can hide anything.
 * **No survivors**: the program runs in its own session and process group; when it exits or times out,
   the whole group is killed with SIGKILL, and (when running as root, below) every process of its
   one-off user id as well, so forked children that called ``setsid()`` die too; under bubblewrap, its
@@ -66,12 +79,14 @@ What it promises (on Linux):
   that other users may not cross (``/root`` for ``/root/.pyenv``) is covered by a small tmpfs into which
   only the interpreter's own directories (its prefixes, its import path) are bound back read-only, so
   the uid can import its standard library without ``CAP_DAC_READ_SEARCH`` and cannot read the rest of
-  ``/root``, nor ``/etc/shadow``. Consequences: it cannot write anywhere that is not world-writable
-  except its own directory; ``RLIMIT_NPROC = max_processes`` is enforced (the kernel does not enforce it
+  ``/root``, nor ``/etc/shadow``. Consequences: it cannot write anywhere but its private tmpfs (the rest
+  is read-only, above); ``RLIMIT_NPROC = max_processes`` is enforced (the kernel does not enforce it
   for root), which bounds fork bombs; it cannot signal, trace or read the ``/proc/<pid>/environ`` of the
   trainer's processes; and it cannot become root again.
 * **Network** (``isolate_network=True``, root or bubblewrap): the program runs in a new, empty network
   namespace: no interfaces but a downed loopback. Without either, the network is left as is.
+* **IPC** (root or bubblewrap): a new IPC namespace: System V shared memory, semaphores and message
+  queues of its own, which die with it.
 * **Checks in another process** (:func:`run_checked`): the program (the *candidate*) and the checks
   (the *checker*) run in two sandboxed processes with the same limits and one shared wall-clock limit.
   The checker calls the candidate's functions through a pipe pair that only these two processes hold:
@@ -83,7 +98,9 @@ What it promises (on Linux):
   and process count for nothing. As root the checker has a one-off user id of its own; in every mode it
   is non-dumpable (``PR_SET_DUMPABLE 0``: no process of the same uid may trace it or read its memory or
   its fds) before the candidate's program starts, and under bubblewrap the two are in different PID
-  namespaces, so the candidate cannot reach the checker.
+  namespaces, so the candidate cannot reach the checker (but in "process-only", below). The checker
+  gets its checks through its own stdin pipe; ``hide=`` keeps the task's data on disk out of the
+  candidate's sight.
 * **Python-level guards** (``python_guards=True``, defence in depth only): ``open``/``os.open`` and the
   path functions of ``os`` (``mkdir``, ``remove``, ``rename``, ...) refuse to write outside the working
   directory, and ``os.fork``, ``os.system``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn*`` and
@@ -92,17 +109,25 @@ What it promises (on Linux):
 
 What it does not promise:
 
-* **Reading**: the program can read every world-readable file. Do not keep secrets in world-readable
-  files on a machine that runs it. (``isolation_report()["reads_all_files"]`` is True only in the
-  ``"uid-only"`` corner above.)
+* **Reading**: the program can read every world-readable file but the ``hide=`` paths. Do not keep
+  secrets in world-readable files on a machine that runs it, and hide every copy of a task's data (a
+  hard link or a copy elsewhere, e.g. another environment's ``site-packages``, is not covered by
+  hiding the original's folder). (``isolation_report()["reads_all_files"]`` is True only in the
+  ``"uid-only"`` corner above, where ``hide=`` covers nothing either.)
 * **When not root and without bubblewrap** (``"process-only"``): the program runs under the trainer's
   own user id, so only the Python-level guards stand between it and the trainer's files, processes
   (signals, ``/proc/<pid>/environ``, ``mem``: the trainer is dumpable) and ``/tmp``; there is no
   network namespace and no private tmpfs (total disk use is capped only per file); ``RLIMIT_NPROC`` is
   the user's current task count plus ``max_processes`` (approximate: it moves with the user's other
   processes); and a forked child that leaves the session with ``setsid()`` can outlive the run (until
-  its CPU limit). The checker is still out of the candidate's reach (non-dumpable), but the candidate
-  can kill it (a failed run) or attack the trainer itself.
+  its CPU limit). ``hide=`` covers nothing: the program reads the task's data (HumanEval's tests and
+  canonical solutions) like any file of the trainer's. **No verdict of** :func:`run_checked` **can be
+  trusted there**: the checker process itself is non-dumpable, but the candidate can rewrite the
+  checker's program (``sandbox_child.py``, ``sandbox.py``) or any other file the trainer owns, or the
+  trainer's memory through ``/proc/<pid>/mem``, and so forge every later verdict; a check of the
+  child's hash before each run would not help (the same uid can change the checking code or the
+  trainer itself). :func:`run_checked` logs a warning once per process in this mode, and
+  ``isolation_report()["checker_protected"]`` is False. Use bubblewrap or run as root.
 * Under bubblewrap, an exit status of 128 + N is reported as death by signal N (``returncode == -N``):
   bubblewrap reports both the same way.
 * Unix sockets in the file system (e.g. ``/var/run/docker.sock``) are reachable subject to their file
@@ -120,6 +145,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import math
 import os
 import secrets
@@ -152,6 +178,8 @@ __all__ = [
 ]
 
 Status = Literal["ok", "error", "timeout", "memory_limit"]
+
+log = logging.getLogger(__name__)
 
 #: Seconds to keep reading the pipes after the program has ended (buffered output of killed children).
 _DRAIN_S = 0.5
@@ -651,7 +679,7 @@ class _Child:
     """One sandboxed process: its working directory, one-off uid, the process and its captured output."""
 
     def __init__(self, role: str, code: str, opts: _Options, *, bwrap: str | None, module: str | None = None,
-                 channel: tuple[int, int] | None = None):
+                 channel: tuple[int, int] | None = None, cover: tuple[str, ...] = ()):
         self.role, self.opts, self.bwrap = role, opts, bwrap
         self.data = code.encode("utf-8", errors="surrogatepass")
         self.proc: subprocess.Popen | None = None
@@ -696,6 +724,7 @@ class _Child:
                 "bwrap": bwrap,
                 "hide": _home_directories() if bwrap and self.uid is None else [],
                 "paths": list(_interpreter_paths(opts.python)),
+                "cover": list(cover),
                 "module": module,
                 "channel": list(channel) if channel else None,
                 "info_fd": info_w,
@@ -892,6 +921,42 @@ def _supervise(children: list[_Child], deadline: float, decider: _Child, *, ling
     return timed_out
 
 
+def _hidden(hide) -> tuple[str, ...]:
+    """The paths of a ``hide=`` option, absolute and with symbolic links resolved (a mount covers the real
+    location), those that exist, each once."""
+    if hide is None:
+        return ()
+    if isinstance(hide, (str, bytes, os.PathLike)):
+        hide = [hide]
+    out: list[str] = []
+    for p in hide:
+        real = os.path.realpath(os.path.abspath(os.fsdecode(p)))
+        if real != "/" and os.path.exists(real) and real not in out:
+            out.append(real)
+    return tuple(out)
+
+
+_PROCESS_ONLY_WARNED = False
+_warn_lock = threading.Lock()
+
+
+def _warn_process_only() -> None:
+    """Log once per process that run_checked's verdicts are forgeable in the "process-only" mode."""
+    global _PROCESS_ONLY_WARNED
+    with _warn_lock:
+        if _PROCESS_ONLY_WARNED:
+            return
+        _PROCESS_ONLY_WARNED = True
+    log.warning(
+        "sandbox: run_checked runs in the \"process-only\" mode (the trainer is not root and bubblewrap is not "
+        "usable): the candidate's program runs under the trainer's own user id, so it can undo the Python "
+        "guards, rewrite the checker's program (%s) or any file or process of the trainer's and forge every "
+        "later verdict, and it can read the task's data (hide= cannot cover anything). Install bubblewrap "
+        "(with unprivileged user namespaces allowed) or run the trainer as root inside a disposable container "
+        "before training on these rewards.", _CHILD,
+    )
+
+
 def _options(timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_disk_mb, isolate_network,
              private_tmp, python_guards, bwrap, python) -> _Options:
     opts = _Options(timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_disk_mb,
@@ -914,6 +979,7 @@ def run_code(
     python_guards: bool = True,
     bwrap: bool | None = None,
     python: str = sys.executable,
+    hide: Iterable[str] = (),
 ) -> SandboxResult:
     """Run the Python program ``code`` in a limited child process and wait for it.
 
@@ -940,6 +1006,12 @@ def run_code(
         bwrap: run under bubblewrap: None (default) when it is installed and works, unless the
             environment variable ``LOPD_SANDBOX_BWRAP`` is ``0``; True to require it; False never.
         python: the interpreter to run.
+        hide: files and folders the program must not read (e.g. the data of the task it is scored on):
+            in its private mount namespace (root) or under bubblewrap, each folder is covered by an
+            empty, read-only tmpfs and each file by an unreadable read-only one; paths that do not exist
+            are skipped (never hide the interpreter's folders or this package's). Where no mount
+            namespace can be made ("process-only", "uid-only"), it covers nothing
+            (``isolation_report()["hides_paths"]``).
 
     Returns:
         The :class:`SandboxResult`. A failing program never raises: it gives status "error". When the
@@ -954,8 +1026,9 @@ def run_code(
     opts = _options(timeout_s, memory_mb, max_output_bytes, max_processes, max_file_mb, max_disk_mb,
                     isolate_network, private_tmp, python_guards, bwrap, python)
     tool = _bwrap_for(bwrap)
+    cover = _hidden(hide)
     start = time.monotonic()
-    child = _Child("program", code, opts, bwrap=tool)
+    child = _Child("program", code, opts, bwrap=tool, cover=cover)
     try:
         timed_out = _supervise([child], start + timeout_s, child)
         duration = time.monotonic() - start
@@ -980,6 +1053,7 @@ def run_checked(
     python_guards: bool = True,
     bwrap: bool | None = None,
     python: str = sys.executable,
+    hide: Iterable[str] = (),
 ) -> CheckedResult:
     """Run ``program`` (the candidate) and ``checker`` (the checks of its functions) in two sandboxed
     processes that share one wall-clock limit, and return the checker's verdict.
@@ -997,6 +1071,9 @@ def run_checked(
         module: the module name ``program`` runs as (e.g. "solution", so that its
             ``if __name__ == "__main__":`` block does not run).
         timeout_s: wall-clock limit of the pair; each process gets the CPU limit of :func:`run_code`.
+        hide: files and folders covered in the *candidate's* view only (as in :func:`run_code`): e.g. the
+            task's tests and reference solutions. The checker, which gets its checks on its own pipe,
+            sees the file system as it is.
         **others: as :func:`run_code`, applied to each process.
 
     Returns:
@@ -1009,6 +1086,9 @@ def run_checked(
                     isolate_network, private_tmp, python_guards, bwrap, python)
     tool = _bwrap_for(bwrap)
     mode = _mode_name(tool)
+    if mode == "process-only":
+        _warn_process_only()
+    cover = _hidden(hide)
     start = time.monotonic()
     requests = os.pipe()  # checker -> candidate
     answers = os.pipe()  # candidate -> checker
@@ -1017,7 +1097,8 @@ def run_checked(
         try:
             children.append(_Child("checker", checker, opts, bwrap=tool, channel=(answers[0], requests[1])))
             children.append(
-                _Child("candidate", program, opts, bwrap=tool, module=module, channel=(requests[0], answers[1]))
+                _Child("candidate", program, opts, bwrap=tool, module=module, channel=(requests[0], answers[1]),
+                       cover=cover)
             )
         finally:
             for fd in (*requests, *answers):
@@ -1161,6 +1242,18 @@ def run_many_checked(
 # --------------------------------------------------------------------------------------------------
 # What this machine gives.
 # --------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _mount_namespace_works() -> bool:
+    """True when this (root) trainer can make a mount namespace (asked once, in a throw-away process)."""
+    probe = "import ctypes, sys\nsys.exit(0 if ctypes.CDLL(None).unshare(0x20000) == 0 else 1)\n"
+    try:
+        done = subprocess.run([sys.executable, "-S", "-c", probe], stdin=subprocess.DEVNULL,
+                              capture_output=True, env=dict(_CHILD_ENV), timeout=60, close_fds=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
 def _mode_name(tool: str | None, *, user_switch: bool | None = None, mount_ns: bool | None = None) -> str:
     if tool:
         return "bwrap"
@@ -1168,7 +1261,9 @@ def _mode_name(tool: str | None, *, user_switch: bool | None = None, mount_ns: b
         user_switch = _uid_range() is not None
     if not user_switch:
         return "process-only"
-    return "uid-only" if mount_ns is False else "namespaces+uid"
+    if mount_ns is None:
+        mount_ns = _mount_namespace_works()
+    return "namespaces+uid" if mount_ns else "uid-only"
 
 
 _REPORT_PROGRAM = r"""
@@ -1200,11 +1295,17 @@ def isolation_report(python: str = sys.executable, *, bwrap: bool | None = None)
     Returns:
         ``{"mode": str, "bwrap": bool, "uid": int, "root": bool, "user_switch": bool,
         "network_isolated": bool | None, "private_tmp": bool | None, "pid_isolated": bool | None,
-        "reads_all_files": bool | None}``: ``mode`` is "bwrap", "namespaces+uid", "uid-only" or
-        "process-only" (see the module docstring); ``user_switch`` is True when the program ran under a
-        one-off user id (trainer is root); ``private_tmp`` when it ran in a mount namespace of its own;
-        ``pid_isolated`` in a PID namespace of its own (bubblewrap); ``reads_all_files`` when it kept
-        ``CAP_DAC_READ_SEARCH`` or ``CAP_DAC_OVERRIDE`` (None: unknown).
+        "reads_all_files": bool | None, "hides_paths": bool, "checker_protected": bool}``: ``mode`` is
+        "bwrap", "namespaces+uid", "uid-only" or "process-only" (see the module docstring);
+        ``user_switch`` is True when the program ran under a one-off user id (trainer is root);
+        ``private_tmp`` when it ran in a mount namespace of its own; ``pid_isolated`` in a PID namespace
+        of its own (bubblewrap); ``reads_all_files`` when it kept ``CAP_DAC_READ_SEARCH`` or
+        ``CAP_DAC_OVERRIDE`` (None: unknown); ``hides_paths`` when ``hide=`` takes effect (False in
+        "process-only" and "uid-only": there the program reads the task's data, e.g. HumanEval's tests
+        and reference solutions, if it can find them); ``checker_protected`` is False in "process-only",
+        where the program runs under the trainer's own uid and can rewrite the checker's program
+        (``sandbox_child.py``) or any file of the trainer's, so no verdict of :func:`run_checked` can be
+        trusted there.
 
     Raises:
         RuntimeError: the probe program failed (its stderr is in the message).
@@ -1224,4 +1325,6 @@ def isolation_report(python: str = sys.executable, *, bwrap: bool | None = None)
     report["user_switch"] = report["uid"] != os.getuid()
     report["bwrap"] = tool is not None
     report["mode"] = _mode_name(tool, user_switch=report["user_switch"], mount_ns=bool(report["private_tmp"]))
+    report["hides_paths"] = report["mode"] in ("bwrap", "namespaces+uid")
+    report["checker_protected"] = report["mode"] != "process-only"
     return report

@@ -11,13 +11,14 @@ What it does, in order (the promises are in :mod:`lopd_lightning.sandbox`):
 2. *stage 1*: as root, a private mount namespace in which the directories on the way to the
    interpreter that other users may not cross (``/root`` for ``/root/.pyenv``) are covered by a small
    tmpfs with only the interpreter's own directories bound back, read-only (so the one-off user id
-   needs no capability to import its standard library), fresh size-limited tmpfs on the working
-   directory, ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and an empty network namespace; in every mode,
-   the resource limits but the address space, and ``PR_SET_PDEATHSIG``;
+   needs no capability to import its standard library), the ``cover`` paths (``hide=``) covered by
+   nothing, every mount made read-only, then fresh size-limited tmpfs on the working directory,
+   ``/tmp``, ``/var/tmp`` and ``/dev/shm``; an empty network namespace and an IPC namespace of its own;
+   in every mode, the resource limits but the address space, and ``PR_SET_PDEATHSIG``;
 3. with bubblewrap: stage 1 executes ``bwrap`` (new PID, IPC and UTS namespaces, a read-only view of
-   the file system but the temporary directories, a fresh ``/dev`` and ``/proc``; when not root, also a
-   user and network namespace and the trainer's home covered), which starts *stage 2* of this program
-   (the program travels in a memfd on stdin);
+   the file system but the temporary directories, a fresh ``/dev`` and ``/proc``, the ``cover`` paths
+   covered; when not root, also a user and network namespace and the trainer's home covered), which
+   starts *stage 2* of this program (the program travels in a memfd on stdin);
 4. the last stage drops to the one-off user id with no capability (root), sets ``PR_SET_PDEATHSIG``,
    the Python-level guards and the address-space limit, and runs the program in its *role*:
 
@@ -548,10 +549,104 @@ def _hide_closed_directories(libc, cfg) -> bool:
     return True
 
 
+def _cover(libc, cfg) -> None:
+    """Cover each path of ``cfg["cover"]`` (the ``hide=`` of the run: e.g. the folder of the task's data)
+    with nothing: a folder with an empty read-only tmpfs, a file with ``/dev/null`` bound read-only.
+    Mounts made here are locked in any user namespace the program makes later: it can neither unmount
+    them nor bind their parent without them."""
+    import ctypes
+
+    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
+    flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+    for p in cfg.get("cover") or ():
+        if os.path.islink(p) or not os.path.exists(p):
+            continue  # not there in this namespace (e.g. under a covered root-only folder): nothing to see
+        if os.path.isdir(p):
+            if libc.mount(b"lopd-hidden", p.encode(), b"tmpfs", flags, b"size=4k,nr_inodes=2,mode=555") != 0:
+                raise OSError(ctypes.get_errno(), "cannot hide " + p)
+        else:
+            if libc.mount(b"/dev/null", p.encode(), None, MS_BIND, None) != 0:
+                raise OSError(ctypes.get_errno(), "cannot hide " + p)
+            if libc.mount(None, p.encode(), None, MS_BIND | MS_REMOUNT | flags, None) != 0:
+                raise OSError(ctypes.get_errno(), "cannot make read-only the cover of " + p)
+
+
+def _mount_setattr(libc, path: str, *, set_attr: int = 0, clear_attr: int = 0, recursive: bool) -> int:
+    """``mount_setattr(2)`` (Linux 5.12): 0, else the errno (ENOSYS on older kernels)."""
+    import ctypes
+
+    class MountAttr(ctypes.Structure):
+        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+    SYS_mount_setattr, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000  # the same number on every architecture
+    attr = MountAttr(set_attr, clear_attr, 0, 0)
+    done = libc.syscall(SYS_mount_setattr, AT_FDCWD, path.encode(), AT_RECURSIVE if recursive else 0,
+                        ctypes.byref(attr), ctypes.sizeof(attr))
+    return 0 if done == 0 else ctypes.get_errno()
+
+
+def _kept_flags(path: str) -> int:
+    """The per-mount flags of the mount at ``path`` that a bind remount must keep (they may be locked)."""
+    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 0x2, 0x4, 0x8, 0x400, 0x800, 0x200000
+    got = os.statvfs(path).f_flag
+    kept = got & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)  # ST_* == MS_* for these
+    return kept | (MS_RELATIME if got & 0x1000 else 0)  # ST_RELATIME
+
+
+def _read_only_everything(libc) -> None:
+    """Make every mount of this (private) namespace read-only, so that the one-off uid can write nowhere
+    but in the private tmpfs mounted afterwards: not in ``/run/lock``, ``/var/mail`` or any other
+    world-writable directory or file of the host (device files such as ``/dev/null`` stay writable)."""
+    import ctypes
+
+    MS_RDONLY, MS_REMOUNT, MS_BIND, MOUNT_ATTR_RDONLY = 0x1, 0x20, 0x1000, 0x1
+    error = _mount_setattr(libc, "/", set_attr=MOUNT_ATTR_RDONLY, recursive=True)
+    if error == 0:
+        return
+    if error not in (38, 22):  # ENOSYS (Linux < 5.12), EINVAL: remount each mount by itself
+        raise OSError(error, "mount_setattr(/, MOUNT_ATTR_RDONLY, AT_RECURSIVE)")
+    with open("/proc/self/mountinfo", "rb") as f:
+        points = [line.split()[4] for line in f if line.strip()]
+    seen = set()
+    for raw in points:
+        point = raw.decode("utf-8", "surrogateescape")
+        for code in ("\\040", "\\011", "\\012", "\\134"):
+            point = point.replace(code, chr(int(code[1:], 8)))
+        if point in seen:
+            continue
+        seen.add(point)
+        try:
+            flags = _kept_flags(point)
+        except OSError:
+            continue  # covered by a later mount, or gone
+        if libc.mount(None, point.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags, None) != 0:
+            raise OSError(ctypes.get_errno(), "remount read-only " + point)
+
+
+def _writable_again(libc, path: str) -> None:
+    """Bind ``path`` onto itself, writable (after :func:`_read_only_everything`): the host's directory
+    when ``private_tmp=False``."""
+    import ctypes
+
+    MS_REMOUNT, MS_BIND, MOUNT_ATTR_RDONLY = 0x20, 0x1000, 0x1
+    if libc.mount(path.encode(), path.encode(), None, MS_BIND, None) != 0:
+        raise OSError(ctypes.get_errno(), "bind " + path)
+    error = _mount_setattr(libc, path, clear_attr=MOUNT_ATTR_RDONLY, recursive=False)
+    if error in (38, 22):
+        error = 0
+        if libc.mount(None, path.encode(), None, MS_BIND | MS_REMOUNT | _kept_flags(path), None) != 0:
+            error = ctypes.get_errno()
+    if error:
+        raise OSError(error, "make writable " + path)
+
+
 def _private_mounts(libc, cfg) -> bool:
     """A private mount namespace (root only): the closed directories covered (see
-    :func:`_hide_closed_directories`) and fresh, size-limited tmpfs on /tmp, /var/tmp, /dev/shm and the
-    working directory, so that nothing the program writes outlives it or fills the host's disk.
+    :func:`_hide_closed_directories`), the ``hide=`` paths covered (:func:`_cover`), every mount made
+    read-only (:func:`_read_only_everything`), then fresh, size-limited tmpfs on /tmp, /var/tmp, /dev/shm
+    and the working directory (with ``private_tmp=False``: the host's ones, writable again), so that
+    nothing the program writes outlives it or fills the host's disk.
     Returns True when the program needs no CAP_DAC_READ_SEARCH to import its standard library."""
     import ctypes
 
@@ -561,15 +656,16 @@ def _private_mounts(libc, cfg) -> bool:
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
     readable = _hide_closed_directories(libc, cfg)
+    _cover(libc, cfg)
+    tmp = cfg["tmp"]
+    os.makedirs(tmp, exist_ok=True)  # e.g. under a covered root-only folder: made while it is writable
+    _read_only_everything(libc)
     if cfg["private_tmp"]:
-        tmp = cfg["tmp"]
         opts = ("size=%d,nr_inodes=%d,mode=1777" % (cfg["disk"], cfg["inodes"])).encode()
         covered = False
         for d in ("/tmp", "/var/tmp", "/dev/shm", tmp):
             if d == tmp and covered:
                 break
-            if d == tmp:
-                os.makedirs(tmp, exist_ok=True)
             if not os.path.isdir(d) or os.path.islink(d):
                 continue
             if libc.mount(b"lopd-sandbox", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
@@ -579,6 +675,10 @@ def _private_mounts(libc, cfg) -> bool:
         os.chmod(tmp, 0o700)
         if cfg["uid"] is not None:
             os.chown(tmp, cfg["uid"], cfg["uid"])
+    else:
+        for d in ("/tmp", "/var/tmp", "/dev/shm", tmp):
+            if os.path.isdir(d) and not os.path.islink(d):
+                _writable_again(libc, d)
     return readable
 
 
@@ -615,6 +715,10 @@ def _stage1(libc, cfg) -> None:
         cfg["read_search"] = False
     if cfg["net"] and cfg["uid"] is not None:
         libc.unshare(0x40000000)  # CLONE_NEWNET; without the privilege the network stays as it is
+    if cfg["uid"] is not None:
+        # CLONE_NEWIPC: System V shared memory, semaphores and message queues of its own, gone with it
+        # (they would outlive the run and its one-off uid); without the privilege they stay the host's
+        libc.unshare(0x08000000)
     os.chdir(tmp)
     _limit(R.RLIMIT_CORE, 0)
     _limit(R.RLIMIT_FSIZE, cfg["fsize"])
@@ -656,6 +760,13 @@ def _bwrap_argv(cfg) -> list[str]:
         else:  # root: stage 1's private tmpfs; private_tmp=False: the host's directory, writable again
             argv += ["--bind", d, d]
     argv += ["--bind", tmp, tmp, "--chdir", tmp]
+    for p in cfg.get("cover") or ():  # hide=: last, over whatever was bound back above
+        if os.path.islink(p) or not os.path.exists(p):
+            continue
+        if os.path.isdir(p):
+            argv += ["--size", "4096", "--tmpfs", p, "--remount-ro", p]
+        else:
+            argv += ["--ro-bind", "/dev/null", p]
     stage2 = dict(cfg, stage=2)
     return argv + ["--", sys.executable, "-s", os.path.realpath(__file__), json.dumps(stage2)]
 

