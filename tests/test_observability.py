@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 import re
 from pathlib import Path
 
@@ -58,10 +59,9 @@ def read_events(log_dir: Path) -> tuple[dict[str, list], dict[str, list]]:
     return scalars, texts
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One logged fit: validation before training, after each of 2 steps, and Lightning's sanity check."""
-    root = tmp_path_factory.mktemp("observed")
+@contextmanager
+def base_log_records():
+    """The INFO records of ``lopd_lightning.modules.base`` logged inside the block (a list, filled as they come)."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -74,6 +74,17 @@ def run(tmp_path_factory):
     base_log.setLevel(logging.INFO)
     base_log.addHandler(handler)
     try:
+        yield records
+    finally:
+        base_log.removeHandler(handler)
+        base_log.setLevel(old_level)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One logged fit: validation before training, after each of 2 steps, and Lightning's sanity check."""
+    root = tmp_path_factory.mktemp("observed")
+    with base_log_records() as records:
         module = make_module(validate_before_training=True)
         dm = make_dm()
         trainer = L.Trainer(
@@ -83,9 +94,6 @@ def run(tmp_path_factory):
             default_root_dir=str(root), callbacks=[RunSummary()],
         )
         trainer.fit(module, dm)
-    finally:
-        base_log.removeHandler(handler)
-        base_log.setLevel(old_level)
     scalars, texts = read_events(root)
     return dict(module=module, dm=dm, trainer=trainer, log_dir=Path(trainer.logger.log_dir), scalars=scalars,
                 texts=texts, lines=[r.getMessage() for r in records])
@@ -269,24 +277,10 @@ def test_the_step_bar_replaces_the_default_without_lightnings_override_line(tmp_
 
 def test_the_validation_line_counts_the_episodes_without_a_logger(tmp_path):
     """Without a logger no records are gathered; the line used to say "0 episodes" although 3 ran."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = Keep(level=logging.INFO)
-    base_log = logging.getLogger("lopd_lightning.modules.base")
-    old_level = base_log.level
-    base_log.setLevel(logging.INFO)
-    base_log.addHandler(handler)
-    try:
+    with base_log_records() as records:
         trainer = quiet_trainer(tmp_path, max_steps=1, limit_val_batches=None, val_check_interval=1,
                                 check_val_every_n_epoch=None)
         trainer.fit(make_module(), make_dm())
-    finally:
-        base_log.removeHandler(handler)
-        base_log.setLevel(old_level)
     [line] = [r.getMessage() for r in records if r.getMessage().startswith("val after step ")]
     assert line.endswith(f"| {VAL_EXAMPLES} episodes"), line
 

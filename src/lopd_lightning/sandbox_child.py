@@ -840,6 +840,9 @@ def _run(cfg, source: bytes) -> None:
 
 
 def main() -> None:
+    """The child's entry point: read the run's settings (JSON, ``sys.argv[1]``: role, limits, mounts,
+    uid), set the limits and isolation up, then run the candidate's program or the checker. Exits with
+    ``SETUP_FAILED_EXIT`` (125) when the limits cannot be set (the program never runs)."""
     cfg = json.loads(sys.argv[1])
     try:
         import ctypes
