@@ -277,11 +277,11 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
     top_m = 8
     module = make_module(bank_dir, top_m=top_m)
     captured = {}
-    student_logits, teacher_logits = module.student_logits, module.teacher.logits_on_student_positions
+    student_forward, teacher_logits = module.student_forward, module.teacher.logits_on_student_positions
 
     def grab_student(*args, **kwargs):
-        out = student_logits(*args, **kwargs)  # (logits, cache) when the teacher shares the student's cache
-        captured["student"] = (out[0] if isinstance(out, tuple) else out).detach().double().clone()
+        out = student_forward(*args, **kwargs)  # StudentForward(logits, cache or None)
+        captured["student"] = out.values.detach().double().clone()
         return out
 
     def grab_teacher(*args, **kwargs):
@@ -289,7 +289,7 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
         captured["teacher"] = out.detach().double().clone()
         return out
 
-    module.student_logits = grab_student
+    module.student_forward = grab_student
     module.teacher.logits_on_student_positions = grab_teacher
     rec = Recorder()
     # EvenToy: rows of even examples have reward 1 (A = +1), the others 0 (A = -1)

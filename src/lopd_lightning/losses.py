@@ -31,6 +31,7 @@ Map to the method (docs/METHOD.md):
 from __future__ import annotations
 
 import math
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,10 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
+    "DIVERGENCES",
+    "GRPOLoss",
+    "divergence",
+    "grpo_loss",
     "chunked_topk_tail_reverse_kl",
     "generalized_jsd",
     "k3_kl",
@@ -699,3 +704,130 @@ def ppo_clip_fraction(
         high = (adv > 0) & (ratio > 1.0 + eps_high)
         low = (adv < 0) & (ratio < 1.0 - eps_low)
         return (high | low).to(ratio.dtype)
+
+
+class GRPOLoss(NamedTuple):
+    """The parts of :func:`grpo_loss`, each a () float.
+
+    Attributes:
+        loss: ``pg_loss + kl_coef * kl`` (what is minimised).
+        pg_loss: the PPO-clip surrogate, global token mean.
+        kl: the k3 KL estimate to the reference, global token mean (None without ``ref_logps``).
+        clip_fraction: fraction of tokens whose ratio is clipped (no gradient), same denominator.
+    """
+
+    loss: Tensor
+    pg_loss: Tensor
+    kl: Tensor | None
+    clip_fraction: Tensor
+
+
+def grpo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    num_tokens: int | float | Tensor | None = None,
+    ref_logps: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> GRPOLoss:
+    """The GRPO objective of one optimisation pass: PPO-clip surrogate + ``kl_coef`` * k3 KL, global token means.
+
+    Formula, with ``rho = exp(logps - old_logps)`` per token and ``A`` the rollout's advantage:
+    ``pg = sum_mask -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) / num_tokens``,
+    ``kl = sum_mask k3(ref - logp) / num_tokens`` (:func:`k3_kl`), ``loss = pg + kl_coef * kl``.
+
+    Args:
+        logps: (B, T) float, log pi_theta(a | s) of the sampled tokens (differentiable).
+        old_logps: (B, T) float, the same under the sampling policy (detached).
+        advantages: (B,) float, one per rollout (or (B, T)); detached.
+        mask: (B, T) bool, the loss tokens (assistant tokens).
+        eps_low, eps_high: PPO clip range below / above 1.
+        num_tokens: the denominator of the global token mean (default ``mask.sum()``).
+        ref_logps: (B, T) float, log pi_ref of the sampled tokens, or None (no KL).
+        kl_coef: weight of the KL term (ignored without ``ref_logps``).
+
+    Returns:
+        :class:`GRPOLoss`.
+
+    Raises:
+        ValueError: shapes disagree or an eps is out of range (see :func:`ppo_clip_loss`).
+
+    Source: GRPO, Shao et al. 2024 (DeepSeekMath), Eq. 3 with the token-level normalisation of the LOPD
+    code base (a global token mean, docs/METHOD.md section 5); PPO, Schulman et al. 2017, Eq. 7.
+    """
+    per_token = ppo_clip_loss(logps, old_logps, advantages, eps_low=eps_low, eps_high=eps_high)  # [B, T]
+    pg = masked_mean(per_token, mask, num_tokens=num_tokens)
+    clipped = ppo_clip_fraction(logps, old_logps, advantages, eps_low=eps_low, eps_high=eps_high)  # [B, T]
+    clip_fraction = masked_mean(clipped, mask, num_tokens=num_tokens)
+    kl = None
+    loss = pg
+    if ref_logps is not None:
+        kl = masked_mean(k3_kl(logps, ref_logps), mask, num_tokens=num_tokens)
+        loss = pg + kl_coef * kl
+    return GRPOLoss(loss, pg, kl, clip_fraction)
+
+
+# --------------------------------------------------------------------------------------------------
+# the distillation divergences by name (SDPO, OPSD, Skill-SD pick one; LOPD uses topk_reverse_kl)
+# --------------------------------------------------------------------------------------------------
+DivergenceName = Literal["topk_reverse_kl", "jsd", "forward_kl"]
+
+
+def _topk_reverse_kl(student_logits: Tensor, teacher_logits: Tensor, *, top_k: int, temperature: float,
+                     jsd_beta: float, support: str) -> Tensor:
+    return topk_tail_reverse_kl(student_logits, teacher_logits, k=top_k, temperature=temperature, support=support)
+
+
+def _jsd(student_logits: Tensor, teacher_logits: Tensor, *, top_k: int, temperature: float,
+         jsd_beta: float, support: str) -> Tensor:
+    return generalized_jsd(student_logits, teacher_logits, beta=jsd_beta, temperature=temperature)
+
+
+def _forward_kl(student_logits: Tensor, teacher_logits: Tensor, *, top_k: int, temperature: float,
+                jsd_beta: float, support: str) -> Tensor:
+    return generalized_jsd(student_logits, teacher_logits, beta=0.0, temperature=temperature)
+
+
+#: name -> per-token divergence ``fn(student_logits, teacher_logits, *, top_k, temperature, jsd_beta,
+#: support) -> (...)``; every entry takes every option and ignores the ones it has no use for.
+DIVERGENCES: dict[str, object] = {
+    "topk_reverse_kl": _topk_reverse_kl,  # top-k + tail KL(p~_S || p~_T), docs/METHOD.md section 5
+    "jsd": _jsd,  # generalized JSD, GKD convention (jsd_beta: 0 forward, 1 reverse), section 6
+    "forward_kl": _forward_kl,  # full-vocabulary KL(T || S), the generalized JSD at beta 0
+}
+
+
+def divergence(
+    name: str,
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    top_k: int = 20,
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    support: str = "teacher",
+) -> Tensor:
+    """The per-token divergence ``name`` of :data:`DIVERGENCES` between student and teacher.
+
+    Args:
+        name: ``"topk_reverse_kl"`` (:func:`topk_tail_reverse_kl` with ``k = top_k`` and ``support``),
+            ``"jsd"`` (:func:`generalized_jsd` with ``beta = jsd_beta``) or ``"forward_kl"`` (KL(T || S)
+            over the full vocabulary).
+        student_logits, teacher_logits: (..., V) float logits.
+        top_k, temperature, jsd_beta, support: the options; each divergence reads the ones it needs.
+
+    Returns:
+        (...) float, one value per position.
+
+    Raises:
+        ValueError: an unknown ``name`` (the message lists the known ones), or an option out of range
+            (from the divergence itself).
+    """
+    fn = DIVERGENCES.get(name)
+    if fn is None:
+        raise ValueError(f"unknown divergence {name!r}; choose one of {sorted(DIVERGENCES)}")
+    return fn(student_logits, teacher_logits, top_k=top_k, temperature=temperature, jsd_beta=jsd_beta, support=support)  # type: ignore[operator]

@@ -19,7 +19,7 @@ import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,8 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
-from lopd_lightning.lm import selected_logits, unpack
+from lopd_lightning.deprecation import warn_once
+from lopd_lightning.lm import selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
 from lopd_lightning.teacher import position_ids_from_mask
 from lopd_lightning.memory.bank import Experience
@@ -45,6 +46,18 @@ STUDENT_ADAPTER = "student"
 
 #: Short names of the ``step_timings`` phases in the progress line.
 PHASE_NAMES = {"generation": "gen", "student_step": "student", "composer_step": "composer"}
+
+
+class StudentForward(NamedTuple):
+    """What :meth:`OnPolicyModule.student_forward` returns.
+
+    Attributes:
+        values: (N, V) logits or (N, d) final hidden states at the selected positions, packed row-major.
+        cache: the forward's key/value cache (a transformers ``Cache``) or None when not asked for.
+    """
+
+    values: Tensor
+    cache: Any | None
 
 
 def _fenced(text: str) -> str:
@@ -225,7 +238,7 @@ class OnPolicyModule(LightningModule):
         self.rollouts_consumed = 0
         #: training steps whose update was skipped because a loss or a gradient norm was not finite.
         self.non_finite_steps = 0
-        self._skip_update = False  # set by manual_backward on a non-finite loss, read by clip_and_step
+        self._skip_update = False  # set by manual_backward on a non-finite loss; read through update_skipped
         self.step_timings: dict[str, float] = {}
         self.val_reward = MeanMetric()
         self.val_success = MeanMetric()
@@ -395,27 +408,67 @@ class OnPolicyModule(LightningModule):
         """Targets and loss mask aligned with ``logits[:, :-1]``: ``(input_ids[:, 1:], assistant_mask[:, 1:])``."""
         return batch.input_ids[:, 1:], batch.assistant_mask[:, 1:].bool()
 
-    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None, *, return_cache: bool = False) -> Any:
-        """Logits of the student on the batch; position t predicts token t+1.
+    def student_forward(
+        self, batch: RolloutBatch, positions: Tensor, *, output: str = "logits", keep_cache: bool = False
+    ) -> StudentForward:
+        """The student's forward pass on the batch, its outputs kept only at ``positions``.
 
         Args:
-            positions: (B, T-1) bool in shifted coordinates (e.g. the loss mask of :meth:`shifted`), or None.
-            return_cache: also return the forward's key/value cache (a transformers ``Cache``, in the graph).
+            positions: (B, T-1) bool in shifted coordinates (e.g. the loss mask of :meth:`shifted`).
+            output: ``"logits"`` (the LM head runs only at ``positions``: see :mod:`lopd_lightning.lm`) or
+                ``"hidden"`` (the final hidden states after the final norm; the LM head is left to the caller).
+            keep_cache: also keep the forward's key/value cache (a transformers ``Cache``, in the graph),
+                for a teacher pass that starts after a prefix it shares with the student.
 
         Returns:
-            (B, T-1, V) without ``positions``; packed (N, V) at the selected positions with them (the LM
-            head runs only there: see :mod:`lopd_lightning.lm`). ``(logits, cache)`` with ``return_cache``.
+            :class:`StudentForward`: ``values`` packed (N, V) logits or (N, d) hidden states, N = the
+            number of selected positions, row-major; ``cache`` or None.
+
+        Raises:
+            ValueError: an unknown ``output``.
         """
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
+        select = selected_logits if output == "logits" else selected_hidden_states
         with self.student_context():
-            kwargs = dict(
+            out = select(
+                self.backbone,
+                self.unshift(positions),
+                return_cache=keep_cache,
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
                 position_ids=position_ids_from_mask(batch.attention_mask),
             )
+        return StudentForward(*out) if keep_cache else StudentForward(out, None)
+
+    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None, **deprecated: Any) -> Tensor:
+        """Logits of the student on the batch; position t predicts token t+1.
+
+        Args:
+            positions: (B, T-1) bool in shifted coordinates (e.g. the loss mask of :meth:`shifted`), or None.
+
+        Returns:
+            (B, T-1, V) without ``positions``; packed (N, V) at the selected positions with them (the LM
+            head runs only there). For the key/value cache too, use :meth:`student_forward`.
+        """
+        if deprecated.pop("return_cache", False):
+            warn_once("student_logits.return_cache", "student_logits(..., return_cache=True) is deprecated; use "
+                      "student_forward(batch, positions, keep_cache=True), which returns a StudentForward")
             if positions is None:
-                out = selected_logits(self.backbone, None, return_cache=return_cache, **kwargs)
-                return (out[0][:, :-1], out[1]) if return_cache else out[:, :-1]
-            return selected_logits(self.backbone, self.unshift(positions), return_cache=return_cache, **kwargs)
+                raise ValueError("student_logits(return_cache=True) needs positions; use student_forward")
+            return tuple(self.student_forward(batch, positions, keep_cache=True))  # type: ignore[return-value]
+        if deprecated:
+            raise TypeError(f"student_logits() got unexpected keyword arguments {sorted(deprecated)}")
+        if positions is not None:
+            return self.student_forward(batch, positions).values
+        with self.student_context():
+            return selected_logits(
+                self.backbone,
+                None,
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=position_ids_from_mask(batch.attention_mask),
+            )[:, :-1]
 
     @staticmethod
     def unshift(positions: Tensor) -> Tensor:
@@ -496,6 +549,44 @@ class OnPolicyModule(LightningModule):
                 self.global_step, float(loss.detach().float().sum()), self.non_finite_steps,
             )
         self._skip_update = True
+
+    @property
+    def update_skipped(self) -> bool:
+        """True from a :meth:`manual_backward` that skipped a non-finite loss until this step's
+        :meth:`clip_and_step`: no optimiser of this step may update the weights."""
+        return self._skip_update
+
+    def step_uncounted(self, optimizer, clip_grads) -> Tensor:
+        """Step ``optimizer`` without advancing ``trainer.global_step``, then zero its gradients.
+
+        For every optimiser step of a training step except the one :meth:`clip_and_step` counts (GRPO's
+        extra PPO passes, LOPD's composer). It steps the raw torch optimiser: a ``LightningOptimizer``
+        step would advance ``global_step`` again.
+
+        Args:
+            optimizer: a ``LightningOptimizer`` (from :meth:`optimizers`) or a torch optimiser.
+            clip_grads: called once to clip the gradients; returns the grad norm (a tensor, or several:
+                every one must be finite for the update to happen).
+
+        Returns:
+            () float: the largest norm ``clip_grads`` returned, or nan when the step was skipped
+            (:attr:`update_skipped`). A non-finite norm skips the update and counts in ``non_finite_steps``.
+        """
+        raw = getattr(optimizer, "optimizer", optimizer)
+        if self._skip_update:  # a non-finite loss this step: no optimiser may update the weights
+            raw.zero_grad(set_to_none=True)
+            return torch.tensor(float("nan"))
+        out = clip_grads()
+        parts = out if isinstance(out, (tuple, list)) else (out,)
+        norms = torch.stack([torch.as_tensor(n, dtype=torch.float32).detach().reshape(()) for n in parts]) if parts else torch.zeros(0)
+        if bool(torch.isfinite(norms).all()):
+            raw.step()
+        else:
+            self.non_finite_steps += 1
+            log.warning("non-finite grad norm at step %d (uncounted optimiser step): update skipped (%d so far)",
+                        self.global_step, self.non_finite_steps)
+        raw.zero_grad(set_to_none=True)
+        return norms.max() if norms.numel() else torch.zeros(())
 
     def clip_and_step(self, optimizer, params, max_norm: float) -> Tensor:
         """Clip ``params``' grad norm to ``max_norm`` (0: no clip), step and zero the optimiser.

@@ -19,7 +19,7 @@ k3 KL estimator to a reference); PPO, Schulman et al. 2017, Eq. 7 (the clipped s
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,79 +27,20 @@ from typing_extensions import override
 
 from lopd_lightning.advantages import group_advantages
 from lopd_lightning.lm import unpack
-from lopd_lightning.losses import k3_kl, masked_mean, ppo_clip_fraction, ppo_clip_loss, token_logps
+from lopd_lightning.losses import GRPOLoss, grpo_loss, k3_kl, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.teacher import SelfTeacher
 
 log = logging.getLogger(__name__)
 
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """Clip the global grad norm of ``params`` (those with a gradient) to ``max_norm``; () the norm before."""
+    with_grad = [p for p in params if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.zeros(())
+
 __all__ = ["GRPOLoss", "GRPOModule", "grpo_loss", "k3_kl"]
-
-
-class GRPOLoss(NamedTuple):
-    """The parts of :func:`grpo_loss`, each a () float.
-
-    Attributes:
-        loss: ``pg_loss + kl_coef * kl`` (what is minimised).
-        pg_loss: the PPO-clip surrogate, global token mean.
-        kl: the k3 KL estimate to the reference, global token mean (None without ``ref_logps``).
-        clip_fraction: fraction of tokens whose ratio is clipped (no gradient), same denominator.
-    """
-
-    loss: Tensor
-    pg_loss: Tensor
-    kl: Tensor | None
-    clip_fraction: Tensor
-
-
-def grpo_loss(
-    logps: Tensor,
-    old_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    num_tokens: int | float | Tensor | None = None,
-    ref_logps: Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> GRPOLoss:
-    """The GRPO objective of one optimisation pass: PPO-clip surrogate + ``kl_coef`` * k3 KL, global token means.
-
-    Formula, with ``rho = exp(logps - old_logps)`` per token and ``A`` the rollout's advantage:
-    ``pg = sum_mask -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) / num_tokens``,
-    ``kl = sum_mask k3(ref - logp) / num_tokens`` (:func:`~lopd_lightning.losses.k3_kl`), ``loss = pg + kl_coef * kl``.
-
-    Args:
-        logps: (B, T) float, log pi_theta(a | s) of the sampled tokens (differentiable).
-        old_logps: (B, T) float, the same under the sampling policy (detached).
-        advantages: (B,) float, one per rollout (or (B, T)); detached.
-        mask: (B, T) bool, the loss tokens (assistant tokens).
-        eps_low, eps_high: PPO clip range below / above 1.
-        num_tokens: the denominator of the global token mean (default ``mask.sum()``).
-        ref_logps: (B, T) float, log pi_ref of the sampled tokens, or None (no KL).
-        kl_coef: weight of the KL term (ignored without ``ref_logps``).
-
-    Returns:
-        :class:`GRPOLoss`.
-
-    Raises:
-        ValueError: shapes disagree or an eps is out of range (see :func:`~lopd_lightning.losses.ppo_clip_loss`).
-
-    Source: GRPO, Shao et al. 2024 (DeepSeekMath), Eq. 3 with the token-level normalisation of the LOPD
-    code base (a global token mean, docs/METHOD.md section 5); PPO, Schulman et al. 2017, Eq. 7.
-    """
-    per_token = ppo_clip_loss(logps, old_logps, advantages, eps_low=eps_low, eps_high=eps_high)  # [B, T]
-    pg = masked_mean(per_token, mask, num_tokens=num_tokens)
-    clipped = ppo_clip_fraction(logps, old_logps, advantages, eps_low=eps_low, eps_high=eps_high)  # [B, T]
-    clip_fraction = masked_mean(clipped, mask, num_tokens=num_tokens)
-    kl = None
-    loss = pg
-    if ref_logps is not None:
-        kl = masked_mean(k3_kl(logps, ref_logps), mask, num_tokens=num_tokens)
-        loss = pg + kl_coef * kl
-    return GRPOLoss(loss, pg, kl, clip_fraction)
 
 
 class GRPOModule(OnPolicyModule):
@@ -264,24 +205,10 @@ class GRPOModule(OnPolicyModule):
                     # the one LightningOptimizer step of this batch: global_step advances once
                     norm = self.clip_and_step(optimizer, params, self.hparams.grad_clip)
                 else:
-                    self._raw_step(optimizer, params)
+                    max_norm = self.hparams.grad_clip if self.hparams.grad_clip > 0 else float("inf")
+                    self.step_uncounted(optimizer, lambda: clip_grads(params, max_norm))
         metrics = {k: self.global_mean(v) for k, v in terms.items()}
         metrics.update(inputs["metrics"])
         metrics["train/grad_norm"] = norm
         self.log_rollout_metrics(batch, metrics)
         return terms["train/loss"].detach()
-
-    def _raw_step(self, optimizer, params) -> None:
-        """Clip and step the raw optimiser (not counted by Lightning: no global_step advance), then zero."""
-        with_grad = [p for p in params if p.grad is not None]
-        if self._skip_update:  # a non-finite loss in this step: no pass of it may update the weights
-            with_grad = []
-        if with_grad:
-            max_norm = self.hparams.grad_clip if self.hparams.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-            if torch.isfinite(norm):
-                optimizer.optimizer.step()
-            else:
-                self.non_finite_steps += 1
-                log.warning("non-finite grad norm at step %d (extra PPO pass): update skipped", self.global_step)
-        optimizer.zero_grad(set_to_none=True)

@@ -317,14 +317,11 @@ class LOPDModule(OnPolicyModule):
         share = n_prefix > 0 and self.teacher.shares_student_weights
         prefix = None
         with self.timed("student_step"):
-            if chunk is None:
-                student_out = self.student_logits(batch, mask, return_cache=share)
-            else:
-                student_out = self.student_hidden(batch, mask, return_cache=share)
+            forward = self.student_forward(batch, mask, output="logits" if chunk is None else "hidden", keep_cache=share)
+            student_out = forward.values
             if share:
-                student_out, cache = student_out
-                prefix = TeacherPrefix.from_cache(cache, n_prefix)
-                del cache
+                prefix = TeacherPrefix.from_cache(forward.cache, n_prefix)
+            del forward
 
         with self.timed("teacher"):
             if n_prefix > 0 and prefix is None:
@@ -418,23 +415,17 @@ class LOPDModule(OnPolicyModule):
         with self.timed("backward"):
             self.manual_backward(loss_student + loss_composer)
 
-        skipped = self._skip_update  # a non-finite loss: manual_backward ran no backward on any rank
+        skipped = self.update_skipped  # a non-finite loss: manual_backward ran no backward on any rank
         with self.timed("student_step"):
             student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
-
         with self.timed("composer_step"):
-            norms = clip_composer_grads(
-                self.composer, resampler_clip=self.hparams.composer_clip_resampler, lora_clip=self.hparams.composer_clip_lora
-            ) if not skipped else (float("nan"),)
-            if skipped:
-                pass  # counted and logged once by manual_backward
-            elif all(torch.isfinite(torch.as_tensor(n)) for n in norms):
-                # the raw optimiser: a LightningOptimizer step would advance global_step a second time
-                opt_composer.optimizer.step()
+            if skipped:  # counted once by manual_backward; the composer has no gradient either
+                opt_composer.zero_grad(set_to_none=True)
             else:
-                self.non_finite_steps += 1
-                log.warning("non-finite composer grad norm at step %d: composer update skipped", self.global_step)
-            opt_composer.zero_grad(set_to_none=True)
+                clip = self.hparams.composer_clip_resampler, self.hparams.composer_clip_lora
+                self.step_uncounted(
+                    opt_composer, lambda: clip_composer_grads(self.composer, resampler_clip=clip[0], lora_clip=clip[1])
+                )
 
         rows_with_latents = self.global_count(has_latents.sum())
         delta_global = self.global_mean(delta)

@@ -18,6 +18,7 @@ from lopd_lightning.tasks.base import (
     StepResult,
     Task,
     check_reward,
+    episode_reward,
     split_examples,
 )
 
@@ -64,6 +65,7 @@ __all__ = [
     "StepResult",
     "Task",
     "check_reward",
+    "episode_reward",
     "get_task",
     "split_examples",
 ]

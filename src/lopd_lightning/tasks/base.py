@@ -91,6 +91,24 @@ def check_reward(value: Any, *, task: str, example_id: str) -> float:
     return reward
 
 
+def episode_reward(task: Any, example: Any, episode: Any) -> float:
+    """The reward of ``episode`` (an episode of ``example`` that ``task.start`` made), checked.
+
+    Every caller that reads a reward (the episode loop, the reference trajectory, ``lopd tasks verify``)
+    reads it through this function, so a broken environment stops the run where it happens instead of
+    poisoning the advantages.
+
+    Returns:
+        ``float(episode.reward())`` in [0, 1].
+
+    Raises:
+        ValueError: the reward is not a real number, is NaN or lies outside [0, 1]; the message names the
+            task and the example (:func:`check_reward`).
+    """
+    name = str(getattr(task, "name", type(task).__name__))
+    return check_reward(episode.reward(), task=name, example_id=str(getattr(example, "id", "<unknown example>")))
+
+
 def _reward_context(episode: Any) -> tuple[str, str]:
     """(task name, example id) of an episode: what :meth:`Task.start` recorded, else its attributes."""
     context = getattr(episode, "_lopd_reward_context", None)
