@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
+from lopd_lightning import deprecation
 from lopd_lightning.models import tiny_tokenizer
 from lopd_lightning.rollout import (
     ChatTemplateError,
+    Completion,
+    GenerationBackend,
+    HFGenerateBackend,
     RolloutBatch,
+    SamplingSettings,
     batch_from_conversations,
-    collate_batches,
     derive_seed,
     encode_prompt,
     generate_rollouts,
     tokenize_conversation,
 )
+from lopd_lightning.rollout.sampling import _sample_rows
 from lopd_lightning.tasks.base import Episode, Example, StepResult, Task
 from lopd_lightning.tasks.toy import ToyTask
 
@@ -50,7 +57,7 @@ TWO_TURN = [
 
 def rollouts(model, tokenizer, task=None, n_examples=4, **kwargs) -> RolloutBatch:
     task = task or ToyTask()
-    kwargs.setdefault("num_rollouts_per_example", 2)
+    kwargs.setdefault("group_size", 2)
     kwargs.setdefault("max_new_tokens", 12)
     return generate_rollouts(model, tokenizer, task, task.examples("train")[:n_examples], **kwargs)
 
@@ -142,20 +149,13 @@ def test_batch_from_conversations_max_length_and_validation(tokenizer):
 # ------------------------------------------------------------------ RolloutBatch
 
 
-def test_rollout_batch_select_collate_to(tokenizer):
+def test_rollout_batch_select_to(tokenizer):
     convs = [TWO_TURN, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
     b = batch_from_conversations(tokenizer, convs, rewards=[1.0, 0.5], group_ids=[0, 0], example_ids=["a", "a"])
     short = b.select([1])
     assert len(short) == 1 and short.input_ids.shape[1] == b.attention_mask[1].sum().item()  # trailing pad trimmed
     assert short.example_ids == ["a"] and short.rewards.tolist() == [0.5]
     assert b.select(torch.tensor([False, True])).input_ids.equal(short.input_ids)
-    both = collate_batches([short, b])  # re-padded, groups kept apart and renumbered
-    assert both.input_ids.shape == (3, b.input_ids.shape[1])
-    assert both.group_ids.tolist() == [0, 1, 1]
-    assert both.input_ids[0, short.input_ids.shape[1]:].eq(b.pad_token_id).all()
-    assert not both.attention_mask[0, short.input_ids.shape[1]:].any()
-    assert both.input_ids[1:].equal(b.input_ids) and both.assistant_mask[1:].equal(b.assistant_mask)
-    assert collate_batches([b, b], renumber_groups=False).group_ids.tolist() == [0, 0, 0, 0]
     moved = b.to("cpu")
     assert moved.input_ids.device.type == "cpu" and moved.messages is b.messages
     with pytest.raises(ValueError, match="rewards"):
@@ -168,7 +168,7 @@ def test_rollout_batch_select_collate_to(tokenizer):
 def test_rollout_replies_line_up_with_prompts_of_different_lengths(eos_model, tokenizer):
     task = ToyTask()
     examples = task.examples("train")[:4]
-    batch = generate_rollouts(eos_model, tokenizer, task, examples, num_rollouts_per_example=2, max_new_tokens=24)
+    batch = generate_rollouts(eos_model, tokenizer, task, examples, group_size=2, max_new_tokens=24)
     prompt_lengths = set()
     assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert batch.example_ids == [ex.id for ex in examples for _ in range(2)]
@@ -227,8 +227,8 @@ def test_sampling_logps_match_a_fresh_forward_pass(model, tokenizer, top_k, top_
 
 
 def test_greedy_takes_the_argmax_and_ignores_the_seed(model, tokenizer):
-    a = rollouts(model, tokenizer, greedy=True, n_examples=2, num_rollouts_per_example=1, seed=0)
-    b = rollouts(model, tokenizer, greedy=True, n_examples=2, num_rollouts_per_example=1, seed=1)
+    a = rollouts(model, tokenizer, greedy=True, n_examples=2, group_size=1, seed=0)
+    b = rollouts(model, tokenizer, greedy=True, n_examples=2, group_size=1, seed=1)
     assert a.input_ids.equal(b.input_ids)
     with torch.no_grad():
         logits = model(input_ids=a.input_ids, attention_mask=a.attention_mask).logits
@@ -250,22 +250,22 @@ def test_reproducible_and_independent_of_batch_composition(model, tokenizer):
     # the random stream of a rollout does not depend on the rest of the batch
     assert rollouts(model, tokenizer, seed=0, step=3, generation_batch_size=3).messages == a.messages
     task = ToyTask()
-    tail = generate_rollouts(model, tokenizer, task, task.examples("train")[2:4], num_rollouts_per_example=2,
+    tail = generate_rollouts(model, tokenizer, task, task.examples("train")[2:4], group_size=2,
                              max_new_tokens=12, seed=0, step=3)
     assert tail.messages == a.messages[4:]
     assert derive_seed(0, 3, "toy/1", 0, 0) != derive_seed(0, 3, "toy/1", 1, 0)
 
 
 def test_rollouts_of_the_same_example_differ(model, tokenizer):
-    batch = rollouts(model, tokenizer, n_examples=1, num_rollouts_per_example=4)
+    batch = rollouts(model, tokenizer, n_examples=1, group_size=4)
     assert len({m[-1]["content"] for m in batch.messages}) == 4
 
 
 def test_stop_strings_cut_the_reply_after_the_stop_string(model, tokenizer):
-    free = rollouts(model, tokenizer, n_examples=2, num_rollouts_per_example=1, max_new_tokens=24)
+    free = rollouts(model, tokenizer, n_examples=2, group_size=1, max_new_tokens=24)
     reply = free.messages[0][-1]["content"]
     stop = next(c for c in reply[2:] if c.isalnum())  # a character the free run samples
-    cut = rollouts(model, tokenizer, n_examples=2, num_rollouts_per_example=1, max_new_tokens=24, stop_strings=[stop])
+    cut = rollouts(model, tokenizer, n_examples=2, group_size=1, max_new_tokens=24, stop_strings=[stop])
     text = cut.messages[0][-1]["content"]
     assert text == reply[: reply.index(stop) + 1]  # same random stream, stopped at the string
     assert cut.metadata[0]["stop_reasons"] == ["stop_string"]
@@ -359,7 +359,7 @@ def test_finished_episodes_leave_the_batch(model, tokenizer, monkeypatch):
 
 def test_max_turns_and_context_truncation_are_recorded(model, tokenizer):
     task = ToyTask(multi_turn=True)
-    batch = rollouts(model, tokenizer, task, n_examples=2, num_rollouts_per_example=1, max_turns=1)
+    batch = rollouts(model, tokenizer, task, n_examples=2, group_size=1, max_turns=1)
     for i in range(2):
         meta = batch.metadata[i]
         assert meta["truncated"] and meta["truncation"] == "max_turns" and meta["turns"] == 1 and not meta["done"]
@@ -368,12 +368,12 @@ def test_max_turns_and_context_truncation_are_recorded(model, tokenizer):
         assert not batch.assistant_mask[i, length - 1]
         assert batch.rewards[i].item() == 0.0
     # a context over max_prompt_tokens: no generation at all
-    none = rollouts(model, tokenizer, task, n_examples=2, num_rollouts_per_example=1, max_prompt_tokens=10)
+    none = rollouts(model, tokenizer, task, n_examples=2, group_size=1, max_prompt_tokens=10)
     assert all(m["truncation"] == "context" and m["turns"] == 0 for m in none.metadata)
     assert none.num_assistant_tokens() == 0 and none.stats.generate_calls == 0
     # room for the first turn only: the second is cut by the context limit
     n = max(len(encode_prompt(tokenizer, task.initial_messages(ex)).input_ids) for ex in task.examples()[:2])
-    one = rollouts(model, tokenizer, task, n_examples=2, num_rollouts_per_example=1, max_prompt_tokens=n)
+    one = rollouts(model, tokenizer, task, n_examples=2, group_size=1, max_prompt_tokens=n)
     assert all(m["truncation"] == "context" and m["turns"] == 1 for m in one.metadata)
 
 
@@ -390,10 +390,10 @@ def test_reward_outside_unit_interval_names_task_and_example(model, tokenizer):
 def test_model_mode_and_generation_config_are_restored(model, tokenizer):
     before = model.generation_config.to_dict()
     model.train()
-    rollouts(model, tokenizer, n_examples=1, num_rollouts_per_example=1, max_new_tokens=2)
+    rollouts(model, tokenizer, n_examples=1, group_size=1, max_new_tokens=2)
     assert model.training and model.generation_config.to_dict() == before
     model.eval()
-    rollouts(model, tokenizer, n_examples=1, num_rollouts_per_example=1, max_new_tokens=2)
+    rollouts(model, tokenizer, n_examples=1, group_size=1, max_new_tokens=2)
     assert not model.training
 
 
@@ -452,8 +452,6 @@ def test_tiny_tokenizer_fixture_is_fresh(tokenizer):
 def test_top_k_top_p_support_matches_transformers_warpers():
     from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-    from lopd_lightning.rollout import _sample_rows
-
     # probabilities 0.5, 0.3, 0.2 and top_p 0.7: the mass before the third token is 0.8 >= 0.7 -> dropped
     z = torch.tensor([[0.5, 0.3, 0.2]]).log()
     gens = [torch.Generator().manual_seed(0)]
@@ -470,3 +468,180 @@ def test_top_k_top_p_support_matches_transformers_warpers():
         tok = _sample_rows(logits, gens, 10, 0.9)
         seen[torch.arange(4), tok] = True
     assert not (seen & ~support).any() and seen.equal(support)
+
+
+# ------------------------------------------------------------------ the generation backend interface
+
+
+def assistant_spans(batch: RolloutBatch, i: int) -> list[tuple[list[int], list[float]]]:
+    """Row i's replies as (token ids, sampling log-probs), one per turn."""
+    return [(batch.input_ids[i, a:b].tolist(), batch.sampling_logps[i, a:b].tolist())
+            for a, b in spans(batch.assistant_mask[i])]
+
+
+@pytest.mark.parametrize("mode", ["sample", "stop_string", "greedy"])
+def test_hf_backend_through_the_interface_reproduces_generate_rollouts(eos_model, tokenizer, mode):
+    task = ToyTask()
+    examples = task.examples("train")[:3]
+    options = {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "max_new_tokens": 16, "greedy": mode == "greedy"}
+    batch = generate_rollouts(eos_model, tokenizer, task, examples, group_size=2, seed=5, step=2, **options)
+    if mode == "stop_string":  # a character the free run samples in a reply it cuts at the token limit
+        row = next(i for i, m in enumerate(batch.metadata) if m["stop_reasons"] == ["length"])
+        options["stop_strings"] = [next(c for c in batch.messages[row][-1]["content"][1:] if c.isalnum())]
+        batch = generate_rollouts(eos_model, tokenizer, task, examples, group_size=2, seed=5, step=2, **options)
+        assert batch.metadata[row]["stop_reasons"] == ["stop_string"]
+    backend = HFGenerateBackend(eos_model, tokenizer)
+    assert isinstance(backend, GenerationBackend)
+    backend.sync_weights(eos_model)  # a no-op: the HF backend samples from the live model
+    prompts = [encode_prompt(tokenizer, task.initial_messages(ex)).input_ids for ex in examples for _ in range(2)]
+    seeds = [derive_seed(5, 2, ex.id, k, 0) for ex in examples for k in range(2)]
+    settings = SamplingSettings(**options)
+    completions = backend.generate(prompts, settings, seeds)
+    assert len(completions) == len(batch)
+    for i, completion in enumerate(completions):
+        (ids, logps), = assistant_spans(batch, i)
+        assert completion.token_ids == ids and completion.logps == logps  # bit-identical tokens and log-probs
+        assert [completion.finish_reason] == batch.metadata[i]["stop_reasons"]
+    # seeds alone fix each prompt's stream: reversed order gives the same completions, and a prompt alone
+    # the same tokens (its log-probs up to the float differences between batch shapes)
+    assert backend.generate(prompts[::-1], settings, seeds[::-1])[::-1] == completions
+    alone = backend.generate(prompts[4:5], settings, seeds[4:5])[0]
+    assert alone.token_ids == completions[4].token_ids and alone.finish_reason == completions[4].finish_reason
+    torch.testing.assert_close(torch.tensor(alone.logps), torch.tensor(completions[4].logps), atol=1e-5, rtol=0)
+    assert backend.generate([], settings, []) == []
+    with pytest.raises(ValueError, match="seeds"):
+        backend.generate(prompts, settings, seeds[:1])
+
+
+class ScriptedBackend(GenerationBackend):
+    """Returns the completion scripted for each seed and records every call (no model at all)."""
+
+    def __init__(self, script: dict[int, Completion]):
+        self.script, self.calls, self.synced = script, [], 0
+
+    def generate(self, prompts, settings, seeds):
+        self.calls.append(([list(p) for p in prompts], settings, list(seeds)))
+        return [self.script[s] for s in seeds]
+
+    def sync_weights(self, model):
+        self.synced += 1
+
+
+def test_a_scripted_backend_drives_the_episode_loop_end_to_end(tokenizer):
+    """The interface is all the loop needs: turns, observations, stop reasons, log-probs and rewards."""
+    task = ToyTask(multi_turn=True)
+    examples = task.examples("train")[:2]
+    script = {}
+    for ex in examples:  # turn 0: a hint request (cut at the token limit for example 1); turn 1: the answer
+        ask = enc(tokenizer, "hint?") + ([EOS] if ex is examples[0] else [])
+        script[derive_seed(3, 7, ex.id, 0, 0)] = Completion(ask, [-0.5] * len(ask), "eos" if EOS in ask else "length")
+        answer = enc(tokenizer, ex.data["answer"]) + [EOS]
+        script[derive_seed(3, 7, ex.id, 0, 1)] = Completion(answer, [-0.25] * len(answer), "eos")
+    backend = ScriptedBackend(script)
+    batch = generate_rollouts(None, tokenizer, task, examples, seed=3, step=7, max_new_tokens=8, backend=backend)
+    assert backend.synced == 0  # generate_rollouts never syncs: the trainer does
+    assert [len(call[0]) for call in backend.calls] == [2, 2] and batch.stats.generate_calls == 2
+    assert backend.calls[0][1] == SamplingSettings(temperature=0.7, top_k=20, top_p=0.95, max_new_tokens=8)
+    first_prompts = [encode_prompt(tokenizer, task.initial_messages(ex)).input_ids for ex in examples]
+    assert backend.calls[0][0] == first_prompts  # the prompts go to the backend untouched
+    assert batch.rewards.tolist() == [1.0, 1.0]
+    for i, ex in enumerate(examples):
+        meta = batch.metadata[i]
+        assert meta["turns"] == 2 and meta["done"] and not meta["truncated"]
+        assert meta["stop_reasons"] == (["eos", "eos"] if i == 0 else ["length", "eos"])
+        assert [m["role"] for m in batch.messages[i]] == ["user", "assistant", "tool", "assistant"]
+        assert batch.messages[i][1]["content"] == "hint?" and batch.messages[i][3]["content"] == ex.data["answer"]
+        (ask, ask_logps), (answer, answer_logps) = assistant_spans(batch, i)
+        assert ask == script[derive_seed(3, 7, ex.id, 0, 0)].token_ids
+        assert answer == script[derive_seed(3, 7, ex.id, 0, 1)].token_ids
+        assert set(ask_logps) == {-0.5} and set(answer_logps) == {-0.25}
+        assert (batch.sampling_logps[i][~batch.assistant_mask[i]] == 0).all()
+        # the second prompt is the first, the reply and the observation, exactly as the batch lays them out
+        second_prompt = backend.calls[1][0][i]
+        assert batch.input_ids[i, :len(second_prompt)].tolist() == second_prompt
+        ids, mask, ctx = tokenize_conversation(tokenizer, batch.messages[i])
+        assert ctx == batch.context_position[i].item()
+        if i == 0:  # replies that end with EOS: the layout of teacher forcing, token for token
+            length = batch.attention_mask[i].sum().item()
+            assert batch.input_ids[i, :length].tolist() == ids
+            assert batch.assistant_mask[i, :length].tolist() == [bool(m) for m in mask]
+        else:  # a cut reply: the template's EOS follows it with mask 0
+            assert second_prompt[len(first_prompts[i]) + len(ask)] == EOS
+    broken = ScriptedBackend({})
+    broken.generate = lambda prompts, settings, seeds: []
+    with pytest.raises(RuntimeError, match="0 completions for 2 prompts"):
+        generate_rollouts(None, tokenizer, task, examples, backend=broken)
+
+
+def test_sampling_settings_and_completion_validate():
+    settings = SamplingSettings(temperature=0.5, top_k=0, top_p=1.0, max_new_tokens=4, stop_strings=["x"])
+    assert (settings.top_k, settings.top_p, settings.stop_strings) == (None, None, ("x",))
+    assert settings == SamplingSettings(temperature=0.5, max_new_tokens=4, stop_strings=("x",))
+    for kwargs, match in [({"temperature": 0.0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                          ({"max_new_tokens": 0}, "max_new_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingSettings(**kwargs)
+    with pytest.raises(ValueError, match="2 token ids but 1 log-probs"):
+        Completion([1, 2], [0.0], "eos")
+    with pytest.raises(ValueError, match="finish_reason"):
+        Completion([1], [0.0], "stop")
+    with pytest.raises(TypeError):
+        GenerationBackend()
+
+
+# ------------------------------------------------------------------ deprecated spellings
+
+
+def test_every_public_name_of_the_old_module_imports_without_a_warning():
+    from lopd_lightning import rollout
+
+    old = ["ChatTemplateError", "PromptEncoding", "RolloutBatch", "RolloutStats", "batch_from_conversations",
+           "derive_seed", "encode_observation", "encode_prompt", "generate_rollouts", "render_chat",
+           "tokenize_conversation", "warn_turn_limit"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(callable(getattr(rollout, name)) for name in old)
+    assert set(old) | {"collate_batches"} <= set(rollout.__all__)
+
+
+def future_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, FutureWarning)]
+
+
+def test_num_rollouts_per_example_still_works_and_warns_once(model, tokenizer, monkeypatch):
+    monkeypatch.setattr(deprecation, "_warned", set())
+    new = rollouts(model, tokenizer, n_examples=2, group_size=2, max_new_tokens=4)
+    task = ToyTask()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            old = generate_rollouts(model, tokenizer, task, task.examples("train")[:2], num_rollouts_per_example=2,
+                                    max_new_tokens=4)
+            assert old.input_ids.equal(new.input_ids) and old.group_ids.tolist() == [0, 0, 1, 1]
+    assert future_warnings(record) == [
+        "generate_rollouts.num_rollouts_per_example is deprecated and will be removed; use generate_rollouts.group_size"
+    ]
+    with pytest.raises(ValueError, match="keep only generate_rollouts.group_size"):
+        generate_rollouts(model, tokenizer, task, task.examples()[:1], num_rollouts_per_example=2, group_size=2)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        generate_rollouts(model, tokenizer, task, task.examples()[:1], group_size=0)
+
+
+def test_collate_batches_is_a_deprecated_alias_that_still_works(tokenizer, monkeypatch):
+    from lopd_lightning.rollout import collate_batches
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    convs = [TWO_TURN, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
+    b = batch_from_conversations(tokenizer, convs, rewards=[1.0, 0.5], group_ids=[0, 0], example_ids=["a", "a"])
+    short = b.select([1])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        both = collate_batches([short, b])  # re-padded, groups kept apart and renumbered
+        assert collate_batches([b, b], renumber_groups=False).group_ids.tolist() == [0, 0, 0, 0]
+    assert len(future_warnings(record)) == 1
+    assert future_warnings(record)[0].startswith("collate_batches is deprecated and will be removed")
+    assert both.input_ids.shape == (3, b.input_ids.shape[1])
+    assert both.group_ids.tolist() == [0, 1, 1]
+    assert both.input_ids[0, short.input_ids.shape[1]:].eq(b.pad_token_id).all()
+    assert not both.attention_mask[0, short.input_ids.shape[1]:].any()
+    assert both.input_ids[1:].equal(b.input_ids) and both.assistant_mask[1:].equal(b.assistant_mask)

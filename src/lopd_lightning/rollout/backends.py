@@ -1,0 +1,311 @@
+"""Generation behind one interface: a :class:`GenerationBackend` turns token-id prompts into sampled replies.
+
+The episode loop (:func:`~lopd_lightning.rollout.generate_rollouts`) owns everything about the task: chat
+templates, turns, observations, truncation and rewards. Each turn it hands the backend the token ids of
+the live contexts, one :class:`SamplingSettings` for the whole call and one seed per context, and gets
+one :class:`Completion` per context back. :class:`HFGenerateBackend` (transformers' ``model.generate`` on
+the live student) is the first implementation; a vLLM backend implements the same two methods with
+``LLM.generate([TokensPrompt(prompt_token_ids=ids), ...], [SamplingParams(seed=s, temperature=...,
+top_k=..., top_p=..., max_tokens=..., stop=..., logprobs=0), ...])`` and ``sync_weights`` loading the
+student's weights into the engine, as TRL's and verl's rollout workers do.
+
+The contract (what every backend guarantees; tests/test_rollout.py checks it for the HF backend and
+drives the loop with a scripted one):
+
+1. Prompts untouched. ``prompts[i]`` is the whole context (template, earlier replies, observations,
+   next generation prompt); the backend adds no BOS, template or special token, never re-tokenizes,
+   and continues right after the last id. Completions come back in the order of ``prompts``.
+2. Distribution. Each token is drawn from ``softmax(top_p(top_k(z / temperature)))``, ``z`` the model's
+   logits in float32: top-k keeps the k largest, then top-p keeps the smallest most-likely prefix whose
+   mass reaches ``top_p`` (transformers' ``TopPLogitsWarper`` rule); ``None`` turns either off. No other
+   processing (no repetition penalty, min-p, bad words). ``greedy=True`` takes ``argmax z`` instead.
+3. Reproducibility. ``seeds[i]`` alone fixes the random stream of prompt i: the same prompt, settings,
+   seed, weights, software and device give the same completion, whatever else is in the call and in
+   which order. The global torch RNG is neither used nor reseeded. (The loop derives one seed per
+   rollout and turn with :func:`~lopd_lightning.rollout.sampling.derive_seed`.)
+4. Log-probs. ``Completion.logps[j] = log_softmax(z_j / temperature)[token_ids[j]]`` in float32: at the
+   sampling temperature, BEFORE top-k/top-p filtering (also when greedy), for every returned token
+   (an engine that reports log-probs of other logits, raw or filtered, must convert or recompute).
+   They become :attr:`RolloutBatch.sampling_logps`, a record of the behaviour policy. The "old
+   log-probs" of the PPO ratio (docs/METHOD.md section 6) are NOT these: the trainer recomputes them
+   with its own forward pass of the student, so the backend's numerics (kernels, precision, weight-sync
+   lag) never enter a loss.
+5. Ends. ``token_ids`` stop at the first of: an EOS token (included; ``finish_reason="eos"``), the token
+   whose decoded text completes one of ``settings.stop_strings`` (included, no EOS after it;
+   ``"stop_string"``), or ``max_new_tokens`` tokens (``"length"``). Nothing follows the end.
+6. Weights. ``generate`` samples from the weights of the last ``sync_weights(model)`` call (the HF
+   backend samples from the live model, so its ``sync_weights`` does nothing). ``generate_rollouts``
+   never syncs: whoever owns the training loop calls ``sync_weights`` after each optimizer step, before
+   the next rollouts.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lopd_lightning.rollout.chat import _eos
+from lopd_lightning.rollout.sampling import _SeededSampler
+
+log = logging.getLogger(__package__)  # "lopd_lightning.rollout": one logger name for the whole package
+
+__all__ = ["Completion", "FinishReason", "GenerationBackend", "HFGenerateBackend", "SamplingSettings"]
+
+#: why a reply ended: an EOS token, a stop string, or ``max_new_tokens``.
+FinishReason = Literal["eos", "stop_string", "length"]
+_FINISH_REASONS = ("eos", "stop_string", "length")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How every reply of one :func:`~lopd_lightning.rollout.generate_rollouts` call is sampled.
+
+    Attributes:
+        temperature: > 0; logits are divided by it (also for the log-probs when ``greedy``).
+        top_k: keep the k most likely tokens; None = off (0 is stored as None).
+        top_p: nucleus mass in (0, 1]; None = off (1 is stored as None).
+        max_new_tokens: >= 1, the most tokens of one reply.
+        greedy: take the argmax instead of sampling (evaluation).
+        stop_strings: strings that end a reply (kept in it, no EOS after); a list is stored as a tuple.
+
+    Raises:
+        ValueError: a value outside its range.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int = 256
+    greedy: bool = False
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature} (use greedy=True for argmax)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "top_k", self.top_k or None)
+        object.__setattr__(self, "top_p", None if self.top_p is None or self.top_p >= 1.0 else self.top_p)
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings or ()))
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One reply of a backend to one prompt (see the module's contract).
+
+    Attributes:
+        token_ids: the new tokens, the EOS or the stop string's last token included.
+        logps: per token, ``log_softmax(logits / temperature)`` at it (float, before top-k/top-p).
+        finish_reason: ``"eos"``, ``"stop_string"`` or ``"length"``.
+
+    Raises:
+        ValueError: ``token_ids`` and ``logps`` differ in length, or an unknown finish reason.
+    """
+
+    token_ids: list[int]
+    logps: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logps):
+            raise ValueError(f"Completion: {len(self.token_ids)} token ids but {len(self.logps)} log-probs")
+        if self.finish_reason not in _FINISH_REASONS:
+            raise ValueError(f"Completion.finish_reason must be one of {_FINISH_REASONS}, got {self.finish_reason!r}")
+
+
+class GenerationBackend(abc.ABC):
+    """What the episode loop needs from a generator: sample replies, and take new weights.
+
+    Subclass it to plug in another engine (vLLM, a server); see the module's contract for what
+    :meth:`generate` must guarantee.
+    """
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
+                 seeds: Sequence[int]) -> list[Completion]:
+        """One reply per prompt, in order.
+
+        Args:
+            prompts: N token-id sequences (whole contexts, unpadded, possibly of different lengths).
+            settings: the sampling distribution and limits, the same for all prompts.
+            seeds: N seeds; ``seeds[i]`` alone fixes prompt i's random stream.
+
+        Returns:
+            N :class:`Completion`.
+        """
+
+    @abc.abstractmethod
+    def sync_weights(self, model: Any) -> None:
+        """Sample from ``model``'s current weights from now on (the trainer calls it after each update)."""
+
+
+class HFGenerateBackend(GenerationBackend):
+    """Generation with transformers' ``model.generate`` on the live model (batched, left padded, KV cache).
+
+    ``generate`` runs greedy search while a logits processor (:class:`~lopd_lightning.rollout.sampling.
+    _SeededSampler`, last in the list) draws each row's token with that row's ``torch.Generator`` and
+    records its log-prob, so no (B, S, V) ``output_logits`` are kept. The model is put in eval mode for
+    the call (its mode is restored) and its generation config is copied, never changed; the config's
+    processors that would alter the distribution (repetition penalty, ...) are reset.
+
+    Args:
+        model: a transformers causal LM (on any device).
+        tokenizer: its tokenizer (EOS required; pad falls back to EOS; decodes for stop strings).
+        use_cache: generate with the key-value cache (the default); False recomputes the whole context for
+            every new token (benchmarks/rollouts.py measures the difference). Same tokens up to
+            floating-point differences between the two computations.
+
+    Raises:
+        ValueError: the tokenizer has no EOS token.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, use_cache: bool = True):
+        self.model, self.tokenizer, self.use_cache = model, tokenizer, bool(use_cache)
+        _, eos_id = _eos(tokenizer)
+        self.eos_ids = [eos_id]
+        cfg_eos = model.generation_config.eos_token_id
+        for e in ([cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])):
+            if e not in self.eos_ids:
+                self.eos_ids.append(int(e))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+        self._config: tuple[SamplingSettings, Any] | None = None
+
+    def sync_weights(self, model: Any) -> None:
+        """Nothing to do: ``generate`` runs the live model itself."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
+                 seeds: Sequence[int]) -> list[Completion]:
+        """One ``model.generate`` call on the left-padded prompts (see :meth:`GenerationBackend.generate`).
+
+        Raises:
+            ValueError: ``prompts`` and ``seeds`` differ in length.
+            RuntimeError: another logits processor changed the sampled tokens.
+        """
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if not prompts:
+            return []
+        # lazy, as it always was: importing transformers is slow
+        from transformers import LogitsProcessorList
+
+        device = next(self.model.parameters()).device
+        length = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), length), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, length - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            attention[i, length - len(prompt):] = 1
+        sampler = _SeededSampler(list(seeds), device=device, temperature=settings.temperature, top_k=settings.top_k,
+                                 top_p=settings.top_p, greedy=settings.greedy)
+        extra: dict[str, Any] = {"tokenizer": self.tokenizer} if settings.stop_strings else {}  # stop strings need it
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = self.model.generate(
+                    input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                    generation_config=self._generation_config(settings),
+                    logits_processor=LogitsProcessorList([sampler]), **extra,
+                )
+        finally:
+            self.model.train(was_training)
+        sequences = out if isinstance(out, Tensor) else out.sequences
+        return self._completions(sequences[:, length:].cpu(), sampler, settings)
+
+    def _completions(self, new: Tensor, sampler: _SeededSampler, settings: SamplingSettings) -> list[Completion]:
+        """Cut each generated row (B, S) at its end and pair it with the sampler's log-probs."""
+        tokens = torch.stack(sampler.tokens, dim=1).cpu()
+        logps = torch.stack(sampler.logps, dim=1).float().cpu()
+        if new.shape != tokens.shape:
+            raise RuntimeError(f"generate returned {new.shape[1]} new tokens but sampled {tokens.shape[1]}")
+        stop_strings = list(settings.stop_strings) or None
+        completions = []
+        for i in range(new.shape[0]):
+            row = new[i].tolist()
+            n, reason = _reply_length(self.tokenizer, row, set(self.eos_ids), stop_strings)
+            if row[:n] != tokens[i, :n].tolist():
+                raise RuntimeError(
+                    "generate did not keep the sampled tokens: another logits processor runs after the sampler"
+                )
+            completions.append(Completion(token_ids=row[:n], logps=logps[i, :n].tolist(), finish_reason=reason))
+        return completions
+
+    def _generation_config(self, settings: SamplingSettings) -> Any:
+        """A copy of ``model.generation_config`` for ``settings`` (built once per settings; the model's is kept)."""
+        if self._config is None or self._config[0] != settings:
+            self._config = (settings, _generation_config(
+                self.model, max_new_tokens=settings.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                stop_strings=list(settings.stop_strings) or None, use_cache=self.use_cache,
+            ))
+        return self._config[1]
+
+
+#: generation-config fields reset to a neutral value so that the sampling distribution is the model's.
+_NEUTRAL_GENERATION = {
+    "do_sample": False, "num_beams": 1, "num_return_sequences": 1, "temperature": 1.0, "top_k": 50,
+    "top_p": 1.0, "typical_p": 1.0, "min_p": None, "top_h": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "guidance_scale": 1.0,
+    "remove_invalid_values": False, "output_scores": False, "output_logits": False,
+    "return_dict_in_generate": False, "max_length": None, "stop_strings": None,
+}
+#: fields that alter the distribution and cannot be reset (None is filled in from the model's config).
+_ALTERING_GENERATION = (
+    "min_new_tokens", "bad_words_ids", "sequence_bias", "forced_bos_token_id", "forced_eos_token_id",
+    "suppress_tokens", "begin_suppress_tokens", "exponential_decay_length_penalty", "watermarking_config",
+)
+
+
+def _generation_config(model: Any, *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
+                       stop_strings: list[str] | None, use_cache: bool = True) -> Any:
+    """A copy of ``model.generation_config`` for :class:`HFGenerateBackend` (the model's is never changed)."""
+    cfg = copy.deepcopy(model.generation_config)
+    for name, value in _NEUTRAL_GENERATION.items():
+        setattr(cfg, name, value)
+    altering = [n for n in _ALTERING_GENERATION if getattr(cfg, n, None) is not None]
+    if altering:
+        log.warning(
+            "model.generation_config sets %s: sampling_logps follow the processed logits, not the model's", altering
+        )
+    cfg.max_new_tokens = max_new_tokens
+    cfg.eos_token_id = eos_ids
+    cfg.pad_token_id = pad_id
+    cfg.stop_strings = stop_strings
+    cfg.use_cache = bool(use_cache)
+    return cfg
+
+
+def _reply_length(tokenizer: Any, ids: list[int], eos_ids: set[int], stop_strings: list[str] | None) -> tuple[int, str]:
+    """Length of the reply in the generated row ``ids`` and why it ended ("eos", "stop_string", "length")."""
+    n_eos = next((i + 1 for i, t in enumerate(ids) if t in eos_ids), None)
+    if n_eos is not None:
+        ids = ids[:n_eos]
+    if stop_strings:
+        def hit(n: int) -> bool:
+            text = tokenizer.decode(ids[:n], skip_special_tokens=False)
+            return any(s in text for s in stop_strings)
+
+        if ids and hit(len(ids)):
+            lo, hi = 1, len(ids)  # the smallest n with hit(n): where generate's stop-string check fired
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hit(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if n_eos is None or lo < n_eos:
+                return lo, "stop_string"
+    if n_eos is not None:
+        return n_eos, "eos"
+    return len(ids), "length"

@@ -1,0 +1,377 @@
+"""The episode loop: rollouts of the student in a task, turn by turn, on top of a generation backend.
+
+:func:`generate_rollouts` starts ``group_size`` episodes per example (rows ``[ex0 s0, ex0 s1, ..., ex1 s0,
+...]``, group id = the example's index in ``examples``; GRPO's G, docs/METHOD.md section 6). All live
+episodes advance together, one turn at a time:
+
+1. start: ``task.start(example)`` makes each episode; its prompt is encoded (:func:`encode_prompt`).
+2. turn: the contexts of the live episodes go to the backend (:class:`GenerationBackend`, in chunks of
+   ``generation_batch_size``) with one seed per rollout and turn (:func:`derive_seed`: seed, step,
+   example id, sample index, turn; the sample index counts the example's rollouts in this call, so an
+   example listed twice gets sample indices 0..2G-1).
+3. advance: each reply is appended (assistant mask 1, its log-probs), decoded and fed to
+   ``episode.step``; the observation follows (:func:`encode_observation`, mask 0). An episode finishes
+   when it says ``done``, after ``max_turns`` replies (``truncation="max_turns"``), or before a turn
+   when its context is longer than ``max_prompt_tokens`` or ``context + max_new_tokens`` exceeds the
+   model's ``max_position_embeddings`` (``truncation="context"``).
+4. score: the reward of every episode, read through :func:`lopd_lightning.tasks.episode_reward`.
+5. assemble: the right-padded :class:`RolloutBatch`.
+
+Reproducibility: the same arguments, weights, software and device give identical batches. The random
+numbers a rollout consumes depend only on its seed coordinates, not on the other examples, their order
+or ``generation_batch_size``; its tokens are therefore independent of batch composition up to
+floating-point differences of the logits between batch shapes (padding, batch size), which can flip a
+sample only at near-ties.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from lopd_lightning.deprecation import rename_keys
+from lopd_lightning.rollout.backends import (
+    Completion,
+    GenerationBackend,
+    HFGenerateBackend,
+    SamplingSettings,
+)
+from lopd_lightning.rollout.batch import RolloutBatch, RolloutStats, _token_tensors
+from lopd_lightning.rollout.chat import _pad_token_id, encode_observation, encode_prompt
+from lopd_lightning.rollout.sampling import derive_seed
+from lopd_lightning.tasks.base import (
+    Episode,
+    Example,
+    Message,
+    Task,
+    episode_reward,
+    turn_limit,
+)
+
+log = logging.getLogger(__package__)  # "lopd_lightning.rollout": one logger name for the whole package
+
+__all__ = ["generate_rollouts", "warn_turn_limit"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: keywords of :func:`generate_rollouts` that were renamed (old -> new); the old spelling warns once.
+_RENAMED_ARGUMENTS = {"num_rollouts_per_example": "group_size"}
+
+
+@dataclass
+class _Rollout:
+    """One episode in progress: its token ids, masks and log-probs so far, and how it went."""
+
+    example: Example
+    example_index: int
+    sample_index: int
+    episode: Episode
+    tools: list[dict] | None
+    messages: list[Message]
+    ids: list[int]
+    mask: list[int]
+    logps: list[float]
+    context_position: int
+    rendered: str
+    turns: int = 0
+    done: bool = False
+    truncation: str | None = None
+    errors: list[str] = field(default_factory=list)
+    reply_tokens: list[int] = field(default_factory=list)
+    stop_reasons: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+
+
+#: names of the tasks whose turn-limit warning was given (once per task and process).
+_TURN_LIMIT_WARNED: set[str] = set()
+
+
+def warn_turn_limit(task: Task, rollouts: Sequence[Any], max_turns: int, limit_source: str) -> bool:
+    """Warn once per task (by name) when episodes were cut at the turn limit before they said ``done``.
+
+    The line names the task's ``multi_turn`` / ``max_turns`` attributes and the config key
+    ``model.init_args.max_turns``: a task that needs two replies but declares neither is otherwise cut
+    after one reply without a word (its episodes are recorded with ``truncation="max_turns"``).
+
+    Returns:
+        True when the warning was given by this call.
+    """
+    cut = [r for r in rollouts if r.truncation == "max_turns"]
+    name = str(getattr(task, "name", type(task).__name__))
+    if not cut or name in _TURN_LIMIT_WARNED:
+        return False
+    _TURN_LIMIT_WARNED.add(name)
+    first = cut[0]
+    replies = f"{first.turns} repl{'y' if first.turns == 1 else 'ies'}"
+    if not task.multi_turn:
+        log.warning(
+            "task %r has multi_turn = False, but its episode of example %r asked for another turn "
+            "(StepResult.done = False) after %s: %d of %d episodes were cut at max_turns=%d (from %s; "
+            "truncation='max_turns'). A task whose episodes take several replies sets `multi_turn = True` "
+            "and `max_turns` on its Task class (or set model.init_args.max_turns)",
+            name, first.example.id, replies, len(cut), len(rollouts), max_turns, limit_source,
+        )
+    else:
+        log.warning(
+            "task %r: %d of %d episodes were cut at max_turns=%d (from %s) before they ended "
+            "(StepResult.done = False; truncation='max_turns'); if its episodes need more replies, raise the "
+            "task's `max_turns` attribute or model.init_args.max_turns (warned once per task)",
+            name, len(cut), len(rollouts), max_turns, limit_source,
+        )
+    return True
+
+
+def _accepts_renamed_arguments(func: F) -> F:
+    """Serve the old keywords of :data:`_RENAMED_ARGUMENTS` (each warns once with the new spelling)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **rename_keys(kwargs, where=func.__name__, renames=_RENAMED_ARGUMENTS))
+
+    return wrapper  # type: ignore[return-value]
+
+
+@_accepts_renamed_arguments
+def generate_rollouts(
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    examples: Sequence[Example],
+    *,
+    group_size: int = 1,
+    temperature: float = 0.7,
+    top_p: float | None = 0.95,
+    top_k: int | None = 20,
+    max_new_tokens: int = 256,
+    max_turns: int | None = None,
+    max_prompt_tokens: int | None = None,
+    seed: int = 0,
+    step: int = 0,
+    greedy: bool = False,
+    stop_strings: Sequence[str] | None = None,
+    generation_batch_size: int | None = None,
+    use_cache: bool = True,
+    backend: GenerationBackend | None = None,
+) -> RolloutBatch:
+    """Sample ``group_size`` rollouts per example of the student in ``task`` (the module's steps 1-5).
+
+    Sampling and ``sampling_logps`` follow the backend contract (:mod:`lopd_lightning.rollout.backends`).
+
+    Args:
+        model: the student, a transformers causal LM (eval mode while it generates, its mode restored);
+            with ``backend`` given, only its ``config.max_position_embeddings`` is read (None: no limit).
+        tokenizer: its tokenizer (chat template, EOS; pad falls back to EOS).
+        task: the task; ``task.start(example)`` makes each episode.
+        examples: the examples to roll out.
+        group_size: G rollouts per example (formerly ``num_rollouts_per_example``, which still works
+            with a FutureWarning).
+        temperature: > 0; the sampling temperature. top_p: nucleus mass in (0, 1], None or 1 = off.
+        top_k: top-k, None or 0 = off. max_new_tokens: limit per turn.
+        max_turns: replies per episode; None = ``task.max_turns`` if the task has it, else 8 for
+            multi-turn tasks and 1 otherwise. Episodes cut there before they said ``done`` are recorded
+            with ``truncation="max_turns"``, and :func:`warn_turn_limit` warns once per task.
+        max_prompt_tokens: longest context sent to the backend (None = only the model's limit).
+        seed, step: seed coordinates (the trainer passes the global step).
+        greedy: argmax decoding (evaluation).
+        stop_strings: extra strings that end a reply; the reply keeps the stop string and has no EOS,
+            so the template's EOS follows it with mask 0.
+        generation_batch_size: most rows per backend call (None = all active rows; else the longest
+            contexts go first, for less padding).
+        use_cache: the default backend's key-value cache (:class:`HFGenerateBackend`); ignored with ``backend``.
+        backend: the generator (None: ``HFGenerateBackend(model, tokenizer, use_cache=use_cache)``).
+
+    Returns:
+        A right-padded :class:`RolloutBatch` on CPU with ``stats``; the same arguments, weights, software
+        and device give identical batches.
+
+    Raises:
+        ValueError: bad sampling arguments, or a reward outside [0, 1] (naming task and example).
+        ChatTemplateError: the chat template is not prefix-consistent (multi-turn).
+        RuntimeError: an episode's ``step`` raised (chained, naming task and example), or the backend
+            returned another number of completions than prompts.
+    """
+    t_start = time.perf_counter()
+    settings = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                                greedy=greedy, stop_strings=tuple(stop_strings or ()))
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if generation_batch_size is not None and generation_batch_size < 1:
+        raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
+    max_turns, limit_source = turn_limit(task, max_turns, given_by="the max_turns argument (model.init_args.max_turns)")
+    if backend is None:
+        backend = HFGenerateBackend(model, tokenizer, use_cache=use_cache)
+    loop = _EpisodeLoop(
+        backend=backend, tokenizer=tokenizer, task=task, settings=settings, seed=seed, step=step, max_turns=max_turns,
+        max_prompt_tokens=max_prompt_tokens, generation_batch_size=generation_batch_size,
+        max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None),
+    )
+    loop.start(examples, group_size)
+    while active := loop.active():
+        loop.play_turn(active)
+    warn_turn_limit(task, loop.rollouts, max_turns, limit_source)
+    return loop.finish(t_start)
+
+
+@dataclass
+class _EpisodeLoop:
+    """The state of one :func:`generate_rollouts` call: its settings, the rollouts and the timing."""
+
+    backend: GenerationBackend
+    tokenizer: Any
+    task: Task
+    settings: SamplingSettings
+    seed: int
+    step: int
+    max_turns: int
+    max_prompt_tokens: int | None
+    generation_batch_size: int | None
+    max_positions: int | None
+    rollouts: list[_Rollout] = field(default_factory=list)
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+    def start(self, examples: Sequence[Example], group_size: int) -> None:
+        """Step 1: ``group_size`` episodes per example, each with its encoded prompt (mask 0)."""
+        seen: dict[str, int] = {}
+        for ex_index, example in enumerate(examples):
+            base = seen.get(example.id, 0)
+            seen[example.id] = base + group_size
+            for k in range(group_size):
+                t0 = time.perf_counter()
+                episode = self.task.start(example)
+                self.stats.env_seconds += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                messages = [dict(m) for m in self.task.initial_messages(example)]
+                tools = self.task.tools(example)
+                prompt = encode_prompt(self.tokenizer, messages, tools=tools)
+                self.stats.tokenize_seconds += time.perf_counter() - t0
+                n = len(prompt.input_ids)
+                self.rollouts.append(_Rollout(
+                    example=example, example_index=ex_index, sample_index=base + k, episode=episode, tools=tools,
+                    messages=messages, ids=list(prompt.input_ids), mask=[0] * n, logps=[0.0] * n,
+                    context_position=prompt.context_position, rendered=prompt.text,
+                ))
+
+    def active(self) -> list[_Rollout]:
+        """The rollouts that get another turn; a context too long for one finishes ("context")."""
+        out = []
+        for r in self.rollouts:
+            if r.finished:
+                continue
+            too_long = (self.max_prompt_tokens is not None and len(r.ids) > self.max_prompt_tokens) or (
+                self.max_positions is not None and len(r.ids) + self.settings.max_new_tokens > self.max_positions
+            )
+            if too_long:
+                r.truncation, r.finished = "context", True
+            else:
+                out.append(r)
+        return out
+
+    def play_turn(self, active: list[_Rollout]) -> None:
+        """Step 2: one reply for every active rollout, chunk by chunk, each chunk advanced when it returns."""
+        order, size = active, self.generation_batch_size or len(active)
+        if self.generation_batch_size is not None:  # similar lengths together: less padding
+            order = sorted(active, key=lambda r: -len(r.ids))
+        for start in range(0, len(order), size):
+            chunk = order[start:start + size]
+            seeds = [derive_seed(self.seed, self.step, r.example.id, r.sample_index, r.turns) for r in chunk]
+            t0 = time.perf_counter()
+            completions = self.backend.generate([r.ids for r in chunk], self.settings, seeds)
+            self.stats.generate_seconds += time.perf_counter() - t0
+            self.stats.generate_calls += 1
+            if len(completions) != len(chunk):
+                raise RuntimeError(
+                    f"{type(self.backend).__name__}.generate returned {len(completions)} completions "
+                    f"for {len(chunk)} prompts"
+                )
+            for r, completion in zip(chunk, completions):
+                self.advance(r, completion)
+
+    def advance(self, r: _Rollout, completion: Completion) -> None:
+        """Step 3: append the reply, step the episode, append its observation; finish the rollout if over."""
+        t0 = time.perf_counter()
+        r.ids += completion.token_ids
+        r.mask += [1] * len(completion.token_ids)
+        r.logps += completion.logps
+        r.turns += 1
+        r.reply_tokens.append(len(completion.token_ids))
+        r.stop_reasons.append(completion.finish_reason)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        r.messages.append({"role": "assistant", "content": text})
+        self.stats.tokenize_seconds += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        try:
+            result = r.episode.step(text)
+        except Exception as err:
+            raise RuntimeError(
+                f"task {self.task.name!r}: episode.step failed for example {r.example.id!r}: {err}"
+            ) from err
+        self.stats.env_seconds += time.perf_counter() - t0
+        r.info = dict(result.info)
+        if result.info.get("error"):
+            r.errors.append(str(result.info["error"]))
+        r.done = bool(result.done)
+        if not r.done and r.turns >= self.max_turns:
+            r.truncation = "max_turns"
+        r.finished = r.done or r.truncation is not None
+        if result.messages or not r.finished:
+            # observation tokens (or, with none, the template text up to the next generation prompt)
+            t0 = time.perf_counter()
+            r.messages.extend(dict(m) for m in result.messages)
+            obs_ids, r.rendered = encode_observation(
+                self.tokenizer, r.messages, rendered_before_reply=r.rendered, reply=text,
+                reply_has_eos=completion.finish_reason == "eos", tools=r.tools,
+            )
+            r.ids += obs_ids
+            r.mask += [0] * len(obs_ids)
+            r.logps += [0.0] * len(obs_ids)
+            self.stats.tokenize_seconds += time.perf_counter() - t0
+
+    def finish(self, t_start: float) -> RolloutBatch:
+        """Steps 4 and 5: score every episode (:func:`episode_reward`) and assemble the batch."""
+        rewards = []
+        for r in self.rollouts:
+            t0 = time.perf_counter()
+            rewards.append(episode_reward(self.task, r.example, r.episode))
+            self.stats.env_seconds += time.perf_counter() - t0
+        rollouts = self.rollouts
+        pad_id = _pad_token_id(self.tokenizer)
+        batch = RolloutBatch(
+            **_token_tensors([r.ids for r in rollouts], [r.mask for r in rollouts], [r.logps for r in rollouts],
+                             pad_id),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            group_ids=torch.tensor([r.example_index for r in rollouts], dtype=torch.long),
+            context_position=torch.tensor([r.context_position for r in rollouts], dtype=torch.long),
+            example_ids=[r.example.id for r in rollouts],
+            messages=[r.messages for r in rollouts],
+            metadata=[_metadata(r) for r in rollouts],
+            stats=self.stats,
+            pad_token_id=pad_id,
+        )
+        self.stats.generated_tokens = batch.num_assistant_tokens()
+        self.stats.rollouts = len(batch)
+        self.stats.total_seconds = time.perf_counter() - t_start
+        return batch
+
+
+def _metadata(r: _Rollout) -> dict[str, Any]:
+    """``RolloutBatch.metadata`` of one finished rollout."""
+    return {
+        "turns": r.turns,
+        "done": r.done,
+        "truncated": r.truncation is not None,
+        "truncation": r.truncation,
+        "errors": r.errors,
+        "info": r.info,
+        "reply_tokens": r.reply_tokens,
+        "stop_reasons": r.stop_reasons,
+        "example_index": r.example_index,
+        "sample_index": r.sample_index,
+    }
