@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lopd_lightning.sandbox import CheckedResult, SandboxResult, isolation_report, run_checked
+from lopd_lightning.sandbox import CheckedResult, SandboxLimits, SandboxResult, isolation_report, run_checked
 from lopd_lightning.tasks import get_task
 from lopd_lightning.tasks.code import DEFAULT_SYSTEM_PROMPT, HumanEvalTask, extract_code
 
@@ -380,6 +380,7 @@ def test_the_task_hides_its_data_and_warns_once_where_it_cannot(task, by_id, mon
         assert task.score_many([(ex, FUNCTION), (ex, FUNCTION)]) == [1.0, 1.0]
         task.score(ex, FUNCTION)
     assert seen[0]["hide"] == task.hidden_paths()
+    assert seen[0]["limits"] == SandboxLimits(timeout_s=3.0, memory_mb=512) and seen[0]["module"] == "solution"
     warned = [r.getMessage() for r in caplog.records if "cannot hide" in r.getMessage()]
     assert len(warned) == 1 and "process-only" in warned[0] and data in warned[0], warned
     caplog.clear()

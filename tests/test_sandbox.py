@@ -10,6 +10,7 @@ import time
 import pytest
 
 from lopd_lightning.sandbox import (
+    SandboxLimits,
     SandboxResult,
     bwrap_available,
     isolation_report,
@@ -264,6 +265,111 @@ def test_bad_limits_raise():
 
 
 # ---------------------------------------------------------------------------------------------------
+# The limits as one record
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_limits_record_defaults_validation_and_cpu_limit():
+    limits = SandboxLimits()
+    assert (limits.timeout_s, limits.memory_mb, limits.max_output_bytes, limits.max_processes, limits.max_file_mb,
+            limits.max_disk_mb) == (10.0, 1024, 64_000, 32, 16, 64)
+    assert limits.isolate_network and limits.private_tmp and limits.python_guards and limits.bwrap is None
+    assert SandboxLimits(timeout_s=1.5).cpu_s == 3 and SandboxLimits(timeout_s=2.0).cpu_s == 3
+    for bad in ({"timeout_s": 0}, {"timeout_s": math.nan}, {"memory_mb": -1}, {"max_output_bytes": -1},
+                {"max_processes": 0}, {"max_file_mb": 0}, {"max_disk_mb": 0}):
+        with pytest.raises(ValueError, match="sandbox limits must be positive"):
+            SandboxLimits(**bad)
+    assert SandboxLimits(max_output_bytes=0).max_output_bytes == 0
+    with pytest.raises(AttributeError):  # frozen: one record can be shared by many runs
+        limits.timeout_s = 1.0
+
+
+def test_limits_record_and_keywords_set_the_same_limits():
+    loop = "while True:\n    pass"
+    by_record = run_code(loop, limits=SandboxLimits(timeout_s=1.0, memory_mb=256))
+    by_keywords = run_code(loop, timeout_s=1.0, memory_mb=256)
+    overridden = run_code(loop, limits=SandboxLimits(timeout_s=30.0), timeout_s=1.0)  # a keyword wins
+    for result in (by_record, by_keywords, overridden):
+        assert result.status == "timeout" and result.reason == "timeout: wall-clock limit of 1 s", result
+        assert result.duration_s < 3.0
+    small = SandboxLimits(max_output_bytes=100, **FAST)
+    printed = "print('x' * 1000)"
+    assert "bytes cut" in run_code(printed, limits=small).stdout
+    assert [len(r.stdout) < 200 for r in run_many([printed, printed], limits=small, max_workers=2)] == [True, True]
+    pairs = [("def f(x):\n    return x + 1\n", "assert candidate_function('f')(1) == 2\n")]
+    assert run_checked(*pairs[0], limits=small, python_guards=False).passed
+    assert [r.passed for r in run_many_checked(pairs, limits=small, module="solution")] == [True]
+
+
+def test_limits_that_are_not_a_record_or_not_an_option_raise():
+    with pytest.raises(TypeError, match="SandboxLimits"):
+        run_code("pass", limits={"timeout_s": 1.0})
+    with pytest.raises(TypeError, match="no_such_limit"):
+        run_code("pass", no_such_limit=1)
+    with pytest.raises(TypeError, match="module"):
+        run_many(["pass"], module="solution")  # an option of run_checked only
+    with pytest.raises(ValueError, match="memory_mb=0"):
+        run_many_checked([("pass", "pass")], limits=SandboxLimits(), memory_mb=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The child program
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_child_program_imports_only_the_standard_library_and_its_own_folder():
+    # The sandboxed interpreter must never import lopd_lightning (nor torch & co.): every module of the child's
+    # folder imports the standard library and its siblings (relatively) only.
+    import ast
+    import sys
+    from pathlib import Path
+
+    import lopd_lightning.sandbox.child as child_package
+
+    folder = Path(child_package.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                continue  # a sibling
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                top = name.split(".")[0]
+                # lopd_sandbox_child: this folder, as __main__.py names it when the sandbox runs it by path
+                assert top in sys.stdlib_module_names or top in ("__future__", "lopd_sandbox_child"), (path, name)
+    code = "import sys\nprint(sorted(m.split('.')[0] for m in sys.modules if m.startswith(('lopd', 'torch'))))"
+    result = run_code(code, **FAST)
+    assert result.ok and set(ast.literal_eval(result.stdout)) == {"lopd_sandbox_child"}, result
+
+
+def test_the_old_child_module_still_works_and_warns_once(monkeypatch):
+    import warnings
+
+    from lopd_lightning import deprecation
+    from lopd_lightning.sandbox.child import SETUP_FAILED_EXIT
+    from lopd_lightning.sandbox.child.codec import decode, encode
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    import lopd_lightning.sandbox_child as old
+
+    with pytest.warns(FutureWarning, match="lopd_lightning.sandbox.child.codec"):
+        assert old.encode is encode
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert old.encode is encode  # once
+    with pytest.warns(FutureWarning):
+        assert old.decode is decode and old.decode(old.encode((1, b"x"))) == (1, b"x")
+    with pytest.warns(FutureWarning, match="lopd_lightning.sandbox.child.SETUP_FAILED_EXIT"):
+        assert old.SETUP_FAILED_EXIT == SETUP_FAILED_EXIT == 125
+    with pytest.raises(AttributeError):
+        _ = old.no_such_name
+    import lopd_lightning.sandbox as sandbox
+
+    with pytest.warns(FutureWarning, match="lopd_lightning.sandbox.child.PROTOCOL_EXIT"):
+        assert sandbox.PROTOCOL_EXIT == 3
+
+
+# ---------------------------------------------------------------------------------------------------
 # Isolation modes
 # ---------------------------------------------------------------------------------------------------
 
@@ -308,7 +414,7 @@ PLAIN_VALUES = [
 
 @pytest.mark.parametrize("value", PLAIN_VALUES, ids=[f"{type(v).__name__}-{i}" for i, v in enumerate(PLAIN_VALUES)])
 def test_plain_data_round_trip_keeps_types(value):
-    from lopd_lightning.sandbox_child import decode, encode
+    from lopd_lightning.sandbox.child.codec import decode, encode
 
     text = encode(value)
     assert "\n" not in text and text.isascii()
@@ -344,7 +450,7 @@ class Sneaky(int):
          "function", "dict-value", "too-deep"],
 )
 def test_anything_else_is_not_plain_data(value):
-    from lopd_lightning.sandbox_child import NotPlainData, encode
+    from lopd_lightning.sandbox.child.codec import NotPlainData, encode
 
     with pytest.raises(NotPlainData):
         encode(value, max_depth=4)
@@ -357,14 +463,14 @@ def test_anything_else_is_not_plain_data(value):
      '{"__class__": "os.system"}', '"\\ud800" x'],
 )
 def test_decode_refuses_what_encode_never_makes(text):
-    from lopd_lightning.sandbox_child import decode
+    from lopd_lightning.sandbox.child.codec import decode
 
     with pytest.raises(ValueError):
         decode(text)
 
 
 def test_decode_bounds_depth_and_size():
-    from lopd_lightning.sandbox_child import decode, encode
+    from lopd_lightning.sandbox.child.codec import decode, encode
 
     deep = "[" * 150 + "]" * 150
     with pytest.raises(ValueError, match="deeper"):
@@ -576,12 +682,12 @@ def test_isolation_report_says_what_a_mode_cannot_do(isolation):
 
 
 def test_process_only_mode_warns_once(monkeypatch, caplog):
-    import lopd_lightning.sandbox as sandbox
+    import lopd_lightning.sandbox.checked as checked_module
 
-    monkeypatch.setattr(sandbox, "_mode_name", lambda tool, **kw: "process-only")
-    monkeypatch.setattr(sandbox, "_PROCESS_ONLY_WARNED", False)
+    monkeypatch.setattr(checked_module, "_mode_name", lambda tool, **kw: "process-only")
+    monkeypatch.setattr(checked_module, "_PROCESS_ONLY_WARNED", False)
     with caplog.at_level(logging.WARNING, logger="lopd_lightning.sandbox"):
         for _ in range(2):
             assert checked("def f(x):\n    return x + 1\n").passed
     warned = [r.getMessage() for r in caplog.records if "process-only" in r.getMessage()]
-    assert len(warned) == 1 and "sandbox_child.py" in warned[0] and "forge" in warned[0], warned
+    assert len(warned) == 1 and os.path.join("sandbox", "child") in warned[0] and "forge" in warned[0], warned

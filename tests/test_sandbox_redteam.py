@@ -669,15 +669,20 @@ def _digest(path: str) -> str:
 
 
 def _checker_files() -> list[str]:
+    """The checker's own program: the child program's files (its entry first), then the rest of the sandbox
+    package (the trainer's side)."""
     import lopd_lightning.sandbox as sandbox_module
-    import lopd_lightning.sandbox_child as child_module
+    import lopd_lightning.sandbox.child as child_package
 
-    return [os.path.realpath(child_module.__file__), os.path.realpath(sandbox_module.__file__)]
+    child = Path(os.path.realpath(child_package.__file__)).parent
+    package = Path(os.path.realpath(sandbox_module.__file__)).parent
+    rest = sorted(str(p) for p in [*child.glob("*.py"), *package.glob("*.py")] if p.name != "__main__.py")
+    return [str(child / "__main__.py"), *rest]
 
 
 @pytest.mark.parametrize("bwrap", modes(gap="gap: a trainer that is not root (without bubblewrap) shares its uid "
                                         "with the program, which can rewrite the checker's own program "
-                                        "(sandbox_child.py, sandbox.py) and every file of the trainer's: every "
+                                        "(sandbox/child/, sandbox/) and every file of the trainer's: every "
                                         "later verdict could be forged (see the warning of run_checked)",
                                         when=lambda report: report["mode"] == "process-only"
                                         and os.access(_checker_files()[0], os.W_OK)))

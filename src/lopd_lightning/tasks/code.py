@@ -18,7 +18,7 @@ import re
 import threading
 from collections.abc import Sequence
 
-from lopd_lightning.sandbox import CheckedResult, run_many_checked
+from lopd_lightning.sandbox import CheckedResult, SandboxLimits, run_many_checked
 from lopd_lightning.tasks.base import Example, Message, Task
 
 __all__ = [
@@ -342,8 +342,7 @@ class HumanEvalTask(Task):
             programs,
             max_workers=max_workers if max_workers is not None else self.max_workers,
             module="solution",
-            timeout_s=self.timeout_s,
-            memory_mb=self.memory_mb,
+            limits=SandboxLimits(timeout_s=self.timeout_s, memory_mb=self.memory_mb),
             hide=self.hidden_paths(),
         )
         unhidden = next((r.isolation for r in results if r.isolation in _CANNOT_HIDE), None)
