@@ -27,8 +27,8 @@ from lopd_lightning.tasks.toy import ToyTask
 from helpers import ParityToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-TINY_LOPD = dict(lora=LORA, rollouts_per_example=2, max_new_tokens=8, num_latents=4, num_experiences=2,
-                 composer_depth=2, max_experience_tokens=64, embedder="hashing", top_m=8)
+TINY_LOPD = dict(lora=LORA, group_size=2, max_new_tokens=8, num_latents=4, num_experiences=2,
+                 composer_depth=2, max_experience_tokens=64, embedder="hashing", distill_top_k=8)
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -54,14 +54,14 @@ def test_tokenizer_that_does_not_match_the_model_fails_before_the_weights_load(t
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: LOPDModule("tiny", **{**TINY_LOPD, "top_m": 1000}),
-        lambda: SDPOModule("tiny", top_k_distill=1000),
-        lambda: OPSDModule("tiny", divergence="topk_reverse_kl", top_k_distill=1000),
+        lambda: LOPDModule("tiny", **{**TINY_LOPD, "distill_top_k": 1000}),
+        lambda: SDPOModule("tiny", distill_top_k=1000),
+        lambda: OPSDModule("tiny", divergence="topk_reverse_kl", distill_top_k=1000),
     ],
     ids=["lopd_top_m", "sdpo_top_k", "opsd_top_k"],
 )
 def test_top_k_larger_than_the_vocabulary_names_the_field(make):
-    with pytest.raises(ValueError, match=r"=1000 is larger than the vocabulary \(259 tokens\); set model.init_args.top"):
+    with pytest.raises(ValueError, match=r"=1000 is larger than the vocabulary \(259 tokens\); set model.init_args.distill_top_k"):
         make()
 
 
@@ -83,7 +83,7 @@ def test_more_experiences_than_the_bank_holds_names_the_field(tmp_path):
 # ------------------------------------------------------------------------------------------ numbers
 
 class NaNAtStep(L.Callback):
-    """Makes the student's logits NaN during the given step (a stand-in for an overflow)."""
+    """Makes the student's forward (logits or hidden states) NaN during the given step (a stand-in for an overflow)."""
 
     def __init__(self, step: int):
         self.step = step
@@ -93,15 +93,15 @@ class NaNAtStep(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.snapshots[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters() if p.requires_grad]
         self.betas[trainer.global_step] = getattr(pl_module, "beta", 0.0)
-        original = type(pl_module).student_logits
-        def nan_logits(*args, **kwargs):
-            out = original(pl_module, *args, **kwargs)  # (logits, cache) when the teacher shares the cache
-            return (out[0] * float("nan"), out[1]) if isinstance(out, tuple) else out * float("nan")
+        original = type(pl_module).student_forward
+        def nan_forward(*args, **kwargs):
+            out = original(pl_module, *args, **kwargs)  # StudentForward(values: logits or hidden states, cache)
+            return out._replace(values=out.values * float("nan"))
 
         if trainer.global_step == self.step:
-            pl_module.student_logits = nan_logits
+            pl_module.student_forward = nan_forward
         else:
-            pl_module.__dict__.pop("student_logits", None)
+            pl_module.__dict__.pop("student_forward", None)
 
 
 @pytest.mark.parametrize("method", ["lopd", "grpo"])
@@ -113,7 +113,7 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on(method, tmp_path,
         module.bank.add([Experience(task_id=e.id, task_text=e.text, trace=task.reference_solution(e), reward=1.0)
                          for e in task.examples("train")[:4]])
     else:
-        module = GRPOModule("tiny", lora=LORA, rollouts_per_example=4, max_new_tokens=8, learning_rate=1e-2,
+        module = GRPOModule("tiny", lora=LORA, group_size=4, max_new_tokens=8, learning_rate=1e-2,
                             temperature=1.5, top_k=0, top_p=1.0)
     hook = NaNAtStep(step=1)
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
@@ -189,7 +189,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     L.seed_everything(0)
-    module = GRPOModule("tiny", lora=LORA, rollouts_per_example=2, max_new_tokens=8)
+    module = GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=8)
     ckpt_dir = tmp_path / "ckpt"
     trainer = L.Trainer(
         max_steps=3, accelerator="cpu", devices=1, logger=False, limit_val_batches=0, enable_progress_bar=False,
@@ -208,7 +208,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
     resumed = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path))
-    fresh = GRPOModule("tiny", lora=LORA, rollouts_per_example=2, max_new_tokens=8)
+    fresh = GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=8)
     resumed.fit(fresh, OnPolicyDataModule("toy", examples_per_step=2, val_examples=4, val_batch_size=4),
                 ckpt_path=str(ckpt_dir / "last.ckpt"))
     assert resumed.global_step == 2

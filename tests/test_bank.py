@@ -327,3 +327,61 @@ def test_with_hashing_embedder_and_reembed():
     bank.reembed()
     np.testing.assert_allclose(bank.embeddings, before, atol=1e-6)
     assert len(repr(bank)) > 0
+
+
+# ---------------------------------------------------------------------- the modules the bank is built from
+def test_bank_folder_files_round_trip_without_a_bank(tmp_path):
+    """persistence.write_bank_folder / read_bank_folder: the folder format on its own (meta.json, JSON lines, .npy)."""
+    import json
+
+    from lopd_lightning.memory.persistence import STATE_VERSION, read_bank_folder, write_bank_folder
+
+    bank = ExperienceBank(DictEmbedder(seed=7), capacity=5, eviction="oldest")
+    bank.add(make(7, step=3))  # 7 records -> 5 kept, ids 2..6
+    state = bank.state_dict()
+    assert write_bank_folder(tmp_path / "b", state) == tmp_path / "b"
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert meta["version"] == STATE_VERSION and meta["size"] == 5 and meta["next_id"] == 7
+    assert meta["settings"] == bank.settings() and meta["embedder_name"] == "dict" and meta["dim"] == DIM
+    first = json.loads((tmp_path / "b" / "experiences.jsonl").read_text().splitlines()[0])
+    assert first == {"id": 2, **bank.records[0].to_dict()}
+    settings, read = read_bank_folder(tmp_path / "b")
+    assert settings == bank.settings()
+    assert read["ids"].dtype == np.int64 and read["ids"].tolist() == [2, 3, 4, 5, 6]
+    assert read["embeddings"].dtype == np.float32 and np.array_equal(read["embeddings"], bank.embeddings)
+    assert [Experience.from_dict(r) for r in read["records"]] == bank.records
+    assert read["counters"] == {"total_added": 7, "total_evicted": 2}
+    with pytest.raises(FileNotFoundError):
+        read_bank_folder(tmp_path / "nothing_here")
+
+
+@pytest.mark.parametrize("kind, faiss_class", [("flat", "IndexFlatIP"), ("ivf", "IndexIVFFlat"), ("hnsw", "IndexHNSWFlat")])
+def test_make_index_builds_each_kind_empty_and_searchable(kind, faiss_class):
+    import faiss
+
+    from lopd_lightning.memory.faiss_index import HNSW_EF_SEARCH, make_index
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((200, DIM)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = make_index(kind, vectors, dim=DIM, nprobe=4)
+    assert type(index).__name__ == faiss_class and index.ntotal == 0 and index.metric_type == faiss.METRIC_INNER_PRODUCT
+    if kind == "ivf":
+        assert index.is_trained and index.nprobe == 4
+    if kind == "hnsw":
+        assert index.hnsw.efSearch == HNSW_EF_SEARCH
+    index.add(vectors)
+    scores, positions = index.search(vectors[:3], 1)
+    assert positions[:, 0].tolist() == [0, 1, 2] and np.allclose(scores[:, 0], 1.0, atol=1e-5)
+
+
+def test_the_bank_module_still_serves_the_names_that_moved_out_of_it():
+    """Experience, SearchResult, build_ivf and the index settings live in their own modules now; the bank's
+    module path serves the same objects (benchmarks/retrieval.py reads them there)."""
+    from lopd_lightning.memory import bank, experience, faiss_index
+
+    assert bank.Experience is experience.Experience and bank.SearchResult is experience.SearchResult
+    assert bank.MISSING_SCORE == experience.MISSING_SCORE == -1.0
+    for name in ("build_ivf", "AUTO_APPROXIMATE_ABOVE", "AUTO_APPROXIMATE_KIND", "IVF_NPROBE", "HNSW_M",
+                 "HNSW_EF_SEARCH", "HNSW_EF_CONSTRUCTION"):
+        assert getattr(bank, name) is getattr(faiss_index, name), name

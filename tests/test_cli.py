@@ -8,11 +8,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
+from lopd_lightning import deprecation
 from lopd_lightning.cli import _lightning_cli, main
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
@@ -206,9 +209,11 @@ def test_a_module_check_without_the_key_in_its_message_gets_the_key_named(capsys
 
 
 def test_the_base_checks_name_their_keys(capsys, no_model_loading):
-    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=0"], capsys)
-    assert code == 1
-    assert_one_line_error(err, "model.init_args.rollouts_per_example must be >= 1, got 0")
+    # rollouts_per_example is group_size's former name: the check names the key as it is now spelled
+    for flag in ("--model.init_args.rollouts_per_example=0", "--model.init_args.group_size=0"):
+        code, err = run_main(["fit", "-c", str(TINY_YAML), flag], capsys)
+        assert code == 1
+        assert_one_line_error(err, "model.init_args.group_size must be >= 1, got 0")
     code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.lora={r: 4, lora_alfa: 8}"], capsys)
     assert code == 1
     assert_one_line_error(err, "model.init_args.lora.lora_alfa is not a LoraConfig field; did you mean 'lora_alpha'?")
@@ -476,3 +481,142 @@ def test_tasks_verify_takes_a_task_class_path(capsys):
     code, err = run_main(["tasks", "verify", "lopd_lightning.tasks.toy.NoSuchTask"], capsys)
     assert code == 2
     assert_one_line_error(err, "module 'lopd_lightning.tasks.toy' has no 'NoSuchTask' (task 'lopd_lightning.tasks.toy.NoSuchTask')")
+
+
+# ---------------------------------------------------------------------- renamed keys (issue 15)
+#: new key -> the spelling configs/tiny.yaml had before the rename
+TINY_OLD_SPELLINGS = {"group_size": "rollouts_per_example", "distill_top_k": "top_m"}
+
+
+@pytest.fixture
+def fresh_deprecation_warnings(monkeypatch):
+    """Each old spelling warns once per process: start the test as a fresh process would."""
+    monkeypatch.setattr(deprecation, "_warned", set())
+
+
+def old_tiny_config(folder: Path) -> Path:
+    """configs/tiny.yaml as an earlier release wrote it (rollouts_per_example, top_m)."""
+    text = TINY_YAML.read_text()
+    for new, old in TINY_OLD_SPELLINGS.items():
+        assert f"    {new}: " in text
+        text = text.replace(f"    {new}: ", f"    {old}: ")
+    path = folder / "old.yaml"
+    path.write_text(text)
+    return path
+
+
+def renamed_warnings(caught, new: str) -> list:
+    return [w for w in caught if issubclass(w.category, FutureWarning) and f"use model.init_args.{new}" in str(w.message)]
+
+
+def test_an_old_config_file_trains_with_one_warning_per_renamed_key(tmp_path, monkeypatch, fresh_deprecation_warnings):
+    old = old_tiny_config(tmp_path)
+    before = old.read_text()
+    monkeypatch.chdir(tmp_path)
+    copies = lambda: set(Path(tempfile.gettempdir()).glob("lopd-config-*"))  # noqa: E731
+    existing = copies()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = _lightning_cli(["fit", "-c", str(old), "--trainer.max_steps=1", "--trainer.logger=false",
+                              "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0"])
+    assert cli.trainer.global_step == 1
+    assert cli.model.hparams.group_size == 2 and cli.model.hparams.distill_top_k == 8
+    assert not {"rollouts_per_example", "top_m"} & set(cli.model.hparams)
+    lines = old.read_text().splitlines()
+    for new, old_key in TINY_OLD_SPELLINGS.items():
+        (warning,) = renamed_warnings(caught, new)  # one warning, located at the key in the user's file
+        assert str(warning.message) == (f"model.init_args.{old_key} is deprecated and will be removed; "
+                                        f"use model.init_args.{new}")
+        assert warning.filename == str(old) and lines[warning.lineno - 1].strip().startswith(f"{old_key}:")
+    assert old.read_text() == before  # the user's file is read, never rewritten
+    assert copies() <= existing  # the renamed copy lived in a temporary folder, removed after the run
+    assert [p.name for p in tmp_path.iterdir()] == ["old.yaml"]
+
+
+@pytest.mark.parametrize(
+    "config, flags, expected",
+    [
+        (TINY_YAML, ["--model.init_args.rollouts_per_example=4", "--model.top_m=5"],
+         {"group_size": 4, "distill_top_k": 5}),
+        (ROOT / "configs" / "compare_tiny" / "sdpo.yaml", ["--model.init_args.jsd_alpha=0.25", "--model.init_args.top_k_distill=7"],
+         {"jsd_beta": 0.25, "distill_top_k": 7}),
+    ],
+    ids=["lopd", "sdpo"],
+)
+def test_old_command_line_flags_set_the_new_keys_with_one_warning(config, flags, expected, capsys, no_model_loading,
+                                                                  fresh_deprecation_warnings):
+    with pytest.warns(FutureWarning) as caught:
+        printed = print_config(["-c", str(config), *flags], capsys)
+    init_args = printed["model"]["init_args"]
+    assert {k: init_args[k] for k in expected} == expected
+    assert not set(deprecation.RENAMED_KEYS) & set(init_args)
+    for new in expected:
+        (warning,) = renamed_warnings(caught, new)
+        assert warning.filename == "<command line>"
+
+
+def test_an_old_key_and_its_new_spelling_together_are_one_line(tmp_path, capsys, no_model_loading,
+                                                              fresh_deprecation_warnings):
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=4",
+                          "--model.init_args.group_size=2"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "<command line>: model.init_args.rollouts_per_example and model.init_args.group_size "
+                               "are the same setting; keep only model.init_args.group_size")
+    both = tmp_path / "both.yaml"
+    both.write_text(TINY_YAML.read_text().replace("    group_size: 2\n", "    group_size: 2\n    rollouts_per_example: 2\n"))
+    code, err = run_main(["fit", "-c", str(both)], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"{both}: model.init_args.rollouts_per_example and model.init_args.group_size are the "
+                               f"same setting; keep only model.init_args.group_size")
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--model.init_args.group_sise=3",
+         "unknown key model.init_args.group_sise (LOPDModule has no argument 'group_sise'); "
+         "did you mean model.init_args.group_size?"),
+        ("--model.init_args.rollouts_per_exampel=3",
+         "unknown key model.init_args.rollouts_per_exampel (LOPDModule has no argument 'rollouts_per_exampel'); "
+         "did you mean model.init_args.group_size?"),
+    ],
+    ids=["new_name", "old_name"],
+)
+def test_a_misspelt_key_still_gets_did_you_mean_with_the_new_name(flag, expected, capsys, no_model_loading,
+                                                                 fresh_deprecation_warnings):
+    code, err = run_main(["fit", "-c", str(TINY_YAML), flag], capsys)
+    assert code == 2
+    assert_one_line_error(err, expected)
+
+
+def test_python_dash_m_runs_the_cli_package(tmp_path):
+    """``python -m lopd_lightning.cli`` (torchrun, scripts) is the same command as the ``lopd`` script."""
+    result = subprocess.run([sys.executable, "-m", "lopd_lightning.cli", "tasks", "list"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == list(TASK_NAMES)
+
+
+def test_rename_deprecated_keys_reads_every_form_of_config(tmp_path, fresh_deprecation_warnings):
+    """Config files by -c, --config FILE and --config=FILE, a config under its subcommand, a YAML string, and
+    an old name that is also a key outside model.init_args (left alone there)."""
+    from lopd_lightning.cli import rename_deprecated_keys
+
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("fit:\n  model:\n    init_args:\n      jsd_alpha: 0.25  # kept comment\n      lr: 1.0e-3\n")
+    clash = tmp_path / "clash.yaml"
+    clash.write_text("model:\n  init_args: {top_k_distill: 3}\ndata:\n  init_args: {task_options: {top_k_distill: 9}}\n")
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    with pytest.warns(FutureWarning):
+        args = rename_deprecated_keys(["--config", str(nested), f"--config={clash}", "fit", "-c",
+                                       "{model: {init_args: {top_m: 2}}}", "--trainer.max_steps=1"], copies)
+    assert args[0] == "--config" and Path(args[1]).parent.parent == copies
+    assert Path(args[1]).read_text() == nested.read_text().replace("jsd_alpha", "jsd_beta")  # only the key changes
+    clash_copy = Path(args[2].split("=", 1)[1])
+    assert yaml.safe_load(clash_copy.read_text()) == {
+        "model": {"init_args": {"distill_top_k": 3}}, "data": {"init_args": {"task_options": {"top_k_distill": 9}}}}
+    assert yaml.safe_load(args[5]) == {"model": {"init_args": {"distill_top_k": 2}}} and args[6:] == ["--trainer.max_steps=1"]
+    assert nested.read_text().count("jsd_alpha") == 1  # the user's files are not touched
+    untouched = ["fit", "-c", str(TINY_YAML), "--model.init_args.group_size=3", "-c", str(tmp_path / "none.yaml")]
+    assert rename_deprecated_keys(untouched, copies) == untouched  # nothing old: the same arguments

@@ -31,9 +31,9 @@ IDS = torch.tensor([[60, 105, 110, 32, 116, 104, 101, 32, 119, 111, 114, 100, 1]
 def make(method: str, lora=LORA):
     if method == "lopd":
         return LOPDModule("tiny", lora=lora, num_latents=2, num_experiences=1, composer_depth=1, embedder="hashing",
-                          max_new_tokens=4, top_m=4, max_experience_tokens=32, learning_rate=1e-2)
+                          max_new_tokens=4, distill_top_k=4, max_experience_tokens=32, learning_rate=1e-2)
     if method == "grpo":
-        return GRPOModule("tiny", lora=lora, rollouts_per_example=2, max_new_tokens=4, learning_rate=1e-2)
+        return GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4, learning_rate=1e-2)
     return SFTModule("tiny", lora=lora, learning_rate=1e-2)
 
 
@@ -124,6 +124,26 @@ def test_the_module_class_comes_from_the_checkpoint_or_is_asked_for():
     assert module_class({"hyper_parameters": {}}, "LOPDModule") is LOPDModule
     with pytest.raises(ValueError, match="not an lopd_lightning OnPolicyModule"):
         module_class({"hyper_parameters": {}}, "lopd_lightning.data.OnPolicyDataModule")
+
+
+def test_a_checkpoint_with_hyperparameters_under_their_old_names_exports(tmp_path):
+    """A checkpoint of an earlier release stored rollouts_per_example (now group_size): export reads either name,
+    to tell the module class and to rebuild it."""
+    module = make("grpo")
+    perturb(module)
+    ckpt = train(module, tmp_path)
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
+    hparams = checkpoint["hyper_parameters"]
+    assert "_class_path" not in hparams and hparams["group_size"] == 2  # built in Python: no class path stored
+    hparams["rollouts_per_example"] = hparams.pop("group_size")
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    assert module_class(checkpoint) is GRPOModule  # told from its hyperparameters, old names included
+    loaded, _ = load_module(old)
+    assert loaded.hparams.group_size == 2 and "rollouts_per_example" not in loaded.hparams
+    folder = export_checkpoint(old, tmp_path / "student")
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(folder)), student_logits(module.eval()),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_export_refuses_to_overwrite_a_folder_it_did_not_write(tmp_path):

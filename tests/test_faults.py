@@ -17,7 +17,8 @@ from lopd_lightning import sandbox
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.embed import EmbedderError, HashingEmbedder
 from lopd_lightning.sandbox import run_code, run_many
-from lopd_lightning.tasks import Episode, Example, StepResult, Task, check_reward, get_task
+from lopd_lightning.rollout import generate_rollouts
+from lopd_lightning.tasks import Episode, Example, StepResult, Task, check_reward, episode_reward, get_task
 
 FAST = dict(timeout_s=1.5, memory_mb=256)
 BLANK = ["", "   ", "\n\n\t  \n"]
@@ -363,18 +364,40 @@ class BadMultiTurnTask(BadRewardTask):
 
 @pytest.mark.parametrize("value", [1.5, -0.1, math.nan, "high"])
 def test_reward_outside_the_unit_interval_names_task_and_example(value):
+    """The check is where rewards are read (episode_reward); the episode itself returns what it computed."""
     task = BadRewardTask()
     example = next(e for e in task.all_examples() if e.data["value"] is value or e.data["value"] == value)
     pattern = rf"task 'bad_reward' returned .* for example '{example.id}'"
     episode = task.start(example)
-    episode.step("x")  # stepping goes on (the rollout wraps step errors); the reward is checked
+    episode.step("x")  # stepping goes on (the rollout wraps step errors); the reward is checked when read
     with pytest.raises(ValueError, match=pattern):
-        episode.reward()
+        episode_reward(task, example, episode)
     multi = BadMultiTurnTask()
     episode = multi.start(example)
     episode.step("x")
     with pytest.raises(ValueError, match=rf"task 'bad_multi_turn' returned .* for example '{example.id}'"):
-        episode.reward()
+        episode_reward(multi, example, episode)
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, math.nan, "high"])
+def test_the_episode_loop_stops_on_a_reward_outside_the_unit_interval(value, model, tokenizer):
+    """End to end: generate_rollouts, the episode loop of every method, raises naming the task and example
+    (single-turn episodes and a task's own episode class alike)."""
+    for task in (BadRewardTask(), BadMultiTurnTask()):
+        example = next(e for e in task.all_examples() if e.data["value"] is value or e.data["value"] == value)
+        with pytest.raises(ValueError, match=rf"task '{task.name}' returned .* for example '{example.id}'"):
+            generate_rollouts(model, tokenizer, task, [example], max_new_tokens=2)
+
+
+def test_task_and_episode_subclasses_are_used_as_written():
+    """The base classes rewrite no method of a subclass (reward, start): an extension point is called as is."""
+    assert BadEpisode.reward is BadEpisode.__dict__["reward"] and not hasattr(BadEpisode.reward, "__wrapped__")
+    assert BadMultiTurnTask.start is BadMultiTurnTask.__dict__["start"]
+    assert not hasattr(BadMultiTurnTask.start, "__wrapped__")
+    example = BadRewardTask().all_examples()[1]  # value 1.5
+    episode = BadMultiTurnTask().start(example)
+    assert vars(episode) == {"value": 1.5}  # nothing tagged onto the episode
+    assert episode.reward() == 1.5  # returned as computed; episode_reward is the check
 
 
 def test_reward_inside_the_unit_interval_passes():
@@ -383,5 +406,5 @@ def test_reward_inside_the_unit_interval_passes():
     assert task.score(example, "x") == 0.5
     episode = task.start(example)
     episode.step("x")
-    assert episode.reward() == 0.5
+    assert episode.reward() == 0.5 and episode_reward(task, example, episode) == 0.5
     assert check_reward(1, task="t", example_id="e") == 1.0 and check_reward(0.0, task="t", example_id="e") == 0.0

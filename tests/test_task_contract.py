@@ -159,7 +159,7 @@ def test_the_module_path_warns_too_and_records_the_cut(caplog):
     from lopd_lightning.modules.grpo import GRPOModule
 
     caplog.set_level(logging.WARNING, logger="lopd_lightning.rollout")
-    module = GRPOModule("tiny", rollouts_per_example=2, max_new_tokens=3)
+    module = GRPOModule("tiny", group_size=2, max_new_tokens=3)
     task = Undeclared()
     batch = module.make_batch(task, task.all_examples()[:1])
     assert [m["truncation"] for m in batch.metadata] == ["max_turns", "max_turns"]

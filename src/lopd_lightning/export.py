@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from lopd_lightning.models import EXPORT_INFO, SMOLLM2_NAME, adapter_base, smollm2_folder
+from lopd_lightning.cli.errors import exception_chain, init_parameters
+from lopd_lightning.deprecation import RENAMED_KEYS
+from lopd_lightning.models import (
+    EXPORT_INFO,
+    SMOLLM2_NAME,
+    adapter_base,
+    smollm2_folder,
+)
 
 __all__ = ["check_checkpoint_path", "check_out_folder", "export_checkpoint", "export_student", "load_module", "module_class"]
 
@@ -41,10 +48,16 @@ __all__ = ["check_checkpoint_path", "check_out_folder", "export_checkpoint", "ex
 _METHODS = ("LOPDModule", "GRPOModule", "SDPOModule", "OPSDModule", "SkillSDModule", "SFTModule")
 
 
-def _init_parameters(cls: type) -> list[str]:
-    from lopd_lightning.cli import init_parameters
-
-    return init_parameters(cls)
+def _current_names(hparams: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's hyperparameters with the keys renamed since it was written read under their new names
+    (:data:`~lopd_lightning.deprecation.RENAMED_KEYS`: ``rollouts_per_example`` -> ``group_size``, ...), so
+    that a checkpoint of an earlier release rebuilds its module. A key already under its new name wins."""
+    out = dict(hparams)
+    for old, new in RENAMED_KEYS.items():
+        if old in out:
+            value = out.pop(old)
+            out.setdefault(new, value)
+    return out
 
 
 def _import(path: str) -> Any:
@@ -70,7 +83,7 @@ def module_class(checkpoint: dict[str, Any], name: str | None = None) -> type:
     """
     from lopd_lightning.modules.base import OnPolicyModule
 
-    hparams = checkpoint.get("hyper_parameters") or {}
+    hparams = _current_names(checkpoint.get("hyper_parameters") or {})
     path = name or hparams.get("_class_path")
     if path:
         cls = _import(path)
@@ -78,7 +91,7 @@ def module_class(checkpoint: dict[str, Any], name: str | None = None) -> type:
         import lopd_lightning.modules as modules
 
         keys = {k for k in hparams if not k.startswith("_")}
-        fits = [getattr(modules, n) for n in _METHODS if set(_init_parameters(getattr(modules, n))) == keys]
+        fits = [getattr(modules, n) for n in _METHODS if set(init_parameters(getattr(modules, n))) == keys]
         if len(fits) != 1:
             raise ValueError(
                 "the checkpoint does not name its module class and its hyperparameters fit "
@@ -158,7 +171,9 @@ def load_module(
     """Rebuild the module of a checkpoint (CPU) and load its weights: ``(module, checkpoint)``.
 
     The checkpoint is read once (with ``torch.load(weights_only=False)``: load only checkpoints you
-    trust). The module's ``bank_path`` is not read (the bank comes from the checkpoint).
+    trust). The module's ``bank_path`` is not read (the bank comes from the checkpoint). Hyperparameters
+    that a checkpoint of an earlier release stored under a name renamed since (``rollouts_per_example``,
+    ``top_m``, ``top_k_distill``, ``jsd_alpha``) are read under the new one (``group_size``, ...).
 
     Args:
         module_class_name: see :func:`module_class`.
@@ -186,9 +201,9 @@ def load_module(
             f"lopd fit wrote (in its checkpoints/ folder)"
         )
     cls = module_class(checkpoint, module_class_name)
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    hparams = _current_names(checkpoint.get("hyper_parameters") or {})
     init = {k: v for k, v in hparams.items() if not k.startswith("_")}
-    params = set(_init_parameters(cls))
+    params = set(init_parameters(cls))
     if "bank_path" in params:
         init["bank_path"] = None
     if model is not None:
@@ -205,9 +220,7 @@ def load_module(
     except Exception as error:
         # the module's loader names the config key of `lopd fit`; here the base model is the checkpoint's,
         # or --model
-        from lopd_lightning.cli import _chain
-
-        named = next((e for e in _chain(error) if "model.init_args.model" in str(e)), None)
+        named = next((e for e in exception_chain(error) if "model.init_args.model" in str(e)), None)
         if named is None:
             raise
         where = "lopd export --model" if model is not None else (

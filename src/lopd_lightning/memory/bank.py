@@ -29,12 +29,10 @@ Choices (documented once here, repeated where they act):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,95 +41,33 @@ import numpy as np
 import torch
 
 from lopd_lightning.memory.embed import TextEmbedder, embed_texts
+from lopd_lightning.memory.experience import MISSING_SCORE, Experience, SearchResult
+from lopd_lightning.memory.faiss_index import (
+    AUTO_APPROXIMATE_ABOVE,
+    AUTO_APPROXIMATE_KIND,
+    GPU_MAX_K,
+    HNSW_EF_CONSTRUCTION,
+    HNSW_EF_SEARCH,
+    HNSW_M,
+    IVF_NPROBE,
+    build_ivf,
+    make_index,
+)
+from lopd_lightning.memory.persistence import (
+    STATE_VERSION,
+    read_bank_folder,
+    write_bank_folder,
+)
 
-__all__ = ["Experience", "ExperienceBank", "SearchResult", "build_ivf"]
+# the records, the index settings and build_ivf live in their own modules; served here as before
+__all__ = ["AUTO_APPROXIMATE_ABOVE", "AUTO_APPROXIMATE_KIND", "HNSW_EF_CONSTRUCTION", "HNSW_EF_SEARCH", "HNSW_M",
+           "IVF_NPROBE", "MISSING_SCORE", "Experience", "ExperienceBank", "SearchResult", "build_ivf"]
 
 log = logging.getLogger(__name__)
 
 EvictionRule = Literal["oldest", "lowest_reward"]
 EmbedField = Literal["task", "task_and_trace"]
 IndexKind = Literal["auto", "flat", "ivf", "hnsw"]
-
-#: ``index="auto"``: exact flat search below this many records, :data:`AUTO_APPROXIMATE_KIND` from here.
-AUTO_APPROXIMATE_ABOVE = 20_000
-#: The approximate index of ``index="auto"``. benchmarks/retrieval.py (100k x 384, one core): IVF builds
-#: in ~1 s against ~100 s for HNSW, searches in 0.5 ms/query against 9 ms for the flat index, refills
-#: cheaply after eviction (no retraining) and runs on FAISS GPU (HNSW does not).
-AUTO_APPROXIMATE_KIND = "ivf"
-#: IVF lists probed per query. Measured recall@10 at 10k-100k: 1.0 on clustered data (500 centres),
-#: 0.15-0.35 on structureless random unit vectors (the worst case; use ``index="flat"`` for exactness).
-IVF_NPROBE = 16
-#: HNSW graph degree and search breadth.
-HNSW_M = 32
-HNSW_EF_SEARCH = 128
-HNSW_EF_CONSTRUCTION = 80
-
-#: Missing entries of ``SearchResult.scores``.
-MISSING_SCORE = -1.0
-#: Largest k that FAISS GPU indexes accept in one search; larger over-fetches are done in NumPy (exact).
-_GPU_MAX_K = 2048
-_STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Experience:
-    """One record of the bank (frozen: the bank hands out the same objects in search results).
-
-    Attributes:
-        task_id: identifies the task; records of the querying task are excluded from its retrieval.
-        task_text: the task prompt x_i (what is embedded by default).
-        trace: the observation-lite trajectory tau_i (actions and short results), as text.
-        reward: r(tau_i), usually in [0, 1]; must be finite.
-        step: the training step (or any monotone clock) at which it was added; defines age for eviction.
-    """
-
-    task_id: str
-    task_text: str
-    trace: str
-    reward: float
-    step: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain ``{task_id, task_text, trace, reward, step}`` (str, str, str, float, int)."""
-        return {
-            "task_id": str(self.task_id),
-            "task_text": str(self.task_text),
-            "trace": str(self.trace),
-            "reward": float(self.reward),
-            "step": int(self.step),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Experience:
-        """Inverse of :meth:`to_dict` (extra keys, such as ``id``, are ignored)."""
-        return cls(
-            task_id=str(data["task_id"]),
-            task_text=str(data["task_text"]),
-            trace=str(data["trace"]),
-            reward=float(data["reward"]),
-            step=int(data.get("step", 0)),
-        )
-
-
-@dataclass
-class SearchResult:
-    """Top-k retrieval for a batch of B queries.
-
-    Attributes:
-        indices: (B, k) int64, positions in ``bank.records`` at search time, best first; -1 where missing.
-            Positions change when the bank evicts; use ``ids`` to refer to records across time.
-        ids: (B, k) int64, stable record ids (``bank.ids``), -1 where missing.
-        scores: (B, k) float32 cosine similarities, best first; -1.0 where missing (not a mask: a found
-            record can also score -1.0).
-        experiences: B lists of the found :class:`Experience` records, best first (length ``num_found[b]``).
-        num_found: (B,) int64, how many of the k slots are filled.
-    """
-
-    indices: np.ndarray
-    ids: np.ndarray
-    scores: np.ndarray
-    experiences: list[list[Experience]] = field(default_factory=list)
-    num_found: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class ExperienceBank:
@@ -236,24 +172,14 @@ class ExperienceBank:
         kind = self._kind_for(len(vectors))
         if kind == "ivf" and len(vectors) == 0:
             kind = "flat"  # nothing to train on yet; built again once records arrive
-        if kind == "hnsw":
-            index = faiss.IndexHNSWFlat(self.dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
-            index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
-            index.hnsw.efSearch = HNSW_EF_SEARCH
-            self._index_kind = "hnsw"
-            return index  # FAISS has no GPU HNSW
+        on_gpu = self.use_gpu and kind != "hnsw"  # FAISS has no GPU HNSW
+        if on_gpu and self._gpu_resources is None:
+            self._gpu_resources = faiss.StandardGpuResources()
+        index = make_index(kind, vectors, dim=self.dim, nprobe=self.nprobe,
+                           gpu_resources=self._gpu_resources if on_gpu else None)
         if kind == "ivf":
-            index = build_ivf(vectors, nprobe=self.nprobe)
             self._trained_size = len(vectors)
-        else:
-            index = faiss.IndexFlatIP(self.dim)
         self._index_kind = kind
-        if self.use_gpu:
-            if self._gpu_resources is None:
-                self._gpu_resources = faiss.StandardGpuResources()
-            index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
-            if kind == "ivf":
-                faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", self.nprobe)
         return index
 
     def _needs_new_index(self, n: int) -> bool:
@@ -394,7 +320,7 @@ class ExperienceBank:
     # ------------------------------------------------------------------ search
     def _top(self, queries: np.ndarray, fetch: int) -> tuple[np.ndarray, np.ndarray]:
         """(B, dim) unit queries -> (B, fetch) scores and positions, best first (exact for a flat index)."""
-        if self.use_gpu and fetch > _GPU_MAX_K:
+        if self.use_gpu and fetch > GPU_MAX_K:
             sims = queries @ self._embeddings.T  # [B, N]
             order = np.argsort(-sims, axis=1, kind="stable")[:, :fetch]
             return np.take_along_axis(sims, order, axis=1).astype(np.float32), order.astype(np.int64)
@@ -501,7 +427,7 @@ class ExperienceBank:
             "counters": {"total_added", "total_evicted"}}``.
         """
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "records": [e.to_dict() for e in self._records],
             "ids": torch.from_numpy(self._ids.copy()),
             "embeddings": torch.from_numpy(self._embeddings.copy()),
@@ -566,28 +492,13 @@ class ExperienceBank:
 
     def save(self, folder: str | Path) -> Path:
         """Write ``experiences.jsonl`` (one record a line, with its ``id``), ``embeddings.npy`` ((N, dim)
-        float32) and ``meta.json`` (embedder name, dim, settings, counters) into ``folder`` (created).
+        float32) and ``meta.json`` (embedder name, dim, settings, counters) into ``folder`` (created;
+        :func:`~lopd_lightning.memory.persistence.write_bank_folder`).
 
         Returns:
             The folder.
         """
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "experiences.jsonl", "w", encoding="utf-8") as fh:
-            for rid, exp in zip(self._ids.tolist(), self._records):
-                fh.write(json.dumps({"id": rid, **exp.to_dict()}, ensure_ascii=False) + "\n")
-        np.save(folder / "embeddings.npy", self._embeddings)
-        meta = {
-            "version": _STATE_VERSION,
-            "embedder_name": self.embedder_name,
-            "dim": self.dim,
-            "size": len(self._records),
-            "next_id": int(self._next_id),
-            "settings": self.settings(),
-            "counters": {"total_added": int(self._total_added), "total_evicted": int(self._total_evicted)},
-        }
-        (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        return folder
+        return write_bank_folder(folder, self.state_dict())
 
     @classmethod
     def load(cls, folder: str | Path, embedder: TextEmbedder, **settings: Any) -> ExperienceBank:
@@ -602,23 +513,9 @@ class ExperienceBank:
         Raises:
             FileNotFoundError: a file is missing.
         """
-        folder = Path(folder)
-        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-        with open(folder / "experiences.jsonl", encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        embeddings = np.load(folder / "embeddings.npy")
-        bank = cls(embedder, **{**meta.get("settings", {}), **settings})
-        bank.load_state_dict(
-            {
-                "records": rows,
-                "ids": np.array([r.get("id", i) for i, r in enumerate(rows)], dtype=np.int64),
-                "embeddings": embeddings,
-                "embedder_name": meta.get("embedder_name"),
-                "next_id": meta.get("next_id", 0),
-                "settings": meta.get("settings", {}),
-                "counters": meta.get("counters", {}),
-            }
-        )
+        stored, state = read_bank_folder(folder)
+        bank = cls(embedder, **{**stored, **settings})
+        bank.load_state_dict(state)
         return bank
 
     def stats(self) -> dict[str, Any]:
@@ -640,33 +537,6 @@ class ExperienceBank:
             f"eviction={self.eviction!r}, embed_field={self.embed_field!r}, index={self._index_kind!r}, "
             f"gpu={self.use_gpu})"
         )
-
-
-def build_ivf(vectors: np.ndarray, *, nprobe: int = IVF_NPROBE, nlist: int | None = None, seed: int = 0) -> Any:
-    """An empty, trained ``faiss.IndexIVFFlat`` (inner product) for ``vectors``.
-
-    Args:
-        vectors: (N, dim) float32 unit rows, N >= 1; the k-means training set (at most 64 per list are
-            sampled, 10 iterations: about a second at N = 100k, dim 384, one core).
-        nprobe: lists searched per query (clipped to ``nlist``).
-        nlist: inverted lists; default ``round(sqrt(N))``, at most ``N // 39`` (FAISS's minimum of 39
-            training points per list), at least 1 (one list: exact search).
-        seed: k-means seed.
-
-    Returns:
-        The CPU index, trained, with no vectors added.
-    """
-    n, dim = vectors.shape
-    if nlist is None:
-        nlist = max(1, min(int(round(math.sqrt(n))), n // 39))
-    quantizer = faiss.IndexFlatIP(dim)
-    index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
-    index.cp.niter = 10
-    index.cp.max_points_per_centroid = 64
-    index.cp.seed = seed
-    index.train(np.ascontiguousarray(vectors, dtype=np.float32))
-    index.nprobe = min(int(nprobe), nlist)
-    return index
 
 
 def _as_numpy(value: Any) -> np.ndarray:

@@ -25,13 +25,13 @@ from lopd_lightning.tasks.base import (
 # name -> (module, class, fixed keyword options)
 _REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "humaneval": ("lopd_lightning.tasks.code", "HumanEvalTask", {}),
-    "bfcl_simple_python": ("lopd_lightning.tasks.tool_use", "BFCLTask", {"category": "simple_python"}),
-    "bfcl_multiple": ("lopd_lightning.tasks.tool_use", "BFCLTask", {"category": "multiple"}),
-    "bfcl_parallel": ("lopd_lightning.tasks.tool_use", "BFCLTask", {"category": "parallel"}),
-    "bfcl_parallel_multiple": ("lopd_lightning.tasks.tool_use", "BFCLTask", {"category": "parallel_multiple"}),
-    "bfcl_live_simple": ("lopd_lightning.tasks.tool_use", "BFCLTask", {"category": "live_simple"}),
-    "bfcl_live_multiple": ("lopd_lightning.tasks.tool_use", "BFCLTask", {"category": "live_multiple"}),
-    "bfcl_multi_turn_base": ("lopd_lightning.tasks.multi_turn", "BFCLMultiTurnTask", {"category": "multi_turn_base"}),
+    "bfcl_simple_python": ("lopd_lightning.tasks.bfcl.single_turn", "BFCLTask", {"category": "simple_python"}),
+    "bfcl_multiple": ("lopd_lightning.tasks.bfcl.single_turn", "BFCLTask", {"category": "multiple"}),
+    "bfcl_parallel": ("lopd_lightning.tasks.bfcl.single_turn", "BFCLTask", {"category": "parallel"}),
+    "bfcl_parallel_multiple": ("lopd_lightning.tasks.bfcl.single_turn", "BFCLTask", {"category": "parallel_multiple"}),
+    "bfcl_live_simple": ("lopd_lightning.tasks.bfcl.single_turn", "BFCLTask", {"category": "live_simple"}),
+    "bfcl_live_multiple": ("lopd_lightning.tasks.bfcl.single_turn", "BFCLTask", {"category": "live_multiple"}),
+    "bfcl_multi_turn_base": ("lopd_lightning.tasks.bfcl.multi_turn", "BFCLMultiTurnTask", {"category": "multi_turn_base"}),
     "toy": ("lopd_lightning.tasks.toy", "ToyTask", {}),
 }
 

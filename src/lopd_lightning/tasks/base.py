@@ -8,10 +8,11 @@ their own :class:`Episode`.
 The rollout loop, per example: ``messages = task.initial_messages(example)``, ``episode =
 task.start(example)``; then, until the episode is done or ``max_turns`` replies were made, the student
 replies to ``messages`` and ``result = episode.step(reply)`` answers with a :class:`StepResult` whose
-``messages`` (tool results, the next user turn) are appended; at the end ``episode.reward()`` is the
-trajectory's reward and ``result.info`` of the last step is kept with the trajectory (its ``"error"``
-is shown as the checker's verdict in the logged samples). README "Your own task: the Task contract"
-lists every attribute and method.
+``messages`` (tool results, the next user turn) are appended; at the end ``episode.reward()``, read
+through :func:`episode_reward` (which checks it and names the task and example when it is not in
+[0, 1]), is the trajectory's reward and ``result.info`` of the last step is kept with the trajectory
+(its ``"error"`` is shown as the checker's verdict in the logged samples). README "Your own task: the
+Task contract" lists every attribute and method.
 
 Messages follow the chat-template convention of transformers: ``{"role": "system" | "user" |
 "assistant" | "tool", "content": str}``.
@@ -20,7 +21,6 @@ Messages follow the chat-template convention of transformers: ``{"role": "system
 from __future__ import annotations
 
 import abc
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -109,38 +109,15 @@ def episode_reward(task: Any, example: Any, episode: Any) -> float:
     return check_reward(episode.reward(), task=name, example_id=str(getattr(example, "id", "<unknown example>")))
 
 
-def _reward_context(episode: Any) -> tuple[str, str]:
-    """(task name, example id) of an episode: what :meth:`Task.start` recorded, else its attributes."""
-    context = getattr(episode, "_lopd_reward_context", None)
-    if context is not None:
-        return context
-    task, example = getattr(episode, "task", None), getattr(episode, "example", None)
-    return (
-        str(getattr(task, "name", type(task).__name__ if task is not None else type(episode).__name__)),
-        str(getattr(example, "id", "<unknown example>")),
-    )
-
-
 class Episode(abc.ABC):
     """A live environment for one example. Created by :meth:`Task.start`.
 
-    Every subclass's :meth:`reward` is checked on the way out: a value outside [0, 1] (or NaN) raises
-    ValueError naming the task and the example (:func:`check_reward`), so a broken environment stops
-    the run where it happens instead of poisoning the advantages.
+    :meth:`reward` returns the value as the environment computes it; whoever reads it (the episode loop
+    of :func:`lopd_lightning.rollout.generate_rollouts`, the reference trajectory, ``lopd tasks verify``)
+    reads it through :func:`episode_reward`, which raises ValueError naming the task and the example for
+    a value outside [0, 1] (or NaN), so a broken environment stops the run where it happens instead of
+    poisoning the advantages. A subclass's methods are called as written: the base class wraps nothing.
     """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        reward = cls.__dict__.get("reward")
-        if callable(reward) and not getattr(reward, "_lopd_checked", False):
-
-            @functools.wraps(reward)
-            def checked_reward(self: Episode) -> float:
-                task, example_id = _reward_context(self)
-                return check_reward(reward(self), task=task, example_id=example_id)
-
-            checked_reward._lopd_checked = True  # type: ignore[attr-defined]
-            cls.reward = checked_reward  # type: ignore[method-assign]
 
     @abc.abstractmethod
     def step(self, reply: str) -> StepResult:
@@ -161,8 +138,8 @@ class SingleTurnEpisode(Episode):
 
     def step(self, reply: str) -> StepResult:
         """Score ``reply`` with :meth:`Task.score_with_info`; done. ``info`` carries the task's
-        diagnostics (e.g. ``{"error": "..."}`` for a malformed reply). The score is checked by
-        :meth:`reward`.
+        diagnostics (e.g. ``{"error": "..."}`` for a malformed reply). The score is checked where it is
+        read (:func:`episode_reward`).
 
         Raises:
             RuntimeError: the episode is done.
@@ -174,8 +151,8 @@ class SingleTurnEpisode(Episode):
         return StepResult(messages=[], done=True, info=dict(info))
 
     def reward(self) -> float:
-        """The score of the reply (0 before it). Raises ValueError, naming the task and the example,
-        when the task scored outside [0, 1]."""
+        """The score of the reply as :meth:`Task.score_with_info` gave it (0.0 before the reply); read it
+        through :func:`episode_reward`, which checks it."""
         return 0.0 if self._reward is None else self._reward
 
 
@@ -247,8 +224,9 @@ class Task(abc.ABC):
         """Reward in [0, 1] of one assistant reply (single-turn tasks). Never raises on bad text
         (empty or whitespace-only replies included: they score 0).
 
-        The value is checked when it leaves the episode: :meth:`Episode.reward` raises ValueError
-        naming the task and the example if it is outside [0, 1] (:func:`check_reward`).
+        The value is checked where it is read: :func:`episode_reward` (the episode loop, ``lopd tasks
+        verify``) raises ValueError naming the task and the example if it is outside [0, 1]
+        (:func:`check_reward`).
         """
         raise NotImplementedError(f"{type(self).__name__} is multi-turn: use start(example).step(...)")
 
@@ -263,23 +241,6 @@ class Task(abc.ABC):
     def start(self, example: Example) -> Episode:
         """A fresh environment for ``example``. Single-turn tasks get a :class:`SingleTurnEpisode`."""
         return SingleTurnEpisode(self, example)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        start = cls.__dict__.get("start")
-        if callable(start) and not getattr(start, "_lopd_checked", False):
-
-            @functools.wraps(start)
-            def tagged_start(self: Task, example: Example) -> Episode:
-                episode = start(self, example)
-                try:  # lets the reward check name the task and example of any episode class
-                    episode._lopd_reward_context = (str(self.name), str(getattr(example, "id", "<unknown example>")))
-                except AttributeError:  # __slots__ without room: fall back to its attributes
-                    pass
-                return episode
-
-            tagged_start._lopd_checked = True  # type: ignore[attr-defined]
-            cls.start = tagged_start  # type: ignore[method-assign]
 
     def experience_text(self, example: Example, messages: list[Message]) -> str:
         """The text of an experience for the bank: the task and an observation-lite trace.

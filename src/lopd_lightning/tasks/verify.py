@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lopd_lightning.tasks.base import Split, Task, turn_limit
+from lopd_lightning.tasks.base import Split, Task, episode_reward, turn_limit
 
 
 @dataclass
@@ -78,7 +78,8 @@ def verify_task(
 
     Each example gets a fresh episode (``task.start``); the replies are fed in order through
     ``episode.step`` until they run out, the episode is done or the turn limit is reached (as in
-    training, :func:`turn_limit`); then ``episode.reward()`` is read. A replay stopped by the limit with
+    training, :func:`turn_limit`); then the reward is read with :func:`episode_reward` (a value outside
+    [0, 1] is an error naming the task and the example). A replay stopped by the limit with
     replies left and the episode not done is a failure (``report.cut``), whatever its reward. Works for
     single-turn tasks (one reply) and multi-turn ones.
 
@@ -116,7 +117,7 @@ def verify_task(
                     break
             if not done and fed == turns and len(replies) > turns:
                 report.cut[example.id] = (fed, len(replies))
-            reward = float(episode.reward())
+            reward = episode_reward(task, example, episode)
         except Exception as err:  # record and go on: the report lists every broken example
             report.errors[example.id] = f"{type(err).__name__}: {err}"
             reward = 0.0

@@ -1,4 +1,4 @@
-"""Reading the BFCL v4 data that the ``bfcl_eval`` package ships (shared by tool_use.py and multi_turn.py).
+"""Reading the BFCL v4 data that the ``bfcl_eval`` package ships (shared by the single- and multi-turn tasks).
 
 ``bfcl_eval`` (2026.3.23) is installed with ``--no-deps``: its data files and multi-turn tool classes work,
 but its checkers import API clients that are not installed, so lopd_lightning has its own checkers and
@@ -90,7 +90,9 @@ def load_multi_turn_func_docs(class_name: str) -> list[dict[str, Any]]:
     Raises:
         KeyError: unknown class.
     """
-    from bfcl_eval.constants.executable_backend_config import MULTI_TURN_FUNC_DOC_FILE_MAPPING
+    from bfcl_eval.constants.executable_backend_config import (
+        MULTI_TURN_FUNC_DOC_FILE_MAPPING,
+    )
 
     file = MULTI_TURN_FUNC_DOC_FILE_MAPPING[class_name]
     return read_jsonl(bfcl_package_dir() / "data" / "multi_turn_func_doc" / file)

@@ -1,0 +1,161 @@
+"""The ``lopd`` command.
+
+- ``lopd fit|validate|test -c CONFIG [-c MORE] [--print_config]``: the Lightning CLI in subclass mode: a
+  config names any module (``LOPDModule``, ``GRPOModule``, ...), DataModule, task or callback class.
+- ``lopd build-memory -c CONFIG [--from-references] [--out FOLDER]``: build the experience bank offline.
+- ``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]``: replay every reference solution through
+  the task's reward, with the turn limit of training.
+- ``lopd tasks list``: the registered task names.
+- ``lopd export CHECKPOINT --out FOLDER [--adapter]``: the student of any method's checkpoint as a Hugging
+  Face folder (:mod:`lopd_lightning.export`).
+
+The modules: ``training`` (fit/validate/test: the LightningCLI), ``commands`` (build-memory, tasks, export),
+``errors`` (the one-line errors), ``deprecated_keys`` (old config keys rewritten); this one holds the
+entry point :func:`main` (the ``lopd`` console script; ``python -m lopd_lightning.cli`` runs it too).
+
+A mistake the user can fix (a bad key or value, a missing folder, an unknown task) ends the command with
+one line on stderr, ``error: <message>``, naming the config key and the fix, and a non-zero exit status
+(2 for a command line or config that does not parse, 1 for the rest); ``--debug`` or ``LOPD_DEBUG=1``
+shows the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from lopd_lightning.cli.commands import (
+    build_memory_command,
+    export_command,
+    tasks_command,
+)
+from lopd_lightning.cli.deprecated_keys import rename_deprecated_keys
+from lopd_lightning.cli.errors import (
+    CLIError,
+    did_you_mean,
+    explain,
+    init_parameters,
+    parse_error_message,
+)
+from lopd_lightning.cli.training import (
+    LIGHTNING_COMMANDS,
+    check_task_name,
+    lightning_cli,
+)
+
+__all__ = [
+    "COMMANDS",
+    "HELP",
+    "CLIError",
+    "build_memory_command",
+    "check_task_name",
+    "configure_logging",
+    "did_you_mean",
+    "explain",
+    "export_command",
+    "init_parameters",
+    "lightning_cli",
+    "main",
+    "parse_error_message",
+    "rename_deprecated_keys",
+    "tasks_command",
+]
+
+#: The LightningCLI of ``lopd fit|validate|test`` under its former private name (tests and scripts call it).
+_lightning_cli = lightning_cli
+
+#: The commands of ``lopd``, with the one line ``lopd --help`` shows for each.
+COMMANDS: dict[str, str] = {
+    "fit": "train a method: lopd fit -c CONFIG [-c MORE] [--key=value ...] [--print_config]",
+    "validate": "greedy episodes of the configured student on the validation split",
+    "test": "greedy episodes of the configured student on the test split",
+    "build-memory": "build LOPD's experience bank offline: lopd build-memory -c CONFIG [--from-references]",
+    "tasks": "list the tasks, or replay a task's reference solutions: lopd tasks list | verify NAME",
+    "export": "the student of a checkpoint as a Hugging Face folder: lopd export CKPT --out FOLDER [--adapter]",
+}
+
+HELP = f"""usage: lopd [--debug] COMMAND [options]
+
+LOPD and the methods it is compared with (GRPO, SDPO, OPSD, Skill-SD, SFT) as Lightning modules.
+
+commands:
+{chr(10).join(f"  {name:<13} {text}" for name, text in COMMANDS.items())}
+
+options:
+  --debug        on an error, show the full traceback instead of one line (or set LOPD_DEBUG=1)
+  -h, --help     this message; `lopd COMMAND --help` lists a command's options
+
+examples:
+  lopd fit -c configs/tiny.yaml                     # the whole pipeline on a tiny random model (seconds)
+  lopd fit -c configs/quickstart/lopd.yaml --trainer.max_steps=20 --model.init_args.num_latents=32
+  lopd export runs/quickstart/checkpoints/last.ckpt --out runs/quickstart/student
+"""
+
+
+class _DropLightningTips(logging.Filter):
+    """Lightning's advertisements ("💡 Tip: ... try installing litlogger/litmodels") on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
+
+
+def configure_logging() -> None:
+    """INFO logs on stderr, each line once; no Lightning tips; faiss's loader quiet."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs a missing AVX2 build at INFO
+    # Lightning's "lightning" logger has its own handler ("INFO: ..."); propagating to the root one as
+    # well printed each of its lines twice
+    logging.getLogger("lightning").propagate = False
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLightningTips) for f in logger.filters):
+            logger.addFilter(_DropLightningTips())
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("LOPD_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(HELP, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "tasks":
+        return tasks_command(rest)
+    if command == "build-memory":
+        return build_memory_command(rest)
+    if command == "export":
+        return export_command(rest)
+    if command in LIGHTNING_COMMANDS or (command.startswith("-") and any(a in LIGHTNING_COMMANDS for a in argv)):
+        lightning_cli(argv)
+        return 0
+    if command.startswith("-"):
+        raise CLIError(f"give a command first: lopd COMMAND [options], COMMAND one of {', '.join(COMMANDS)} "
+                       f"(see `lopd --help`)", 2)
+    raise CLIError(f"unknown command {command!r}{did_you_mean(command, COMMANDS, quote=True)} (commands: {', '.join(COMMANDS)}; "
+                   f"see `lopd --help`)", 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lopd`` console script.
+
+    Returns 0 (or a command's own status, e.g. 1 when ``lopd tasks verify`` finds a failing reference).
+    A mistake the user can fix raises ``SystemExit(1 or 2)`` after printing ``error: <message>`` on
+    stderr; ``--debug`` (anywhere on the command line) or ``LOPD_DEBUG=1`` re-raises it with its traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(argv)
+    argv = [a for a in argv if a != "--debug"]
+    configure_logging()
+    try:
+        return _dispatch(argv)
+    except Exception as error:
+        explained = None if debug else explain(error)
+        if explained is None:
+            raise
+        message, code = explained
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
+

@@ -1,0 +1,265 @@
+"""The commands of ``lopd`` outside LightningCLI: ``tasks``, ``build-memory`` and ``export``.
+
+- ``lopd build-memory -c CONFIG [--from-references] [--out FOLDER]``: build the experience bank offline.
+- ``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]``: replay every reference solution
+  through the task's reward, with the turn limit of training; ``lopd tasks list``: the registered names.
+- ``lopd export CHECKPOINT --out FOLDER [--adapter]``: the student of any method's checkpoint as a
+  Hugging Face folder (:mod:`lopd_lightning.export`).
+
+Each command takes the command line after its name and returns the exit status; a mistake the user can
+fix raises :class:`~lopd_lightning.cli.errors.CLIError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import time
+from typing import Any
+
+from lopd_lightning.cli.errors import (
+    ArgumentParser,
+    CLIError,
+    did_you_mean,
+    import_class,
+)
+from lopd_lightning.cli.training import lightning_cli
+
+__all__ = ["build_memory_command", "export_command", "tasks_command"]
+
+log = logging.getLogger("lopd_lightning")
+
+
+def _task(name: str):
+    """A task by registry name or by ``module.Class`` (a Task subclass built with its defaults)."""
+    from lopd_lightning.tasks import TASK_NAMES, Task, get_task
+
+    if name in TASK_NAMES:
+        return get_task(name)
+    if "." not in name:
+        raise CLIError(
+            f"unknown task {name!r}{did_you_mean(name, TASK_NAMES, quote=True)} (known tasks: {', '.join(TASK_NAMES)}; "
+            f"or a Task subclass as module.Class, importable from PYTHONPATH)", 2
+        )
+    module_name, _, class_name = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise CLIError(f"cannot import {module_name!r} for task {name!r}: {error} (is its folder on PYTHONPATH?)", 2) from error
+    except Exception as error:  # the module itself is broken: a SyntaxError, an error at import time
+        where = f"{type(error).__name__}: {' '.join(str(error).split())}"
+        raise CLIError(f"cannot import {module_name!r} for task {name!r}: {where}; fix the module "
+                       f"(lopd --debug tasks verify {name} shows the traceback)", 1) from error
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError as error:
+        raise CLIError(f"module {module_name!r} has no {class_name!r} (task {name!r})", 2) from error
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise CLIError(f"{name!r} is not a lopd_lightning.tasks.Task subclass", 2)
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as error:
+        required = [p.name for p in inspect.signature(cls).parameters.values()
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        raise CLIError(
+            f"task class {name!r} needs arguments ({', '.join(required) or error}); lopd tasks verify builds it "
+            f"without any: give them defaults, or verify a subclass that sets them", 2
+        ) from error
+    except ValueError:  # no signature to read (a builtin base): the call below tells
+        pass
+    return cls()
+
+
+def tasks_command(argv: list[str]) -> int:
+    """``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]`` and ``lopd tasks list``."""
+    from lopd_lightning.tasks import TASK_NAMES
+
+    parser = ArgumentParser(prog="lopd tasks")
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="list the registered tasks")
+    verify = sub.add_parser("verify", help="replay every reference solution through the task's reward")
+    verify.add_argument("name", help=f"one of: {', '.join(TASK_NAMES)}; or a Task subclass as module.Class")
+    verify.add_argument("--limit", type=int, default=None, help="only the first N examples")
+    verify.add_argument("--split", default="all", choices=["train", "val", "all"])
+    verify.add_argument("--max-turns", type=int, default=None,
+                        help="replies per episode, as model.init_args.max_turns (default: the task's, as in training)")
+    args = parser.parse_args(argv)
+    if args.action == "list":
+        print("\n".join(TASK_NAMES))
+        return 0
+    for option, value, default in (("--limit", args.limit, "to replay every example"),
+                                   ("--max-turns", args.max_turns, "for the task's own turn limit")):
+        if value is not None and value < 1:
+            raise CLIError(f"lopd tasks verify: {option} must be >= 1, got {value} (leave it out {default})", 2)
+    from lopd_lightning.tasks.verify import verify_task
+
+    task = _task(args.name)
+    start = time.perf_counter()
+    report = verify_task(task, limit=args.limit, split=args.split, max_turns=args.max_turns)
+    seconds = time.perf_counter() - start
+    print(f"{args.name}: {report.n_full_marks}/{report.n} reference solutions score 1.0 ({seconds:.1f} s)")
+    for example_id, reward in report.failures[:20]:
+        reason = report.reason(example_id)
+        print(f"  FAIL {example_id}: reward {reward}" + (f" ({' '.join(reason.split())[:300]})" if reason else ""))
+    if len(report.failures) > 20:
+        print(f"  ... and {len(report.failures) - 20} more")
+    advice = report.turn_limit_advice()
+    if advice:
+        print(advice)
+    return 0 if report.n_full_marks == report.n else 1
+
+
+def _hooks_only_module(cli) -> tuple[Any, Any, Any]:
+    """(module, datamodule, bank settings) of a parsed config, without the module's weights.
+
+    ``--from-references`` only replays reference solutions through the module's hooks
+    (``build_messages``, ``score_trajectory``, ``experience_from_trajectory``) and embeds the results,
+    so the module is made without running its constructor (which loads the student): an instance of
+    the configured class with its ``hparams`` and tokenizer, and no backbone. A hook that needs more
+    makes build-memory fall back to the whole module.
+    """
+    from lightning.pytorch import LightningModule
+
+    from lopd_lightning.memory.bank import ExperienceBank
+    from lopd_lightning.memory.embed import get_embedder
+    from lopd_lightning.models import load_tokenizer
+
+    config = cli.config.clone()
+    model_config = config.model
+    cls = import_class(model_config.class_path)
+    init = model_config.init_args.as_dict() if hasattr(model_config.init_args, "as_dict") else dict(model_config.init_args)
+    config.model = None
+    datamodule = cli.parser.instantiate_classes(config).data
+    module = cls.__new__(cls)
+    LightningModule.__init__(module)
+    module.hparams.update(init)
+    module.model_name = init.get("model")
+    module.tokenizer = load_tokenizer(init.get("model"))
+    bank = ExperienceBank(
+        get_embedder(init["embedder"]),
+        capacity=init.get("bank_capacity"),
+        eviction=init.get("bank_eviction", "lowest_reward"),
+        allow_self_retrieval=init.get("allow_self_retrieval", False),
+    )
+    return module, datamodule, bank
+
+
+def _reference_experiences(module, task, examples, min_reward: float) -> list:
+    experiences = []
+    for ex in examples:  # replayed and scored: a reference the checker rejects is reported, not kept
+        messages, reward = module.reference_trajectory(task, ex)
+        if reward < min_reward:
+            print(f"  skipped {ex.id}: its reference solution scores {reward}", flush=True)
+            continue
+        exp = module.experience_from_trajectory(task, ex, messages, reward)
+        if exp is not None:
+            experiences.append(exp)
+    return experiences
+
+
+def build_memory_command(argv: list[str]) -> int:
+    """``lopd build-memory -c CONFIG``: roll out the model on the train split, keep the successes.
+
+    The bank is built as the paper does: rollouts of the configured model (the ``model`` section) on the
+    train split, sampled with the module's settings, kept when the reward reaches ``--min-reward``.
+    ``--from-references`` seeds it with the tasks' reference solutions instead (for base models too
+    weak to succeed on their own); it needs the tokenizer and the embedder, not the student's weights,
+    which it does not load (but with ``embedder: backbone``). The folder is the module's ``bank_path``
+    unless ``--out`` is given.
+    """
+    parser = ArgumentParser(prog="lopd build-memory")
+    parser.add_argument("-c", "--config", action="append", required=True, help="the fit config(s)")
+    parser.add_argument("--out", default=None, help="bank folder (default: model.init_args.bank_path)")
+    parser.add_argument("--from-references", action="store_true", help="seed from reference solutions")
+    parser.add_argument("--min-reward", type=float, default=1.0, help="keep trajectories with reward >= this")
+    parser.add_argument("--rollouts", type=int, default=None, help="rollouts per example (default: the module's)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N train examples")
+    parser.add_argument("--batch-size", type=int, default=8, help="examples per generation batch")
+    args, rest = parser.parse_known_args(argv)
+
+    from lopd_lightning.memory.bank import ExperienceBank
+
+    config_args = ["--trainer.logger=false", *[a for c in args.config for a in ("-c", c)], *rest]
+    parsed = lightning_cli(config_args, run=False, instantiate=False)  # the config only: nothing is built yet
+    model_config = parsed.config.model
+    init = model_config.init_args
+    if "embedder" not in init or "bank_path" not in init:
+        raise CLIError(f"model.class_path {model_config.class_path} has no experience bank; "
+                       f"build-memory is for LOPDModule (or a subclass)", 2)
+    # the configured bank_path is where the bank goes, not a bank to load: read it, then build without it
+    out = args.out or init.bank_path
+    if not out:
+        raise CLIError("give --out FOLDER or set model.init_args.bank_path in the config", 2)
+    start = time.perf_counter()
+    experiences = None
+    if args.from_references and init.embedder != "backbone":
+        module, dm, bank = _hooks_only_module(parsed)
+        examples = dm.train_examples[: args.limit] if args.limit else dm.train_examples
+        try:
+            experiences = _reference_experiences(module, dm.task, examples, args.min_reward)
+        except AttributeError as error:  # a hook that reads what only the whole module has
+            log.info("build-memory: a hook needs the whole module (%s); loading it", error)
+    if experiences is None:
+        cli = lightning_cli([*config_args, "--model.init_args.bank_path=null"], run=False)
+        module, dm = cli.model, cli.datamodule
+        bank = module.bank
+        examples = dm.train_examples[: args.limit] if args.limit else dm.train_examples
+        if args.from_references:
+            experiences = _reference_experiences(module, dm.task, examples, args.min_reward)
+        else:
+            experiences = _rollout_experiences(module, dm, examples, args)
+    fresh = ExperienceBank(bank.embedder, **bank.settings())
+    fresh.add(experiences)
+    fresh.save(out)
+    seconds = time.perf_counter() - start
+    source = "reference solutions" if args.from_references else "rollouts"
+    print(f"bank: {len(fresh)} experiences from {len(examples)} train examples ({source}) -> {out} ({seconds:.1f} s)")
+    return 0
+
+
+def _rollout_experiences(module, dm, examples, args) -> list:
+    if args.rollouts is not None:
+        module.hparams.group_size = args.rollouts
+    experiences = []
+    for i in range(0, len(examples), args.batch_size):
+        chunk = examples[i : i + args.batch_size]
+        batch = module.make_batch(dm.task, chunk)
+        for j in range(len(batch)):
+            reward = float(batch.rewards[j])
+            if reward >= args.min_reward:
+                ex = dm.example(batch.example_ids[j])
+                exp = module.experience_from_trajectory(dm.task, ex, batch.messages[j], reward)
+                if exp is not None:
+                    experiences.append(exp)
+        print(f"  rolled out {min(i + args.batch_size, len(examples))}/{len(examples)} examples, "
+              f"{len(experiences)} successful so far", flush=True)
+    return experiences
+
+
+def export_command(argv: list[str]) -> int:
+    """``lopd export CHECKPOINT --out FOLDER [--adapter] [--class CLASS]``: see :mod:`lopd_lightning.export`."""
+    parser = ArgumentParser(
+        prog="lopd export",
+        description="Write the student of a checkpoint of any method as a Hugging Face folder: the LoRA merged "
+        "into the weights (default), or with --adapter the student LoRA alone beside its base model. "
+        "The folder loads with transformers' AutoModelForCausalLM.from_pretrained and is a valid "
+        "model.init_args.model for lopd fit/validate/test.",
+    )
+    parser.add_argument("checkpoint", help="a Lightning checkpoint (.ckpt) of any lopd_lightning method")
+    parser.add_argument("--out", required=True, help="the folder to write (created)")
+    parser.add_argument("--adapter", action="store_true", help="save the student LoRA only, beside its base model")
+    parser.add_argument("--class", dest="module_class", default=None,
+                        help="the module's class (e.g. LOPDModule) when the checkpoint does not name it")
+    parser.add_argument("--model", default=None,
+                        help="the base model to rebuild the module on, when the one the checkpoint names has moved")
+    args = parser.parse_args(argv)
+    from lopd_lightning.export import export_checkpoint
+
+    start = time.perf_counter()
+    folder = export_checkpoint(args.checkpoint, args.out, adapter=args.adapter, module_class=args.module_class,
+                               model=args.model)
+    form = "student LoRA beside its base" if args.adapter else "LoRA merged"
+    print(f"exported the student of {args.checkpoint} ({form}) -> {folder} ({time.perf_counter() - start:.1f} s)")
+    return 0
+

@@ -1,0 +1,264 @@
+"""One line for every mistake a user can fix: what ``lopd`` prints instead of a traceback.
+
+A mistake the user can fix (a bad key or value, a missing folder, an unknown task) ends the command with
+one line on stderr, ``error: <message>``, naming the config key and the fix, and a non-zero exit status
+(2 for a command line or config that does not parse, 1 for the rest): :class:`CLIError` for the checks of
+``lopd`` itself, :func:`parse_error_message` for what jsonargparse refuses, :func:`explain` for an error
+raised while the configured classes were built. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import inspect
+import linecache
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from lopd_lightning.deprecation import RENAMED_KEYS
+
+__all__ = [
+    "ArgumentParser",
+    "CLIError",
+    "did_you_mean",
+    "exception_chain",
+    "explain",
+    "import_class",
+    "init_parameters",
+    "parse_error_message",
+]
+
+
+class CLIError(Exception):
+    """A mistake the user can fix: ``lopd`` prints ``error: <message>`` (one line) and exits with ``code``."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the commands outside LightningCLI: a usage error is a :class:`CLIError` (one line)."""
+
+    def error(self, message: str):
+        raise CLIError(f"{self.prog}: {message} (see `{self.prog} --help`)", 2)
+
+
+def did_you_mean(word: str, candidates: Any, *, prefix: str = "", quote: bool = False) -> str:
+    """``"; did you mean <prefix><closest>?"`` for the closest of ``candidates``, or ``""`` when none is close."""
+    match = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.6)
+    if not match:
+        return ""
+    return f"; did you mean {match[0]!r}?" if quote else f"; did you mean {prefix}{match[0]}?"
+
+
+def exception_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes / contexts, outermost first."""
+    chain: list[BaseException] = []
+    while error is not None and all(error is not e for e in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def init_parameters(cls: type) -> list[str]:
+    """The keyword arguments a class accepts, following ``**kwargs`` up the base classes (as jsonargparse does)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if klass is object or "__init__" not in vars(klass):
+            continue
+        try:
+            params = inspect.signature(klass.__init__).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                  and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def import_class(path: str) -> type | None:
+    """The class at ``path`` (``module.Class``, or a short name of lopd_lightning's modules, DataModule or
+    callbacks), or None when there is none."""
+    module_name, _, name = path.rpartition(".")
+    for module in ([module_name] if module_name else ["lopd_lightning.modules", "lopd_lightning.data", "lopd_lightning.callbacks"]):
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        if isinstance(obj, type):
+            return obj
+    return None
+
+
+def _known_classes(section: str) -> list[str]:
+    if section == "model":
+        import lopd_lightning.modules as modules
+
+        return [n for n in modules.__all__ if n != "OnPolicyModule"]
+    if section == "data":
+        return ["OnPolicyDataModule"]
+    return []
+
+
+def _plain(message: str) -> str:
+    """The first line of a jsonargparse message, with ``<class 'int'>`` written ``int``."""
+    lines = [line.strip(" -") for line in message.strip().splitlines() if line.strip(" -")]
+    text = lines[0] if lines else message.strip()
+    text = re.sub(r"<class '([\w.]+)'>", r"\1", text)
+    m = re.fullmatch(r"Expected a ([\w.\[\], ]+)\. Got value: (.*)", text)
+    return f"expected {m.group(1)}, got {m.group(2)!r}" if m else text
+
+
+def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str, Any], args: list[str]) -> str:
+    """One line for a jsonargparse error: the config key, what is wrong, and the closest valid key.
+
+    Args:
+        parser, subparsers: the CLI's parser and its subcommand parsers (for the valid keys).
+        args: the command line that was parsed (for the subcommand).
+    """
+    chain = exception_chain(error)
+    subcommand = next((a for a in args if a in subparsers), None)
+    sub = subparsers.get(subcommand, parser)
+    keys = [a.dest for a in getattr(sub, "_actions", []) if not a.dest.endswith(".help") and a.dest != "help"]
+    path: list[str] = []
+    owner: type | None = None
+    for e in chain:
+        text = str(e).strip()
+        m = re.match(r'Parser key "([^"]+)":', text)
+        if m and (not path or path[-1] != m.group(1)):
+            path.append(m.group(1))
+        m = re.match(r"Problem with given class_path '([^']+)':", text)
+        if m and (not path or path[-1] != "init_args"):
+            owner = import_class(m.group(1))
+            path.append("init_args")
+    inner = str(chain[-1]).strip()
+    key = ".".join(path)
+
+    m = re.fullmatch(r"Option '([^']+)' is not accepted", _plain(inner)) or re.fullmatch(
+        r"Key '([^']+)' is not expected", _plain(inner)
+    )
+    if m:
+        bad = f"{key}.{m.group(1)}" if key else m.group(1)
+        if owner is None:
+            return f"unknown key {bad}{did_you_mean(bad, keys)}"
+        hint = _argument_hint(bad, key, init_parameters(owner))
+        return f"unknown key {bad} ({owner.__name__} has no argument {m.group(1)!r}){hint}"
+    m = re.fullmatch(r"Subcommand '([^']+)' does not accept option '([^']+)'", _plain(inner))
+    if m:
+        return f"unknown key {m.group(2)} (lopd {m.group(1)} has no such option){_suggest_key(m.group(2), keys)}"
+    m = re.fullmatch(r"unrecognized arguments: (.*)", _plain(inner))
+    if m:
+        bad = m.group(1).split()[0]
+        name = bad.lstrip("-").split("=", 1)[0]
+        hint = _suggest_key(name, keys, prefix="--") if bad.startswith("--") else ""
+        return f"unknown option {bad}{hint} (see `lopd {subcommand or 'COMMAND'} --help`)"
+    m = re.search(r"Expected a dot import path string: (\S+)", inner)
+    if m:
+        section = path[0] if path else "model"
+        return (f"{section}: no class {m.group(1)!r}; give a class path such as "
+                f"lopd_lightning.modules.LOPDModule{did_you_mean(m.group(1), _known_classes(section), quote=True)}")
+    if key == "config":
+        return f"-c/--config: {_plain(inner)}"
+    return f"{key}: {_plain(inner)}" if key else _plain(inner)
+
+
+def _argument_hint(bad: str, key: str, params: list[str]) -> str:
+    """Did-you-mean for an unknown constructor argument ``bad`` (``<key>.<name>``): the closest of ``params``,
+    where a near miss of a renamed argument's old name (:data:`~lopd_lightning.deprecation.RENAMED_KEYS`)
+    suggests its new name."""
+    spelled = {f"{key}.{p}": f"{key}.{p}" for p in params}
+    spelled.update({f"{key}.{old}": f"{key}.{new}" for old, new in RENAMED_KEYS.items() if new in params})
+    match = difflib.get_close_matches(bad, list(spelled), n=1, cutoff=0.6)
+    return f"; did you mean {spelled[match[0]]}?" if match else ""
+
+
+def _suggest_key(key: str, keys: list[str], *, prefix: str = "") -> str:
+    """Did-you-mean for a dotted key: the closest whole key, else the closest first component."""
+    hint = did_you_mean(key, keys, prefix=prefix)
+    if hint or "." not in key:
+        return hint
+    head, rest = key.split(".", 1)
+    heads = {k.split(".", 1)[0] for k in keys}
+    match = difflib.get_close_matches(head, sorted(heads), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{match[0]}.{rest}?" if match and match[0] != head else ""
+
+
+def _package_dir() -> str:
+    """The folder of the lopd_lightning package (this module is in its ``cli/``), with a trailing separator."""
+    return str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def _raised_here(error: BaseException) -> bool:
+    """True when a ``raise`` statement of this package raised ``error`` (its own message, not a bug's)."""
+    tb = error.__traceback__
+    if tb is None or isinstance(error, AssertionError):
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    if not str(Path(filename).resolve()).startswith(_package_dir()):
+        return False
+    return linecache.getline(filename, tb.tb_lineno).strip().startswith("raise")
+
+
+def _owner(error: BaseException) -> tuple[str, type] | None:
+    """The config section whose class raised ``error`` in its constructor: ("model", LOPDModule), ..."""
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__init__":
+            obj = frame.f_locals.get("self")
+            for base, section in ((LightningModule, "model"), (LightningDataModule, "data")):
+                if isinstance(obj, base):
+                    return section, type(obj)
+            if isinstance(obj, Callback):
+                return f"trainer.callbacks[{type(obj).__name__}]", type(obj)
+        tb = tb.tb_next
+    return None
+
+
+def _name_the_key(message: str, owner: tuple[str, type] | None) -> str:
+    """``x must be ...`` raised by a config class's constructor becomes ``model.init_args.x must be ...``."""
+    if owner is None or "init_args." in message:
+        return message
+    m = re.match(r"([A-Za-z_]\w*)\b", message)
+    if m and m.group(1) in init_parameters(owner[1]):
+        return f"{owner[0]}.init_args.{message}"
+    return message
+
+
+def explain(error: BaseException) -> tuple[str, int] | None:
+    """The one line and exit status ``lopd`` shows for ``error``, or None to show its traceback.
+
+    - :class:`CLIError` (and argparse errors): its message, status 2;
+    - an exception raised by this package's own ``raise`` (a check with its message), found among the
+      causes of what Lightning or jsonargparse wrapped it in: its message, the config key named, status 1;
+    - any other exception raised while a config class was built (e.g. a LoRA field peft refuses): its
+      innermost message with the config section, status 1;
+    - anything else (a bug): None.
+    """
+    if isinstance(error, CLIError):
+        return error.message, error.code
+    if isinstance(error, argparse.ArgumentError):
+        return _plain(str(error)), 2
+    chain = exception_chain(error)
+    ours = next((e for e in chain if _raised_here(e)), None)
+    if ours is not None:
+        return " ".join(_name_the_key(str(ours), _owner(ours)).split()), 1
+    if any("Does not validate against any of the Union subtypes" in str(e) for e in chain):
+        inner = chain[-1]
+        owner = _owner(inner)
+        where = f"{owner[0]}: " if owner else ""
+        text = " ".join(str(inner).split()) or type(inner).__name__
+        return f"{where}{text} (--debug shows the traceback)", 1
+    return None

@@ -1,0 +1,125 @@
+"""``lopd fit|validate|test``: the LightningCLI in subclass mode, and the checks it runs before building anything.
+
+A config names any module (``LOPDModule``, ``GRPOModule``, ...), DataModule, task or callback class.
+Before jsonargparse reads the command line, the deprecated spellings of renamed keys are rewritten
+(:func:`~lopd_lightning.cli.deprecated_keys.rename_deprecated_keys`); a parse error becomes one line
+naming the key (:func:`~lopd_lightning.cli.errors.parse_error_message`); an unknown task name is reported
+before the student loads (:func:`check_task_name`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lopd_lightning.cli.deprecated_keys import rename_deprecated_keys
+from lopd_lightning.cli.errors import CLIError, did_you_mean, parse_error_message
+
+__all__ = ["LIGHTNING_COMMANDS", "check_task_name", "lightning_cli"]
+
+#: The subcommands LightningCLI runs (no ``predict``: no module implements ``predict_step``).
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
+
+
+def check_task_name(config: Any) -> None:
+    """Raise ValueError for an unknown task name in a parsed config, before any class is instantiated.
+
+    LightningCLI instantiates the model before the DataModule, so without this check a misspelt
+    ``data.init_args.task`` would only be reported after the student had been loaded.
+
+    Raises:
+        ValueError: ``data.init_args.task`` is a string that is not a registered task name (the message
+            lists the known ones and the closest).
+    """
+    from lopd_lightning.tasks import TASK_NAMES
+
+    data = config.get("data") if hasattr(config, "get") else None
+    init_args = data.get("init_args") if hasattr(data, "get") else None
+    task = init_args.get("task") if hasattr(init_args, "get") else None
+    if isinstance(task, str) and task not in TASK_NAMES:
+        if "." in task:  # a class path given as a name: jsonargparse builds a class only from class_path
+            raise ValueError(
+                f"data.init_args.task {task!r} is not a task name; to use a Task subclass give its class path as "
+                f"data.init_args.task: {{class_path: {task}}} (command line: --data.init_args.task.class_path={task}); "
+                f"known task names: {', '.join(TASK_NAMES)}"
+            )
+        hint = did_you_mean(task, TASK_NAMES, quote=True)
+        raise ValueError(
+            f"unknown task {task!r} (data.init_args.task){hint}{' known' if hint else '; known'} tasks: "
+            f"{', '.join(TASK_NAMES)} (or give a Task subclass as data.init_args.task: {{class_path: module.Class}})"
+        )
+
+
+def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True) -> Any:
+    """The LightningCLI of ``lopd fit|validate|test`` on ``args`` (the command line less ``lopd``).
+
+    Args:
+        run: parse a subcommand (``fit``, ...) and run it; False: no subcommand, the classes only.
+        instantiate: False parses the config and stops (``cli.config`` holds it, nothing is built).
+
+    Returns:
+        The ``LightningCLI`` (``.config``; ``.model``, ``.datamodule``, ``.trainer`` once instantiated).
+
+    Raises:
+        CLIError: the command line or a config does not parse (unknown key, wrong type, missing file):
+            the message names the key and, for a misspelt one, the closest valid key; a deprecated key is
+            given together with its new spelling (status 1).
+    """
+    with tempfile.TemporaryDirectory(prefix="lopd-config-") as folder:  # config files with renamed keys
+        return _lopd_cli(rename_deprecated_keys(args, Path(folder)), run=run, instantiate=instantiate)
+
+
+def _lopd_cli(args: list[str], *, run: bool, instantiate: bool) -> Any:
+    """:func:`lightning_cli` on a command line whose deprecated keys are renamed."""
+    from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+
+    import lopd_lightning.callbacks  # noqa: F401
+    import lopd_lightning.modules  # noqa: F401  (registers the shipped methods for short class names)
+    from lopd_lightning.data import OnPolicyDataModule
+    from lopd_lightning.modules.base import OnPolicyModule
+
+    class SaveConfigToLogger(SaveConfigCallback):
+        """The run's ``config.yaml`` goes into the logger's folder; without a logger, nowhere (Lightning's
+        default would drop it into the current folder)."""
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            if not trainer.loggers:
+                return
+            super().setup(trainer, pl_module, stage)
+
+    class LOPDCLI(LightningCLI):
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:
+            # no `predict`: no module implements predict_step
+            return {k: v for k, v in LightningCLI.subcommands().items() if k in LIGHTNING_COMMANDS}
+
+        def parse_arguments(self, parser, args) -> None:
+            # `args` is always the exact list main() took from sys.argv (less --debug) or one a command
+            # built; LightningCLI's warning about passing both `args` and a command line does not apply
+            try:
+                self.config = parser.parse_args(args)
+            except argparse.ArgumentError as error:
+                subparsers = getattr(self, "_subcommand_parsers", {})
+                raise CLIError(parse_error_message(error, parser, subparsers, args), 2) from error
+
+        def before_instantiate_classes(self) -> None:
+            check_task_name(self.config[self.subcommand] if self.subcommand else self.config)
+
+        def instantiate_classes(self) -> None:
+            if instantiate:
+                super().instantiate_classes()
+
+    quiet = {"exit_on_error": False}  # parse errors raise, and become one line in main()
+    return LOPDCLI(
+        OnPolicyModule,
+        OnPolicyDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_callback=SaveConfigToLogger,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+        parser_kwargs={"parser_mode": "omegaconf", **quiet, **{c: dict(quiet) for c in LIGHTNING_COMMANDS}},
+    )

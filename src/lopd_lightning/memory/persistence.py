@@ -1,0 +1,86 @@
+"""The experience bank on disk: ``experiences.jsonl``, ``embeddings.npy`` and ``meta.json`` in one folder.
+
+:meth:`ExperienceBank.save <lopd_lightning.memory.bank.ExperienceBank.save>` writes the folder from the
+bank's :meth:`~lopd_lightning.memory.bank.ExperienceBank.state_dict`, and
+:meth:`~lopd_lightning.memory.bank.ExperienceBank.load` restores a bank from what :func:`read_bank_folder`
+reads. ``lopd build-memory`` writes such folders; ``model.init_args.bank_path`` names one.
+
+Files:
+    experiences.jsonl  one record a line: ``{"id", "task_id", "task_text", "trace", "reward", "step"}``
+    embeddings.npy     (N, dim) float32, row i embeds line i
+    meta.json          ``{"version", "embedder_name", "dim", "size", "next_id", "settings", "counters"}``
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STATE_VERSION", "read_bank_folder", "write_bank_folder"]
+
+#: Format version of ``ExperienceBank.state_dict()`` and of ``meta.json``.
+STATE_VERSION = 1
+
+
+def write_bank_folder(folder: str | Path, state: dict[str, Any]) -> Path:
+    """Write a bank's state into ``folder`` (created): ``experiences.jsonl``, ``embeddings.npy``, ``meta.json``.
+
+    Args:
+        folder: the bank folder.
+        state: ``ExperienceBank.state_dict()``: ``records`` (dicts), ``ids`` ((N,) int64), ``embeddings``
+            ((N, dim) float32; tensors or arrays), ``embedder_name``, ``dim``, ``next_id``, ``settings``,
+            ``counters``.
+
+    Returns:
+        The folder.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = np.asarray(state["ids"]).tolist()
+    with open(folder / "experiences.jsonl", "w", encoding="utf-8") as fh:
+        for rid, record in zip(ids, state["records"]):
+            fh.write(json.dumps({"id": rid, **record}, ensure_ascii=False) + "\n")
+    np.save(folder / "embeddings.npy", np.asarray(state["embeddings"], dtype=np.float32))
+    meta = {
+        "version": STATE_VERSION,
+        "embedder_name": state["embedder_name"],
+        "dim": state["dim"],
+        "size": len(state["records"]),
+        "next_id": state["next_id"],
+        "settings": state["settings"],
+        "counters": state["counters"],
+    }
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def read_bank_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a folder written by :func:`write_bank_folder`: ``(stored settings, state)``.
+
+    Returns:
+        The constructor settings the bank was saved with, and a state for
+        ``ExperienceBank.load_state_dict`` (``records``, ``ids`` (N,) int64 (line numbers where a line has
+        no ``id``), ``embeddings`` (N, dim) float32, ``embedder_name``, ``next_id``, ``settings``,
+        ``counters``).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+    """
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    with open(folder / "experiences.jsonl", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    embeddings = np.load(folder / "embeddings.npy")
+    state = {
+        "records": rows,
+        "ids": np.array([r.get("id", i) for i, r in enumerate(rows)], dtype=np.int64),
+        "embeddings": embeddings,
+        "embedder_name": meta.get("embedder_name"),
+        "next_id": meta.get("next_id", 0),
+        "settings": meta.get("settings", {}),
+        "counters": meta.get("counters", {}),
+    }
+    return meta.get("settings", {}), state
