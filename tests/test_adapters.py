@@ -8,6 +8,7 @@ import torch
 from lopd_lightning.adapters import (
     COMPOSER,
     STUDENT,
+    add_composer_adapter,
     adapter_names,
     adapter_parameters,
     base_parameters,
@@ -115,9 +116,9 @@ def test_every_trainable_parameter_of_a_method_is_in_its_optimisers(method, lora
     # fails on the next step (issue: GRPO under DDP carried an unused composer adapter)
     import lopd_lightning.modules as modules
 
-    options = {"rollouts_per_example": 2} if method in ("GRPOModule", "SDPOModule", "SkillSDModule") else {}
+    options = {"group_size": 2} if method in ("GRPOModule", "SDPOModule", "SkillSDModule") else {}
     if method == "LOPDModule":
-        options.update(num_latents=2, composer_depth=1, embedder="hashing", top_m=8)
+        options.update(num_latents=2, composer_depth=1, embedder="hashing", distill_top_k=8)
     module = getattr(modules, method)("tiny", lora=lora, **options)
     optimisers = module.configure_optimizers()
     optimisers = optimisers if isinstance(optimisers, (list, tuple)) else [optimisers]
@@ -135,7 +136,7 @@ def test_a_lora_config_the_backbone_cannot_honour_is_refused_before_the_weights_
     options = {key: {**STUDENT_LORA, field: value}}
     if key == "lora":
         from lopd_lightning.modules import GRPOModule as method
-        options["rollouts_per_example"] = 2
+        options["group_size"] = 2
     else:
         from lopd_lightning.modules import LOPDModule as method
         options["lora"] = STUDENT_LORA
@@ -273,3 +274,88 @@ def test_a_misspelt_lora_field_names_the_config_key_and_the_closest_field():
     with pytest.raises(TypeError, match="model.init_args.lora must be a dict"):
         as_lora_config(8)
     assert as_lora_config({"r": 4, "target_modules": ("q_proj",)}).target_modules == {"q_proj"}
+
+
+# ------------------------------------------------------------------------ the composer adapter, added later
+def _old_prepare_backbone(model, student_lora, composer_lora):
+    """prepare_backbone as it was before add_composer_adapter existed (both adapters in one call): the reference."""
+    from peft import get_peft_model
+
+    from lopd_lightning.adapters import as_lora_config
+
+    student_cfg, composer_cfg = as_lora_config(student_lora), as_lora_config(composer_lora)
+    base_flags = {id(p): p.requires_grad for p in model.parameters()}
+    if student_cfg is not None:
+        pm = get_peft_model(model, student_cfg, adapter_name=STUDENT)
+        pm.add_adapter(COMPOSER, composer_cfg)
+        pm.set_adapter(STUDENT)
+        for p in base_parameters(pm):
+            p.requires_grad_(False)
+    else:
+        pm = get_peft_model(model, composer_cfg, adapter_name=COMPOSER)
+        pm.base_model.disable_adapter_layers()
+        for p in base_parameters(pm):
+            p.requires_grad_(base_flags.get(id(p), True))
+    for name in adapter_names(pm):
+        for p in adapter_parameters(pm, name):
+            p.requires_grad_(True)
+    return pm
+
+
+def _adapter_state(pm):
+    from lopd_lightning.adapters import _current_state
+
+    return {
+        "names": adapter_names(pm),
+        "flags": flags(pm),
+        "active": pm.active_adapter,
+        "state": _current_state(pm),
+        "tensors": {n: p.detach().clone() for n, p in pm.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize("lora", [STUDENT_LORA, None], ids=["lora", "full"])
+def test_add_composer_adapter_after_the_student_equals_the_one_call_wrapping(lora):
+    """LOPD adds psi after the base constructor: the same adapters, flags, active adapter and random LoRA
+    initialisation as the former one-call prepare_backbone(student_lora, composer_lora)."""
+    composer = default_lora_config(r=4, lora_alpha=8)
+    torch.manual_seed(3)
+    want = _old_prepare_backbone(tiny_model(), lora, composer)
+    torch.manual_seed(3)
+    got = add_composer_adapter(prepare_backbone(tiny_model(), student_lora=lora), composer)
+    a, b = _adapter_state(want), _adapter_state(got)
+    assert b["names"] == a["names"] == ([STUDENT, COMPOSER] if lora else [COMPOSER])
+    assert b["flags"] == a["flags"] and b["active"] == a["active"] and b["state"] == a["state"]
+    assert b["tensors"].keys() == a["tensors"].keys()
+    for name, tensor in a["tensors"].items():
+        assert torch.equal(b["tensors"][name], tensor), name  # the LoRA A matrices drew the same numbers
+    perturb(got, COMPOSER, 2)
+    perturb(want, COMPOSER, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(got(ids()).logits, want(ids()).logits, rtol=0, atol=0)  # the student's forward
+    # and prepare_backbone(composer_lora=...) is this same call
+    torch.manual_seed(3)
+    one_call = prepare_backbone(tiny_model(), student_lora=lora, composer_lora=composer)
+    c = _adapter_state(one_call)
+    assert c["flags"] == a["flags"] and c["state"] == a["state"]
+    assert all(torch.equal(c["tensors"][n], t) for n, t in a["tensors"].items())
+
+
+def test_add_composer_adapter_keeps_a_full_students_own_flags_and_refuses_bad_input():
+    model = tiny_model()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    plain = prepare_backbone(model, student_lora=None)
+    pm = add_composer_adapter(plain, {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
+    assert pm is not plain and pm.get_base_model() is model  # wrapped, not copied
+    assert not model.model.embed_tokens.weight.requires_grad  # a flag the user set stays as it was
+    assert all(p.requires_grad for p in base_parameters(pm) if p is not model.model.embed_tokens.weight)
+    lora_pm = prepare_backbone(tiny_model(), student_lora=STUDENT_LORA)
+    assert add_composer_adapter(lora_pm, {"r": 2, "target_modules": ["q_proj", "v_proj"]}) is lora_pm  # through LoRA layers
+    with pytest.raises(ValueError, match="already has an adapter 'composer'"):
+        add_composer_adapter(lora_pm, default_lora_config())
+    with pytest.raises(ValueError, match="needs a LoRA config"):
+        add_composer_adapter(prepare_backbone(tiny_model(), student_lora=STUDENT_LORA), None)
+    with pytest.raises(ValueError, match="'norm', a LlamaRMSNorm, which LoRA cannot wrap"):
+        add_composer_adapter(prepare_backbone(tiny_model(), student_lora=STUDENT_LORA), {"r": 2, "target_modules": ["norm"]})
+    with pytest.raises(ValueError, match=r"names \['q_prj'\], which this model does not have"):
+        add_composer_adapter(tiny_model(), {"r": 2, "target_modules": ["q_prj"]})

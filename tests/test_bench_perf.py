@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lopd_lightning.losses import chunked_topk_tail_reverse_kl, topk_tail_reverse_kl
+from lopd_lightning.lm_head import chunked_topk_tail_reverse_kl
+from lopd_lightning.losses import topk_tail_reverse_kl
 from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.bank import build_ivf
 from helpers import load_benchmark
@@ -25,7 +26,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
 
 
 # ------------------------------------------------------------------ chunked loss
@@ -44,10 +44,10 @@ def _inputs(n: int, d: int, v: int, dtype: torch.dtype, *, bias: bool, seed: int
 def test_chunked_reverse_kl_equals_unchunked_values_and_gradients(chunk_size, dtype):
     student, teacher, weight, bias, upstream = _inputs(13, 8, 40, dtype, bias=chunk_size == 7)
     leaves = [x for x in (student, teacher, weight, bias) if x is not None]
-    ref = topk_tail_reverse_kl(F.linear(student, weight, bias), F.linear(teacher, weight, bias), k=5,
+    ref = topk_tail_reverse_kl(F.linear(student, weight, bias), F.linear(teacher, weight, bias), top_k=5,
                                temperature=0.8)  # [N]
     ref_grads = torch.autograd.grad((ref * upstream).sum(), leaves)
-    out = chunked_topk_tail_reverse_kl(student, teacher, weight, k=5, temperature=0.8, chunk_size=chunk_size,
+    out = chunked_topk_tail_reverse_kl(student, teacher, weight, top_k=5, temperature=0.8, chunk_size=chunk_size,
                                        lm_head_bias=bias)
     grads = torch.autograd.grad((out * upstream).sum(), leaves)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
@@ -60,23 +60,23 @@ def test_chunked_reverse_kl_equals_unchunked_values_and_gradients(chunk_size, dt
 def test_chunked_reverse_kl_leading_shape_detached_teacher_and_no_grad():
     student, teacher, weight, _, _ = _inputs(12, 8, 30, torch.float64, bias=False)
     s3, t3 = student.reshape(3, 4, 8), teacher.detach().reshape(3, 4, 8)  # (B, T, d)
-    out = chunked_topk_tail_reverse_kl(s3, t3, weight.detach(), k=3, chunk_size=5)
-    ref = topk_tail_reverse_kl(s3 @ weight.detach().T, t3 @ weight.detach().T, k=3)
+    out = chunked_topk_tail_reverse_kl(s3, t3, weight.detach(), top_k=3, chunk_size=5)
+    ref = topk_tail_reverse_kl(s3 @ weight.detach().T, t3 @ weight.detach().T, top_k=3)
     assert out.shape == (3, 4)
     torch.testing.assert_close(out, ref)
     (g,) = torch.autograd.grad(out.sum(), [student])  # only the student requires grad here
     (r,) = torch.autograd.grad(ref.sum(), [student])
     torch.testing.assert_close(g, r)
     with torch.no_grad():
-        torch.testing.assert_close(chunked_topk_tail_reverse_kl(s3, t3, weight, k=3, chunk_size=5), ref)
+        torch.testing.assert_close(chunked_topk_tail_reverse_kl(s3, t3, weight, top_k=3, chunk_size=5), ref)
     # k >= V: the exact full-vocabulary reverse KL, as the unchunked function
-    full = chunked_topk_tail_reverse_kl(s3, t3, weight.detach(), k=30, chunk_size=5)
-    torch.testing.assert_close(full, topk_tail_reverse_kl(s3 @ weight.detach().T, t3 @ weight.detach().T, k=30))
+    full = chunked_topk_tail_reverse_kl(s3, t3, weight.detach(), top_k=30, chunk_size=5)
+    torch.testing.assert_close(full, topk_tail_reverse_kl(s3 @ weight.detach().T, t3 @ weight.detach().T, top_k=30))
 
 
 def test_chunked_reverse_kl_empty_and_errors():
     w = torch.randn(10, 4)
-    empty = chunked_topk_tail_reverse_kl(torch.zeros(0, 4), torch.zeros(0, 4), w, k=2)
+    empty = chunked_topk_tail_reverse_kl(torch.zeros(0, 4), torch.zeros(0, 4), w, top_k=2)
     assert empty.shape == (0,) and empty.dtype == torch.float32
     h = torch.randn(3, 4)
     with pytest.raises(ValueError, match="hidden shape"):
@@ -88,7 +88,7 @@ def test_chunked_reverse_kl_empty_and_errors():
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_topk_tail_reverse_kl(h, h, w, chunk_size=0)
     with pytest.raises(ValueError, match="k must"):
-        chunked_topk_tail_reverse_kl(h, h, w, k=0)
+        chunked_topk_tail_reverse_kl(h, h, w, top_k=0)
     with pytest.raises(ValueError, match="temperature"):
         chunked_topk_tail_reverse_kl(h, h, w, temperature=0.0)
 

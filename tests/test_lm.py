@@ -1,9 +1,15 @@
-"""selected_logits / unpack: the LM head on selected positions equals the full forward there."""
+"""selected_logits / unpack: the LM head on selected positions equals the full forward there; the
+model-input helpers (position ids, shifted log-probs); the names that moved to lm_head still served."""
 
+import warnings
+
+import pytest
 import torch
 
+from lopd_lightning import deprecation
 from lopd_lightning.adapters import prepare_backbone
-from lopd_lightning.lm import selected_logits, unpack
+from lopd_lightning.lm import position_ids_from_mask, selected_logits, shifted_token_logps, unpack
+from lopd_lightning.losses import token_logps
 from lopd_lightning.models import tiny_model, tiny_tokenizer
 from lopd_lightning.teacher import SelfTeacher
 
@@ -47,3 +53,34 @@ def test_teacher_packed_logits_equal_its_full_logits_with_latents():
     torch.testing.assert_close(packed, full[positions], atol=1e-5, rtol=1e-5)
     packed.sum().backward()
     assert latents.grad is not None and latents.grad.abs().sum() > 0
+
+
+def test_position_ids_from_mask_ignore_padding_on_either_side():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2], [0, 0, 1, 2, 2]]
+    assert position_ids_from_mask(mask.bool()).dtype == torch.long
+
+
+def test_shifted_token_logps_score_the_next_token():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 7, (2, 5), generator=g)
+    got = shifted_token_logps(logits, ids, temperature=0.5)
+    want = torch.log_softmax(logits[:, :-1] / 0.5, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert got.shape == (2, 4)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, token_logps(logits[:, :-1], ids[:, 1:], temperature=0.5))
+
+
+@pytest.mark.parametrize("name", ["Head", "chunked_head_kl", "chunked_token_logps", "constant_head", "lm_head_parameters"])
+def test_the_lm_head_names_moved_and_the_old_path_warns_once(name, monkeypatch):
+    import lopd_lightning.lm as lm
+    import lopd_lightning.lm_head as lm_head
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.lm\.{name} moved to lopd_lightning\.lm_head\.{name}"):
+        old = getattr(lm, name)
+    assert old is getattr(lm_head, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(lm, name) is old

@@ -5,7 +5,7 @@ distillation KL of both losses and the margin's token log-probs chunk by chunk (
 in backward). These tests check, on the tiny model and the toy task (CPU, seeded), that one training
 step logs the same losses and produces the same gradients (student LoRA or every backbone weight with
 the LM head, composer LoRA, resampler) as ``distill_chunk_size=None``, with a chunk that does not
-divide N; and the building blocks (lm.py, teacher.py) against their unchunked references.
+divide N; and the building blocks (lm.py, lm_head.py, teacher/) against their unchunked references.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ import torch
 import torch.nn.functional as F
 
 from lopd_lightning.adapters import adapter_parameters, base_parameters, prepare_backbone
-from lopd_lightning.lm import (
+from lopd_lightning.lm import lm_head_logits, selected_hidden_states, selected_logits, unpack
+from lopd_lightning.lm_head import (
+    LMHead,
     chunked_head_kl,
     chunked_token_logps,
     constant_head,
-    lm_head_logits,
+    distillation_loss,
     lm_head_parameters,
-    selected_hidden_states,
-    selected_logits,
+    margin_delta,
 )
-from lopd_lightning.losses import token_logps, topk_tail_reverse_kl
+from lopd_lightning.losses import privileged_margin, token_logps, topk_tail_reverse_kl
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.models import tiny_model, tiny_tokenizer
@@ -206,8 +207,8 @@ def _grads(loss, tensors):
 def test_chunked_head_kl_two_heads_equal_the_dense_kl(chunk):
     hs, ht, ws, bs, wt, bt = _head_case()
     upstream = torch.linspace(0.5, 2.0, hs.shape[0], dtype=torch.float64)
-    dense = topk_tail_reverse_kl(F.linear(hs, ws, bs), F.linear(ht, wt, bt), k=4, temperature=0.7)
-    got = chunked_head_kl(hs, ht, (ws, bs), (wt, bt), k=4, temperature=0.7, chunk_size=chunk)
+    dense = topk_tail_reverse_kl(F.linear(hs, ws, bs), F.linear(ht, wt, bt), top_k=4, temperature=0.7)
+    got = chunked_head_kl(hs, ht, (ws, bs), (wt, bt), top_k=4, temperature=0.7, chunk_size=chunk)
     torch.testing.assert_close(got, dense)
     leaves = (hs, ht, ws, bs, wt, bt)
     for a, b in zip(_grads((got * upstream).sum(), leaves), _grads((dense * upstream).sum(), leaves), strict=True):
@@ -220,8 +221,8 @@ def test_chunked_head_kl_reaches_only_the_heads_that_need_grad():
     student_head = (ws, bs)
     teacher_head = constant_head(student_head)
     assert teacher_head[0] is not ws and not teacher_head[0].requires_grad
-    got = chunked_head_kl(hs, ht.detach(), student_head, teacher_head, k=3, chunk_size=2)
-    dense = topk_tail_reverse_kl(F.linear(hs, ws, bs), F.linear(ht, ws, bs).detach(), k=3)
+    got = chunked_head_kl(hs, ht.detach(), student_head, teacher_head, top_k=3, chunk_size=2)
+    dense = topk_tail_reverse_kl(F.linear(hs, ws, bs), F.linear(ht, ws, bs).detach(), top_k=3)
     torch.testing.assert_close(got, dense)
     for a, b in zip(_grads(got.sum(), (hs, ws, bs)), _grads(dense.sum(), (hs, ws, bs)), strict=True):
         torch.testing.assert_close(a, b)
@@ -229,8 +230,8 @@ def test_chunked_head_kl_reaches_only_the_heads_that_need_grad():
     frozen = (ws.detach(), None)
     assert constant_head(frozen)[0] is frozen[0]
     # the same tensors on both sides: the library's chunked loss, gradient to the teacher's hidden states
-    got_c = chunked_head_kl(hs.detach(), ht, teacher_head, teacher_head, k=3, chunk_size=2)
-    dense_c = topk_tail_reverse_kl(F.linear(hs, ws, bs).detach(), F.linear(ht, *teacher_head), k=3)
+    got_c = chunked_head_kl(hs.detach(), ht, teacher_head, teacher_head, top_k=3, chunk_size=2)
+    dense_c = topk_tail_reverse_kl(F.linear(hs, ws, bs).detach(), F.linear(ht, *teacher_head), top_k=3)
     torch.testing.assert_close(got_c, dense_c)
     torch.testing.assert_close(_grads(got_c.sum(), (ht,))[0], _grads(dense_c.sum(), (ht,))[0])
 
@@ -251,5 +252,136 @@ def test_chunked_token_logps_equal_token_logps(chunk):
 
 def test_empty_rows_give_empty_results():
     hs, ht, ws, bs, wt, bt = _head_case(n=0)
-    assert chunked_head_kl(hs, ht, (ws, bs), (wt, bt), k=3, chunk_size=2).shape == (0,)
+    assert chunked_head_kl(hs, ht, (ws, bs), (wt, bt), top_k=3, chunk_size=2).shape == (0,)
     assert chunked_token_logps(hs, torch.zeros(0, dtype=torch.long), (ws, bs), chunk_size=2).shape == (0,)
+
+
+# ------------------------------------------------------------------------------------ the LMHead object
+class _HeadModel(torch.nn.Module):
+    """The smallest model :func:`lm_head_parameters` reads: an output head and a config without soft-capping."""
+
+    def __init__(self, v: int, d: int, dtype: torch.dtype, seed: int, *, bias: bool = True, trainable: bool = True):
+        super().__init__()
+        import types
+
+        self.config = types.SimpleNamespace(final_logit_softcapping=None)
+        self.lm_head = torch.nn.Linear(d, v, bias=bias, dtype=dtype)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(0.7 * torch.randn(v, d, generator=g, dtype=dtype))
+            if bias:
+                self.lm_head.bias.copy_(torch.randn(v, generator=g, dtype=dtype))
+        self.requires_grad_(trainable)
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+
+def _naive_topk_tail_kl(ls: torch.Tensor, lt: torch.Tensor, k: int, tau: float) -> torch.Tensor:
+    """KL(p~_S || p~_T) straight from docs/METHOD.md 5: softmaxes, the teacher's top-k, a tail of 1 - sum."""
+    ps, pt = torch.softmax(ls / tau, dim=-1), torch.softmax(lt / tau, dim=-1)
+    index = pt.detach().topk(k, dim=-1).indices
+    s_top, t_top = ps.gather(-1, index), pt.gather(-1, index)
+    s_tail, t_tail = 1 - s_top.sum(-1), 1 - t_top.sum(-1)
+    return (s_top * (s_top.log() - t_top.log())).sum(-1) + s_tail * (s_tail.log() - t_tail.log())
+
+
+def _naive_token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return (logits.exp() / logits.exp().sum(-1, keepdim=True)).log().gather(-1, tokens[:, None])[:, 0]
+
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+
+
+def _three_ways(dtype: torch.dtype, shared: bool, student_trains: bool, chunk: int):
+    """The student's and the composer's losses of one toy batch, in full mode, in chunked mode and from the
+    naive float64 reference; each with the gradients of its leaves (hidden states and head weights)."""
+    n, d, v, k, tau = 11, 6, 29, 4, 0.8
+    g = torch.Generator().manual_seed(7)
+    hidden_s = torch.randn(n, d, generator=g).to(dtype)
+    hidden_t = torch.randn(n, d, generator=g).to(dtype)
+    tokens = torch.randint(0, v, (n,), generator=g)
+    positions = torch.zeros(3, 6, dtype=torch.bool)
+    positions.view(-1)[torch.randperm(18, generator=g)[:n]] = True
+    rewards, rows = torch.tensor([1.0, 0.0, 1.0], dtype=dtype), torch.tensor([True, True, False])
+    student_model = _HeadModel(v, d, dtype, seed=1, trainable=student_trains)
+    teacher_model = student_model if shared else _HeadModel(v, d, dtype, seed=2, trainable=False)
+    results = {}
+    for mode in ("full", "chunked", "naive"):
+        hs, ht = hidden_s.clone().requires_grad_(True), hidden_t.clone().requires_grad_(True)
+        ws, bs = student_model.lm_head.weight, student_model.lm_head.bias
+        wt, bt = teacher_model.lm_head.weight, teacher_model.lm_head.bias
+        if mode == "chunked":
+            head, s_in, t_in = LMHead(student_model, teacher_model, chunk_size=chunk), hs, ht
+        else:  # logits as the forwards would return them: the teacher's head is a constant of its pass
+            cast = (lambda x: x.double()) if mode == "naive" else (lambda x: x)
+            s_in = F.linear(cast(hs), cast(ws), cast(bs))
+            t_in = F.linear(cast(ht), cast(wt).detach(), cast(bt).detach())
+            head = LMHead()
+        if mode == "naive":
+            loss_s = _naive_topk_tail_kl(s_in, t_in.detach(), k, tau).sum() / 20.0
+            loss_c = _naive_topk_tail_kl(s_in.detach(), t_in, k, tau).sum() / 20.0
+            delta = privileged_margin(unpack(_naive_token_logps(t_in, tokens), positions),
+                                      unpack(_naive_token_logps(s_in.detach(), tokens), positions),
+                                      rewards.double(), positions & rows[:, None])
+        else:
+            loss_s = distillation_loss(head, s_in, t_in.detach(), top_k=k, temperature=tau, num_tokens=20.0)
+            loss_c = distillation_loss(head, s_in.detach(), t_in, top_k=k, temperature=tau, num_tokens=20.0)
+            delta = margin_delta(head, s_in, t_in, tokens, positions, rewards, rows=rows)
+        leaves = [hs, ht] + [p for p in (ws, bs) if p.requires_grad]
+        student_grads = torch.autograd.grad(loss_s, leaves, allow_unused=True, retain_graph=True)
+        composer_grads = torch.autograd.grad(loss_c + 0.3 * delta, leaves, allow_unused=True)
+        results[mode] = dict(values=(loss_s, loss_c, delta), student=student_grads, composer=composer_grads)
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shared, student_trains", [(True, False), (True, True), (False, True)],
+                         ids=["lora_live", "full_live", "full_frozen_copy"])
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_lm_head_full_and_chunked_give_the_naive_losses_and_gradients(dtype, shared, student_trains, chunk):
+    """The student's loss trains the student's hidden states and (full student) its head, never the
+    teacher's; the composer's loss and the margin train only the teacher's hidden states (the latents' path)."""
+    got = _three_ways(dtype, shared, student_trains, chunk)
+    tol = TOLERANCE[dtype]
+    for mode in ("full", "chunked"):
+        for a, b in zip(got[mode]["values"], got["naive"]["values"], strict=True):
+            torch.testing.assert_close(a.double(), b.double(), **tol)
+        for kind in ("student", "composer"):
+            for i, (a, b) in enumerate(zip(got[mode][kind], got["naive"][kind], strict=True)):
+                assert (a is None) == (b is None), (mode, kind, i)
+                if a is not None:
+                    torch.testing.assert_close(a.double(), b.double(), **tol, msg=f"{mode} {kind} grad {i}")
+    hs_grad, ht_grad, *head_grads = got["chunked"]["student"]
+    assert hs_grad.abs().sum() > 0 and ht_grad is None  # the teacher is a constant of the student's loss
+    assert all(g is not None and g.abs().sum() > 0 for g in head_grads) and len(head_grads) == (2 if student_trains else 0)
+    hs_grad, ht_grad, *head_grads = got["chunked"]["composer"]
+    assert hs_grad is None and ht_grad.abs().sum() > 0 and all(g is None for g in head_grads)
+
+
+def test_lm_head_modes_and_errors():
+    model = _HeadModel(9, 4, torch.float32, seed=0)
+    assert LMHead().output == "logits" and not LMHead().chunked
+    head = LMHead(model, model, chunk_size=3)
+    assert head.output == "hidden" and head.chunked and head.chunk_size == 3
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="chunk_size must be None or an int >= 1"):
+            LMHead(model, model, chunk_size=bad)
+    with pytest.raises(ValueError, match="needs the student's and the teacher's models"):
+        LMHead(model, None, chunk_size=2)
+    model.lm_head = torch.nn.Sequential(torch.nn.Linear(4, 9))  # not a plain linear head: refused at construction
+    with pytest.raises(ValueError, match="not an nn.Linear"):
+        LMHead(model, model, chunk_size=2)
+    with pytest.raises(ValueError, match="side must be 'student' or 'teacher'"):
+        LMHead().token_logps(torch.zeros(2, 9), torch.zeros(2, dtype=torch.long), side="both")  # type: ignore[arg-type]
+
+
+def test_lm_head_reads_the_heads_at_every_call():
+    """After the weights are replaced (``.to()``, a strategy's wrapping) the chunked head uses the new ones."""
+    model = _HeadModel(9, 4, torch.float64, seed=0, trainable=False)
+    head = LMHead(model, model, chunk_size=2)
+    hidden = torch.randn(5, 4, dtype=torch.float64)
+    tokens = torch.randint(0, 9, (5,))
+    model.lm_head.weight.data = model.lm_head.weight.data * 2  # as Module.to() swaps a parameter's data
+    want = token_logps(F.linear(hidden, model.lm_head.weight, model.lm_head.bias)[None], tokens[None])[0]
+    torch.testing.assert_close(head.token_logps(hidden, tokens, side="student"), want)

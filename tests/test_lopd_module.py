@@ -31,8 +31,6 @@ TINY_YAML = CONFIGS / "tiny.yaml"
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-
-
 # ---------------------------------------------------------------------------------------- helpers
 
 def reference_experiences(task: ToyTask) -> list[Experience]:
@@ -55,17 +53,17 @@ def bank_dir(tmp_path_factory) -> Path:
 
 
 def make_module(bank_dir: Path | None, **overrides) -> LOPDModule:
-    """configs/tiny.yaml's module (LoRA student, K=4, J=2, depth 2, hashing embedder, top_m 8)."""
+    """configs/tiny.yaml's module (LoRA student, K=4, J=2, depth 2, hashing embedder, distill_top_k 8)."""
     options = dict(
         lora=LORA,
-        rollouts_per_example=2,
+        group_size=2,
         max_new_tokens=8,
         num_latents=4,
         num_experiences=2,
         composer_depth=2,
         max_experience_tokens=64,
         embedder="hashing",
-        top_m=8,
+        distill_top_k=8,
         learning_rate=1e-3,
         composer_lr=1e-3,
         bank_path=None if bank_dir is None else str(bank_dir),
@@ -275,9 +273,9 @@ def at_loss_positions(logits: torch.Tensor, mask: torch.Tensor, *, full_length: 
 def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
     """Delta = mean_b [sum_t w (2 r_b - 1)(log pT - log pS) / sum_t w]; KL on top-M(teacher) + tail."""
     top_m = 8
-    module = make_module(bank_dir, top_m=top_m)
+    module = make_module(bank_dir, distill_top_k=top_m)
     captured = {}
-    student_forward, teacher_logits = module.student_forward, module.teacher.logits_on_student_positions
+    student_forward, teacher_logits = module.student_forward, module.teacher.on_student_positions
 
     def grab_student(*args, **kwargs):
         out = student_forward(*args, **kwargs)  # StudentForward(logits, cache or None)
@@ -290,7 +288,7 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
         return out
 
     module.student_forward = grab_student
-    module.teacher.logits_on_student_positions = grab_teacher
+    module.teacher.on_student_positions = grab_teacher
     rec = Recorder()
     # EvenToy: rows of even examples have reward 1 (A = +1), the others 0 (A = -1)
     make_trainer(tmp_path, max_steps=1, callbacks=[rec]).fit(module, make_dm(EvenToy(), examples_per_step=4))
@@ -452,10 +450,10 @@ def test_unknown_task_name_lists_known_ones(no_model_loading):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"rollouts_per_example": 0}, "rollouts_per_example must be >= 1"),
+        ({"group_size": 0}, "group_size must be >= 1"),
         ({"num_experiences": -1}, "model.init_args.num_experiences must be >= 0"),
         ({"num_latents": 0}, "model.init_args.num_latents must be >= 1"),
-        ({"top_m": 0}, "top_m must be >= 1"),
+        ({"distill_top_k": 0}, "model.init_args.distill_top_k must be >= 1"),
     ],
 )
 def test_bad_module_options_fail_before_loading_the_model(no_model_loading, overrides, message):
@@ -463,22 +461,25 @@ def test_bad_module_options_fail_before_loading_the_model(no_model_loading, over
         make_module(None, **overrides)
 
 
-def test_top_m_larger_than_vocabulary_fails_before_the_composer(monkeypatch):
+def test_distill_top_k_larger_than_vocabulary_fails_before_the_composer(monkeypatch):
     def refuse(*args, **kwargs):
-        raise AssertionError("the composer was built before the top_m check")
+        raise AssertionError("the composer was built before the distill_top_k check")
 
     monkeypatch.setattr("lopd_lightning.modules.lopd.LatentComposer", refuse)
-    # the tiny tokenizer has 259 ids: top_m = 259 is allowed, 260 is not
-    with pytest.raises(ValueError, match=r"top_m=260 is larger than the vocabulary \(259 tokens\); set model.init_args.top_m <= 259"):
-        make_module(None, top_m=260)
+    # the tiny tokenizer has 259 ids: distill_top_k = 259 is allowed, 260 is not
+    with pytest.raises(
+        ValueError,
+        match=r"distill_top_k=260 is larger than the vocabulary \(259 tokens\); set model.init_args.distill_top_k <= 259",
+    ):
+        make_module(None, distill_top_k=260)
     with pytest.raises(AssertionError, match="composer was built"):
-        make_module(None, top_m=259)
+        make_module(None, distill_top_k=259)
 
 
 def test_bad_option_through_the_cli_names_the_option(no_model_loading):
-    with pytest.raises(ValueError, match="rollouts_per_example must be >= 1"):
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
         _lightning_cli(
-            ["-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=0", "--trainer.logger=false"], run=False
+            ["-c", str(TINY_YAML), "--model.init_args.group_size=0", "--trainer.logger=false"], run=False
         )
 
 
@@ -494,3 +495,117 @@ def test_beta_stays_put_without_latents(tmp_path):
 def test_a_misspelt_embedder_is_refused_before_the_model_loads():
     with pytest.raises(ValueError, match=r"^model.init_args.embedder 'hashng' is not an embedder; did you mean 'hashing'\? choose one of minilm, backbone, hashing$"):
         LOPDModule("no-such-model", embedder="hashng")
+
+
+# ------------------------------------------------------------------- the dual variable's controller
+def test_dual_ascent_follows_the_hand_computed_sequence_and_clamps_at_zero():
+    from lopd_lightning.dual import DualAscent
+
+    dual = DualAscent(0.25, lr=0.5)
+    # beta <- max(0, beta + 0.5 (m - Delta))
+    assert dual.update(0.01, 0.05) == pytest.approx(0.25 + 0.5 * 0.04)  # 0.27
+    assert dual.update(torch.tensor(-0.11), 0.05) == pytest.approx(0.27 + 0.5 * 0.16)  # 0.35, a 0-d tensor
+    assert dual.update(0.45, 0.05) == pytest.approx(0.15)  # 0.35 - 0.2
+    assert dual.update(1.05, 0.05) == 0.0  # 0.15 - 0.5 < 0: projected to 0
+    assert dual.update(0.06, 0.05) == 0.0  # stays at the floor
+    assert dual.update(-0.95, 0.05) == pytest.approx(0.5)  # the margin moved (a MarginSchedule): same rule
+    assert dual.value == pytest.approx(0.5)
+
+
+def test_dual_ascent_skips_without_signal_and_on_a_non_finite_margin():
+    from lopd_lightning.dual import DualAscent
+
+    dual = DualAscent(0.3, lr=0.5)
+    assert dual.update(-1.0, 0.05, active=False) == 0.3  # no teacher saw latents, or the step was skipped
+    assert dual.update(float("nan"), 0.05) == 0.3
+    assert dual.update(torch.tensor(float("inf")), 0.05) == 0.3
+    assert dual.update(float("-inf"), 0.05) == 0.3
+    assert dual.value == 0.3
+
+
+def test_dual_ascent_state_dict_round_trip_and_an_old_checkpoints_state():
+    from lopd_lightning.dual import DualAscent
+
+    dual = DualAscent(0.0, lr=0.5)
+    dual.update(-0.4, 0.1)
+    state = dual.state_dict()
+    assert state == {"beta": pytest.approx(0.25)}
+    fresh = DualAscent(0.0, lr=0.5)
+    fresh.load_state_dict(state)
+    assert fresh.value == dual.value and fresh.update(0.0, 0.1) == dual.update(0.0, 0.1)
+    old_method_state = {"beta": 1.5, "margin": 0.05, "warm_started": True, "bank": {}}  # LOPD's, before DualAscent
+    fresh.load_state_dict(old_method_state)
+    assert fresh.value == 1.5
+    assert "DualAscent(value=1.5" in repr(fresh)
+
+
+def test_module_beta_is_the_controllers_value_and_an_old_method_state_resumes():
+    module = make_module(None, beta_init=0.4, dual_lr=0.25)
+    assert module.beta == 0.4 and module.dual.value == 0.4 and module.dual.lr == 0.25
+    module.beta = 0.9  # the property writes through
+    assert module.dual.value == 0.9
+    state = module.method_state()
+    assert list(state)[:3] == ["beta", "margin", "warm_started"] and state["beta"] == 0.9
+    # a checkpoint written before the controller existed: the same keys, plain floats
+    old = {"beta": 1.25, "margin": 0.3, "warm_started": True, "bank": module.bank.state_dict()}
+    fresh = make_module(None)
+    fresh.load_method_state(old)
+    assert fresh.beta == 1.25 and fresh.dual.value == 1.25 and fresh.margin == 0.3 and fresh.warm_started
+    assert fresh.dual.update(0.3, fresh.margin) == 1.25  # m - Delta = 0: beta unchanged, the rule still applies
+
+
+# ---------------------------------------------------------------------------- renamed spellings
+def test_the_old_argument_names_still_work_and_warn_once(monkeypatch):
+    import warnings
+
+    from lopd_lightning import deprecation
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    options = dict(lora=LORA, num_latents=2, num_experiences=1, composer_depth=1, max_experience_tokens=16,
+                   embedder="hashing")
+    with pytest.warns(FutureWarning) as caught:
+        module = LOPDModule("tiny", top_m=7, rollouts_per_example=3, **options)
+    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert any("LOPDModule.top_m is deprecated" in m and "LOPDModule.distill_top_k" in m for m in messages)
+    assert any("LOPDModule.rollouts_per_example is deprecated" in m and "LOPDModule.group_size" in m for m in messages)
+    assert module.hparams.distill_top_k == 7 and module.hparams.group_size == 3
+    assert "top_m" not in module.hparams and "rollouts_per_example" not in module.hparams
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LOPDModule", category=FutureWarning)
+        LOPDModule("tiny", top_m=7, **options)  # once per process
+    with pytest.raises(ValueError, match="are the same setting"):
+        LOPDModule("tiny", top_m=7, distill_top_k=7, **options)
+
+
+def test_student_hidden_is_deprecated_for_student_forward(tmp_path, bank_dir, monkeypatch):
+    from lopd_lightning import deprecation
+
+    module = make_module(bank_dir)
+    rec = Recorder()
+    make_trainer(tmp_path, max_steps=1, callbacks=[rec]).fit(module, make_dm())
+    batch = rec.steps[0]["batch"]
+    _, mask = module.shifted(batch)
+    monkeypatch.setattr(deprecation, "_warned", set())
+    with torch.no_grad():
+        want = module.student_forward(batch, mask, output="hidden", keep_cache=True)
+        with pytest.warns(FutureWarning, match="LOPDModule.student_hidden is deprecated.*student_forward"):
+            hidden = module.student_hidden(batch, mask)
+        hidden_again, cache = module.student_hidden(batch, mask, return_cache=True)
+    assert hidden.shape == (int(mask.sum()), 64)
+    torch.testing.assert_close(hidden, want.values)
+    torch.testing.assert_close(hidden_again, want.values)
+    assert cache.get_seq_length() == batch.input_ids.shape[1]
+
+
+def test_the_composer_adapter_comes_after_the_base_constructor_with_its_config(monkeypatch):
+    """LOPD adds psi with adapters.add_composer_adapter once the base module built the student (no override
+    of the base constructor); a bad composer LoRA still fails before the weights load."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the student was loaded before the config error was raised")
+
+    module = make_module(None, composer_lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
+    assert module.backbone.peft_config[COMPOSER_ADAPTER].r == 2
+    assert "composer_lora_config" not in LOPDModule.__dict__  # no override of a base-class hook
+    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
+    with pytest.raises(ValueError, match=r"model.init_args.composer_lora.rank is not a LoraConfig field"):
+        make_module(None, composer_lora={"rank": 2})

@@ -14,7 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lopd_lightning import deprecation
 from lopd_lightning.losses import (
+    anchor_loss,
+    composer_objective,
     generalized_jsd,
     k3_kl,
     masked_mean,
@@ -73,8 +76,8 @@ def divergences(student, teacher, temperature=1.0):
     """Every divergence of the module at one temperature, by name."""
     v = student.shape[-1]
     return {
-        "topk_tail_k2": topk_tail_reverse_kl(student, teacher, k=2, temperature=temperature),
-        "topk_tail_full": topk_tail_reverse_kl(student, teacher, k=v, temperature=temperature),
+        "topk_tail_k2": topk_tail_reverse_kl(student, teacher, top_k=2, temperature=temperature),
+        "topk_tail_full": topk_tail_reverse_kl(student, teacher, top_k=v, temperature=temperature),
         "jsd_0": generalized_jsd(student, teacher, beta=0.0, temperature=temperature),
         "jsd_0.3": generalized_jsd(student, teacher, beta=0.3, temperature=temperature),
         "jsd_0.5": generalized_jsd(student, teacher, beta=0.5, temperature=temperature),
@@ -251,7 +254,7 @@ class TestTopkTailReverseKL:
     def test_hand_value_k1(self):
         # Teacher top-1 = {0}. Buckets: T~ = [0.5, 0.5], S~ = [0.25, 0.75].
         # KL(S~ || T~) = 0.25 ln(0.25/0.5) + 0.75 ln(0.75/0.5) = -0.173287 + 0.304099 = 0.130812.
-        out = topk_tail_reverse_kl(self.student, self.teacher, k=1)
+        out = topk_tail_reverse_kl(self.student, self.teacher, top_k=1)
         assert out.shape == (1, 1)
         torch.testing.assert_close(out, torch.tensor([[0.25 * LN(0.5) + 0.75 * LN(1.5)]]))
         assert out.item() == pytest.approx(0.130812, abs=1e-6)
@@ -259,10 +262,10 @@ class TestTopkTailReverseKL:
     def test_hand_value_full(self):
         # k = V = 3: KL(S || T) = 0.25 ln(0.25/0.5) + 0.25 ln(0.25/0.3) + 0.5 ln(0.5/0.2)
         #                       = -0.173287 - 0.045580 + 0.458145 = 0.239278.
-        out = topk_tail_reverse_kl(self.student, self.teacher, k=3)
+        out = topk_tail_reverse_kl(self.student, self.teacher, top_k=3)
         assert out.item() == pytest.approx(0.239278, abs=1e-6)
         # k > V is the same full KL
-        torch.testing.assert_close(topk_tail_reverse_kl(self.student, self.teacher, k=50), out)
+        torch.testing.assert_close(topk_tail_reverse_kl(self.student, self.teacher, top_k=50), out)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
     @pytest.mark.parametrize("temperature", TEMPERATURES)
@@ -271,7 +274,7 @@ class TestTopkTailReverseKL:
         # V = 8: k < V is the bucketed KL, k >= V the full reverse KL.
         student = random_logits(2, 3, 8, seed=13, scale=2.0, dtype=dtype)
         teacher = random_logits(2, 3, 8, seed=14, scale=2.0, dtype=dtype)
-        out = topk_tail_reverse_kl(student, teacher, k=k, temperature=temperature)
+        out = topk_tail_reverse_kl(student, teacher, top_k=k, temperature=temperature)
         if k >= 8:
             ref = naive_kl(naive_probs(student, temperature), naive_probs(teacher, temperature))
         else:
@@ -284,7 +287,7 @@ class TestTopkTailReverseKL:
         # bf16 inputs are upcast; result within 1e-4 of the float64 reference of the rounded values.
         student = random_logits(2, 3, 16, seed=15, scale=2.0, dtype=torch.bfloat16)
         teacher = random_logits(2, 3, 16, seed=16, scale=2.0, dtype=torch.bfloat16)
-        out = topk_tail_reverse_kl(student, teacher, k=4)
+        out = topk_tail_reverse_kl(student, teacher, top_k=4)
         assert out.dtype == torch.float32
         ref = naive_bucketed_reverse_kl(student.double(), teacher.double(), 4)
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=0)
@@ -295,7 +298,7 @@ class TestTopkTailReverseKL:
         # KL = 1/2 ln(1/2 / 1) + 1/2 (ln(1/2) - ln(tiny)) = ln(1/2) + 87.3365/2 = 42.975.
         teacher = torch.tensor([[[1e4, 0.0, 0.0, 0.0, 0.0]]], requires_grad=True)
         student = torch.log(torch.tensor([[[0.5, 0.125, 0.125, 0.125, 0.125]]])).requires_grad_()
-        out = topk_tail_reverse_kl(student, teacher, k=1)
+        out = topk_tail_reverse_kl(student, teacher, top_k=1)
         expected = LN(0.5) - 0.5 * LN(torch.finfo(torch.float32).tiny)
         assert torch.isfinite(out).all()
         assert out.item() == pytest.approx(expected, rel=1e-5)
@@ -305,29 +308,29 @@ class TestTopkTailReverseKL:
     def test_both_peaked_is_zero_not_nan(self):
         # Both sides put all mass on the same token: both tails floored, KL = 0 exactly.
         logits = torch.tensor([[[1e4, 0.0, 0.0]]])
-        assert topk_tail_reverse_kl(logits, logits.clone(), k=1).item() == 0.0
+        assert topk_tail_reverse_kl(logits, logits.clone(), top_k=1).item() == 0.0
 
     def test_gradients_reach_both_sides_and_support_is_the_teachers(self):
         student = random_logits(1, 2, 6, seed=17).requires_grad_()
         teacher = random_logits(1, 2, 6, seed=18).requires_grad_()
-        topk_tail_reverse_kl(student, teacher, k=2).sum().backward()
+        topk_tail_reverse_kl(student, teacher, top_k=2).sum().backward()
         assert student.grad.abs().sum() > 0 and teacher.grad.abs().sum() > 0
         # The support is the teacher's top-1 {0}, not the student's top-1 {2}: with the student's
         # support, S~ = [0.5, 0.5], T~ = [0.2, 0.8] and KL = 0.5 ln 2.5 + 0.5 ln 0.625 = 0.223144,
         # not the 0.130812 of test_hand_value_k1.
-        out = topk_tail_reverse_kl(self.student, self.teacher, k=1)
+        out = topk_tail_reverse_kl(self.student, self.teacher, top_k=1)
         assert out.item() == pytest.approx(0.130812, abs=1e-6)
         assert out.item() != pytest.approx(0.223144, abs=1e-3)
 
     def test_detached_teacher_only_student_gets_gradient(self):
         student = random_logits(1, 2, 6, seed=19).requires_grad_()
         teacher = random_logits(1, 2, 6, seed=20).requires_grad_()
-        topk_tail_reverse_kl(student, teacher.detach(), k=3).sum().backward()
+        topk_tail_reverse_kl(student, teacher.detach(), top_k=3).sum().backward()
         assert teacher.grad is None and torch.isfinite(student.grad).all()
 
     def test_errors(self):
         with pytest.raises(ValueError, match="k must be"):
-            topk_tail_reverse_kl(torch.zeros(1, 1, 3), torch.zeros(1, 1, 3), k=0)
+            topk_tail_reverse_kl(torch.zeros(1, 1, 3), torch.zeros(1, 1, 3), top_k=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -467,7 +470,7 @@ def test_identical_student_teacher_gives_zero(temperature):
 @pytest.mark.parametrize(
     "fn",
     [
-        lambda s, t: topk_tail_reverse_kl(s, t, k=2),
+        lambda s, t: topk_tail_reverse_kl(s, t, top_k=2),
         lambda s, t: generalized_jsd(s, t, beta=0.5),
         lambda s, t: generalized_jsd(s, t, beta=0.0),
     ],
@@ -497,7 +500,7 @@ def test_property_divergences_nonnegative_and_finite(seed, scale, peak, temperat
     teacher = random_logits(2, 3, 8, seed=seed + 1, scale=scale)
     teacher[..., 0] += peak
     values = {
-        "topk_tail": topk_tail_reverse_kl(student, teacher, k=k, temperature=temperature),
+        "topk_tail": topk_tail_reverse_kl(student, teacher, top_k=k, temperature=temperature),
         "jsd": generalized_jsd(student, teacher, beta=beta, temperature=temperature),
     }
     for name, value in values.items():
@@ -667,11 +670,11 @@ class TestPPOClipLoss:
 
 def test_topk_tail_reverse_kl_with_the_students_support_matches_the_naive_formula():
     student, teacher = random_logits(2, 5, 11, seed=3, scale=2.0), random_logits(2, 5, 11, seed=4, scale=2.0)
-    got = topk_tail_reverse_kl(student, teacher, k=3, support="student")
+    got = topk_tail_reverse_kl(student, teacher, top_k=3, support="student")
     torch.testing.assert_close(got, naive_bucketed_reverse_kl(student, teacher, 3, support="student").float(), rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(got, topk_tail_reverse_kl(student, teacher, k=3))  # a different support
+    assert not torch.allclose(got, topk_tail_reverse_kl(student, teacher, top_k=3))  # a different support
     with pytest.raises(ValueError, match="support must be 'teacher' or 'student'"):
-        topk_tail_reverse_kl(student, teacher, k=3, support="both")
+        topk_tail_reverse_kl(student, teacher, top_k=3, support="both")
 
 
 # ------------------------------------------------------------------------------------------- k3 KL
@@ -729,3 +732,71 @@ def test_k3_kl_gradient_is_one_minus_exp_d_and_the_reference_is_constant():
     assert ref.grad is None
     with pytest.raises(ValueError, match="differ"):
         k3_kl(torch.zeros(1, 2), torch.zeros(2, 1))
+
+
+# ---------------------------------------------------------------------------- the composer's terms
+def test_anchor_loss_is_the_mean_square_over_kept_latents_only():
+    latents = torch.tensor([[[1.0, 2.0], [3.0, 4.0]], [[0.5, 0.5], [9.0, 9.0]]], requires_grad=True)
+    anchor = torch.tensor([[[0.0, 0.0], [3.0, 2.0]], [[0.5, 1.5], [0.0, 0.0]]], requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])  # the last latent is off: its 81s do not count
+    loss = anchor_loss(latents, anchor, mask)
+    # kept squares: 1 + 4 + 0 + 4 (row 0), 0 + 1 (row 1) = 10 over 3 latents x 2 coordinates
+    assert float(loss.detach()) == pytest.approx(10.0 / 6.0)
+    loss.backward()
+    expected = torch.tensor([[[1.0, 2.0], [0.0, 2.0]], [[0.0, -1.0], [0.0, 0.0]]]) * 2 / 6
+    torch.testing.assert_close(latents.grad, expected)
+    assert anchor.grad is None  # sg[c_phi0]
+    assert float(anchor_loss(latents, anchor, torch.zeros(2, 2, dtype=torch.bool))) == 0.0  # nothing kept
+
+
+def test_composer_objective_is_distill_plus_beta_times_the_shortfall_plus_lambda_anchor():
+    distill, delta, anchor = torch.tensor(0.3), torch.tensor(0.02, requires_grad=True), torch.tensor(0.5)
+    loss = composer_objective(distill, delta, anchor, beta=2.0, margin=0.05, anchor_weight=0.2)
+    assert float(loss.detach()) == pytest.approx(0.3 + 2.0 * (0.05 - 0.02) + 0.2 * 0.5)
+    loss.backward()
+    assert float(delta.grad) == pytest.approx(-2.0)  # raising Delta lowers the loss by beta
+
+
+# ------------------------------------------------------------------------------ deprecated spellings
+def test_the_old_keyword_k_still_works_and_warns_once(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    student, teacher = random_logits(2, 3, 9, seed=5), random_logits(2, 3, 9, seed=6)
+    want = topk_tail_reverse_kl(student, teacher, top_k=3)
+    with pytest.warns(FutureWarning, match=r"topk_tail_reverse_kl\.k is deprecated.*topk_tail_reverse_kl\.top_k"):
+        got = topk_tail_reverse_kl(student, teacher, k=3)
+    torch.testing.assert_close(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        topk_tail_reverse_kl(student, teacher, k=3)  # once per process
+    with pytest.raises(ValueError, match="are the same setting"):
+        topk_tail_reverse_kl(student, teacher, k=3, top_k=3)
+
+
+def test_the_chunked_kl_moved_to_lm_head_and_the_old_path_warns_once(monkeypatch):
+    import warnings
+
+    import lopd_lightning.lm_head as lm_head
+    import lopd_lightning.losses as losses
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    with pytest.warns(FutureWarning, match=r"lopd_lightning\.losses\.chunked_topk_tail_reverse_kl moved to lopd_lightning\.lm_head"):
+        old = losses.chunked_topk_tail_reverse_kl
+    assert old is lm_head.chunked_topk_tail_reverse_kl
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from lopd_lightning.losses import chunked_topk_tail_reverse_kl  # noqa: F401  (no second warning)
+    with pytest.raises(AttributeError):
+        losses.no_such_loss  # noqa: B018
+
+
+def test_the_losses_package_serves_every_public_name_without_a_warning():
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = importlib.import_module("lopd_lightning.losses")
+        for name in module.__all__:
+            assert getattr(module, name) is not None, name

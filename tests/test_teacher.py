@@ -18,14 +18,11 @@ from lopd_lightning.adapters import (
     prepare_backbone,
     use_adapter,
 )
-from lopd_lightning.memory.composer import ComposerOutput, LatentComposer
+from lopd_lightning import deprecation
+from lopd_lightning.lm import position_ids_from_mask, shifted_token_logps
+from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, warm_start_loss
 from lopd_lightning.models import tiny_model, tiny_tokenizer
-from lopd_lightning.teacher import (
-    SelfTeacher,
-    position_ids_from_mask,
-    shifted_token_logps,
-    warm_start_loss,
-)
+from lopd_lightning.teacher import SelfTeacher
 
 STUDENT_LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 D = 64
@@ -36,6 +33,11 @@ CONVERSATIONS = [
     [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "5"}],
     [{"role": "user", "content": "reverse 'abc', please"}, {"role": "assistant", "content": "cba is the answer"}],
 ]
+
+
+def teacher_logps(teacher: SelfTeacher, ids, mask, pos, **context) -> torch.Tensor:
+    """log pi_T(ids[:, t+1] | s_<=t, context): (B, T-1), the teacher's logits on the student's positions."""
+    return shifted_token_logps(teacher.logits_on_student_positions(ids, mask, pos, **context), ids)
 
 
 def perturb(peft_model, name: str, seed: int, scale: float = 0.5) -> None:
@@ -151,7 +153,7 @@ def test_no_context_equals_student(student, side, empty):
     }[empty]
     ti = teacher.insert_context(ids, mask, pos, **kwargs)
     assert ti.input_ids.shape == ids.shape and not ti.context_mask.any()
-    got = teacher.teacher_logps(ids, mask, pos, **kwargs)
+    got = teacher_logps(teacher, ids, mask, pos, **kwargs)
     want = student_logps(backbone, ids, mask)
     keep = valid_pairs(mask)
     torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=0)
@@ -185,7 +187,7 @@ def test_gradient_reaches_latents_not_backbone(student, mode):
     flags = {n: p.requires_grad for n, p in backbone.named_parameters()}
     ids, mask, pos, assistant = batch("left")
     latents, latent_mask = latents_for()
-    logps = teacher.teacher_logps(ids, mask, pos, latents=latents, latent_mask=latent_mask)
+    logps = teacher_logps(teacher, ids, mask, pos, latents=latents, latent_mask=latent_mask)
     (logps * assistant[:, 1:]).sum().backward()
     assert latents.grad is not None and torch.isfinite(latents.grad).all()
     assert latents.grad[latent_mask].abs().sum(-1).gt(0).all()  # every used latent gets a gradient
@@ -206,7 +208,7 @@ def test_left_and_right_padding_agree(context):
         ids, mask, pos, _ = batch(side)
         kwargs = {"latents": latents, "latent_mask": latent_mask} if context == "latents" else {"context_ids": texts}
         with torch.no_grad():
-            out[side] = unpad(teacher.teacher_logps(ids, mask, pos, **kwargs), mask)
+            out[side] = unpad(teacher_logps(teacher, ids, mask, pos, **kwargs), mask)
     for left, right in zip(out["left"], out["right"], strict=True):
         torch.testing.assert_close(left, right, atol=1e-5, rtol=0)
 
@@ -333,7 +335,7 @@ def test_warm_start_loss_trains_composer_only():
     assert loss.ndim == 0 and loss > 0
     # by hand: the masked token mean of -logp on the assistant tokens
     with torch.no_grad():
-        logps = teacher.teacher_logps(ids, mask, pos, latents=out.latents, latent_mask=out.latent_mask)
+        logps = teacher_logps(teacher, ids, mask, pos, latents=out.latents, latent_mask=out.latent_mask)
         m = (assistant[:, 1:] * mask[:, 1:]).float()
         torch.testing.assert_close(loss.detach(), -(logps * m).sum() / m.sum())
     loss.backward()
@@ -354,3 +356,101 @@ def test_insert_context_rejects_bad_input():
         teacher.insert_context(ids, mask, torch.tensor([0, ids.shape[1] + 1]))
     with pytest.raises(ValueError):
         SelfTeacher(teacher.backbone, TOKENIZER, mode="frozen")
+
+
+# ------------------------------------------------------------------------------ moved and deprecated
+@pytest.mark.parametrize("name, target", [
+    ("position_ids_from_mask", "lopd_lightning.lm"),
+    ("shifted_token_logps", "lopd_lightning.lm"),
+    ("warm_start_loss", "lopd_lightning.memory.composer"),
+])
+def test_the_old_teacher_path_serves_the_moved_names_and_warns_once(name, target, monkeypatch):
+    import importlib
+    import warnings
+
+    import lopd_lightning.teacher as old_module
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.teacher\.{name} moved to {target}\.{name}"):
+        old = getattr(old_module, name)
+    assert old is getattr(importlib.import_module(target), name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(old_module, name) is old
+
+
+def test_the_teacher_package_serves_its_public_names_without_a_warning():
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        package = importlib.import_module("lopd_lightning.teacher")
+        for name in package.__all__:
+            assert getattr(package, name) is not None, name
+    assert package.TeacherWeights in package.SelfTeacher.__mro__
+
+
+def test_self_teacher_teacher_logps_is_deprecated_and_unchanged(monkeypatch):
+    teacher = SelfTeacher(backbone_for("lora"), TOKENIZER)
+    ids, mask, pos, _ = batch("right")
+    latents, latent_mask = latents_for()
+    monkeypatch.setattr(deprecation, "_warned", set())
+    with torch.no_grad():
+        with pytest.warns(FutureWarning, match="SelfTeacher.teacher_logps is deprecated.*shifted_token_logps"):
+            got = teacher.teacher_logps(ids, mask, pos, latents=latents, latent_mask=latent_mask, temperature=0.7)
+        logits = teacher.logits_on_student_positions(ids, mask, pos, latents=latents, latent_mask=latent_mask)
+    torch.testing.assert_close(got, shifted_token_logps(logits, ids, temperature=0.7))
+
+
+def test_on_student_positions_gives_the_packed_logits_or_hidden_states():
+    teacher = SelfTeacher(backbone_for("lora"), TOKENIZER)
+    ids, mask, pos, assistant = batch("right")
+    latents, latent_mask = latents_for()
+    positions = assistant.bool()
+    with torch.no_grad():
+        full = teacher.logits_on_student_positions(ids, mask, pos, latents=latents, latent_mask=latent_mask)
+        logits = teacher.on_student_positions(ids, mask, pos, positions=positions, latents=latents, latent_mask=latent_mask)
+        hidden = teacher.on_student_positions(
+            ids, mask, pos, positions=positions, output="hidden", latents=latents, latent_mask=latent_mask
+        )
+    torch.testing.assert_close(logits, full[positions], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.nn.functional.linear(hidden, *teacher.head_parameters()), logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="output must be 'logits' or 'hidden'"):
+        teacher.on_student_positions(ids, mask, pos, positions=positions, output="probs")
+
+
+def test_the_splicing_steps_by_hand():
+    from lopd_lightning.teacher.splice import Framing, fit_contexts, place_latents, splice, student_to_teacher_positions
+
+    framing = Framing(prefix_ids=[90], suffix_ids=[91], placeholder_id=0)
+    assert framing.around(2) == [90, 0, 0, 91] and framing.around(0) == []
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 1]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # right padded (pad id 1)
+    contexts = [framing.around(2), framing.around(1)]
+    inputs = splice(ids, mask, torch.tensor([1, 2]), contexts, pad_id=1, slots=(1, [2, 1]))
+    assert inputs.input_ids.tolist() == [[5, 90, 0, 0, 91, 6, 7, 8], [5, 6, 90, 0, 91, 7, 1, 1]]
+    assert inputs.attention_mask.tolist() == [[1] * 8, [1, 1, 1, 1, 1, 1, 0, 0]]
+    assert inputs.index_map.tolist() == [[0, 5, 6, 7], [0, 1, 5, 6]]
+    assert inputs.context_mask.long().tolist() == [[0, 1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0]]
+    assert inputs.latent_slots.long().tolist() == [[0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 0]]
+    assert inputs.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 5, 5]]
+    assert inputs.inputs_embeds is None
+    positions = torch.tensor([[0, 1, 0, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    assert student_to_teacher_positions(inputs, positions).nonzero().tolist() == [[0, 5], [0, 7], [1, 0], [1, 5]]
+    # the latents at the slots, row-major; the token embeddings elsewhere
+    embeds = torch.zeros(2, 8, 3)
+    latents = torch.arange(12.0).reshape(2, 2, 3).requires_grad_(True)
+    latent_mask = torch.tensor([[True, True], [False, True]])
+    out = place_latents(embeds, latents, latent_mask, inputs.latent_slots)
+    assert out[0, 2:4].tolist() == latents[0].tolist() and out[1, 3].tolist() == latents[1, 1].tolist()
+    assert out[~inputs.latent_slots].abs().sum() == 0
+    out.sum().backward()
+    assert latents.grad.tolist() == [[[1.0] * 3, [1.0] * 3], [[0.0] * 3, [1.0] * 3]]
+    # a context that does not fit: latents keep their first slots inside the framing, text its two ends
+    cut = fit_contexts([framing.around(2), framing.around(1)], [2, 1], latent_mask.clone(), [4, 3],
+                       max_length=7, framing=framing)
+    assert cut[0] == [framing.around(1), framing.around(1)] and cut[1] == [1, 1] and cut[3] == 1
+    assert cut[2].tolist() == [[True, False], [False, True]]
+    text = fit_contexts([[10, 11, 12, 13, 14]], [0], None, [4], max_length=7, framing=framing)
+    assert text[0] == [[10, 13, 14]] and text[3] == 1

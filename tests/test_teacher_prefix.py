@@ -16,15 +16,8 @@ import pytest
 import torch
 
 from lopd_lightning.adapters import STUDENT, default_lora_config, prepare_backbone, use_adapter
-from lopd_lightning.lm import selected_logits
-from lopd_lightning.teacher import (
-    SelfTeacher,
-    TeacherPrefix,
-    has_dropout,
-    position_ids_from_mask,
-    prefix_length,
-    supports_prefix_cache,
-)
+from lopd_lightning.lm import position_ids_from_mask, selected_logits
+from lopd_lightning.teacher import SelfTeacher, TeacherPrefix, has_dropout, prefix_length, supports_prefix_cache
 
 from test_lopd_chunked import assert_same_step, bank_dir, one_step  # noqa: F401  (bank_dir is a fixture)
 from test_lopd_module import LORA

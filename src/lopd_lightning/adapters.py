@@ -8,7 +8,8 @@ Nothing is copied: :func:`prepare_backbone` wraps the model once with peft and g
 - ``"student"``: the student's LoRA, when the student is trained with LoRA; with a full-parameter student
   there is no such adapter and the student is the base weights (adapters disabled);
 - ``"composer"``: the encoder's LoRA psi (rank 8, alpha 16, dropout 0 on q, k, v, o, gate, up, down),
-  only for a method with a composer (LOPD): the other methods have no composer parameter at all;
+  only for a method with a composer (LOPD adds it with :func:`add_composer_adapter` after the base module
+  built the student's backbone): the other methods have no composer parameter at all;
 - ``"teacher_ema"``: added later by :class:`lopd_lightning.teacher.SelfTeacher` in ``ema`` mode.
 
 :func:`use_adapter` selects which one a forward pass sees. peft's own ``set_adapter`` /
@@ -54,6 +55,7 @@ __all__ = [
     "LORA_TARGETS",
     "STUDENT",
     "TEACHER_EMA",
+    "add_composer_adapter",
     "adapter_names",
     "adapter_parameters",
     "as_lora_config",
@@ -130,7 +132,7 @@ def as_lora_config(
         for name in config:
             if name not in fields:
                 close = difflib.get_close_matches(str(name), sorted(fields), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; LoRA fields include r, lora_alpha, lora_dropout, target_modules"
+                hint = f"; did you mean {close[0]!r}?" if close else "; LoRA fields include r, lora_alpha, lora_dropout, target_modules"
                 raise ValueError(f"model.init_args.{key}.{name} is not a LoraConfig field{hint}")
         kwargs = dict(config)
         if "target_modules" in kwargs and isinstance(kwargs["target_modules"], tuple):
@@ -166,7 +168,8 @@ def prepare_backbone(
         composer_lora: the encoder's LoRA psi (a ``LoraConfig`` or its keyword arguments; the paper's is
             :func:`default_lora_config`), or ``None`` for a method without a composer: then there is no
             ``"composer"`` adapter and no composer parameter at all (a parameter that never receives a
-            gradient would break DDP's gradient all-reduce).
+            gradient would break DDP's gradient all-reduce). The same as calling
+            :func:`add_composer_adapter` on the result.
 
     Returns:
         The ``PeftModel`` with the adapters asked for; with neither (a full-parameter student of a method
@@ -185,25 +188,71 @@ def prepare_backbone(
     composer_cfg = as_lora_config(composer_lora, key="composer_lora")
     check_lora_config(student_cfg, "lora", model=model)
     check_lora_config(composer_cfg, "composer_lora", model=model)
-    if student_cfg is None and composer_cfg is None:
-        return model
-    base_flags = {id(p): p.requires_grad for p in model.parameters()}  # peft keeps these tensors as they are
+    backbone = model
     if student_cfg is not None:
-        peft_model = get_peft_model(model, student_cfg, adapter_name=STUDENT)
-        if composer_cfg is not None:
-            peft_model.add_adapter(COMPOSER, composer_cfg)
-        peft_model.set_adapter(STUDENT)
-        for p in base_parameters(peft_model):
+        backbone = get_peft_model(model, student_cfg, adapter_name=STUDENT)
+        for p in base_parameters(backbone):
             p.requires_grad_(False)
-    else:
-        peft_model = get_peft_model(model, composer_cfg, adapter_name=COMPOSER)
-        peft_model.base_model.disable_adapter_layers()
-        for p in base_parameters(peft_model):  # restore the flags the base weights had before peft froze them
-            p.requires_grad_(base_flags.get(id(p), True))
-    for name in adapter_names(peft_model):
-        for p in adapter_parameters(peft_model, name):
+        for p in adapter_parameters(backbone, STUDENT):
             p.requires_grad_(True)
-    return peft_model
+    return backbone if composer_cfg is None else add_composer_adapter(backbone, composer_cfg)
+
+
+def add_composer_adapter(backbone: nn.Module, config: LoraConfig | dict[str, Any], *, name: str = COMPOSER) -> nn.Module:
+    """Give the shared backbone the composer's encoder LoRA psi (adapter ``name``, default ``"composer"``).
+
+    A method with a composer (LOPD) calls it once after the base module has built the student's backbone
+    (:func:`prepare_backbone` without ``composer_lora``). It handles both students:
+
+    * a LoRA student (a ``PeftModel`` with the ``"student"`` adapter): ``add_adapter``; the active
+      adapter stays ``"student"`` and the base weights keep their flags (frozen);
+    * a full-parameter student (a plain model): the model is wrapped in a ``PeftModel`` whose only adapter
+      is the composer's, with all adapters disabled (a plain call is the student's forward) and the base
+      weights keeping the ``requires_grad`` flags they had.
+
+    Either way every adapter's parameters are trainable afterwards: the same flags, active adapter and
+    random LoRA initialisation (drawn from the global torch generator at this call) as
+    ``prepare_backbone(model, student_lora=..., composer_lora=config)`` gives.
+
+    Args:
+        backbone: the student's backbone from :func:`prepare_backbone` (plain model or ``PeftModel``).
+        config: the composer LoRA (a ``LoraConfig`` or its keyword arguments, ``model.init_args.composer_lora``;
+            the paper's is :func:`default_lora_config`).
+        name: the adapter's name.
+
+    Returns:
+        The backbone with the adapter: the same ``PeftModel`` for a LoRA student, a new ``PeftModel``
+        around ``backbone`` (modified in place, not copied) for a full student. Keep the returned object.
+
+    Raises:
+        TypeError: ``config`` is not a ``LoraConfig``, a dict or None.
+        ValueError: ``config`` is None or cannot be honoured (:func:`check_lora_config`), or the backbone
+            already has an adapter ``name``.
+
+    Source: docs/METHOD.md section 3, the encoder Enc_psi: the shared backbone with its own LoRA psi.
+    """
+    cfg = as_lora_config(config, key="composer_lora")
+    if cfg is None:
+        raise ValueError("add_composer_adapter needs a LoRA config (model.init_args.composer_lora)")
+    if name in adapter_names(backbone):
+        raise ValueError(f"the backbone already has an adapter {name!r}")
+    check_lora_config(cfg, "composer_lora", model=backbone)
+    base_flags = {id(p): p.requires_grad for p in backbone.parameters()}  # peft keeps these tensors as they are
+    if isinstance(backbone, PeftModel):
+        prev_active, prev_disabled = _current_state(backbone)
+        backbone.add_adapter(name, cfg)
+        _switch(backbone, prev_active)  # the student's adapter stays the active one
+        if prev_disabled:
+            _switch(backbone, None)
+    else:
+        backbone = get_peft_model(backbone, cfg, adapter_name=name)
+        backbone.base_model.disable_adapter_layers()
+    for p in base_parameters(backbone):  # restore the flags the base weights had before peft froze them
+        p.requires_grad_(base_flags.get(id(p), True))
+    for adapter in adapter_names(backbone):
+        for p in adapter_parameters(backbone, adapter):
+            p.requires_grad_(True)
+    return backbone
 
 
 #: LoraConfig fields that add trainable copies or tokens outside the LoRA layers. One backbone shares
@@ -218,8 +267,9 @@ def check_lora_config(config: LoraConfig | None, key: str, *, model: nn.Module |
     Args:
         config: the config (None: nothing to check).
         key: its name under ``model.init_args`` (``"lora"`` for the student, ``"composer_lora"``).
-        model: the plain model the config will wrap; when given, ``target_modules`` must name modules it
-            has and that peft's LoRA supports (linear, embedding or convolution layers).
+        model: the model the config will wrap (plain, or a ``PeftModel`` that already has other adapters);
+            when given, ``target_modules`` must name modules it has and that peft's LoRA supports (linear,
+            embedding or convolution layers).
 
     Raises:
         ValueError: ``modules_to_save`` or ``trainable_token_indices`` is set (a copy of the module
@@ -242,6 +292,8 @@ def check_lora_config(config: LoraConfig | None, key: str, *, model: nn.Module |
     supported = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
     found: dict[str, str] = {}
     for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):  # a layer already wrapped by another adapter: judge what it wraps
+            module = module.get_base_layer()
         for target in wanted:  # peft's rule: the whole name, or its dotted suffix
             if name == target or name.endswith("." + target):
                 if not isinstance(module, supported) and type(module).__name__ != "Conv1D":

@@ -3,7 +3,10 @@
 A training sequence of T tokens usually has far fewer assistant tokens than T (BFCL live_simple with
 SmolLM2: ~44 of ~450), while the LM head (d x V, V = 49,152) and the (B, T, V) logits dominate the
 memory of a step. :func:`selected_logits` runs the decoder on the whole sequence and the head only on
-the selected positions, returning packed (N, V) logits in the selected positions' row-major order.
+the selected positions, returning packed (N, V) logits in the selected positions' row-major order;
+:func:`selected_hidden_states` returns the final hidden states there instead (the head then runs chunk by
+chunk: :mod:`lopd_lightning.lm_head`). Also the model-input helpers every pass shares:
+:func:`position_ids_from_mask` and :func:`shifted_token_logps`.
 """
 
 from __future__ import annotations
@@ -12,11 +15,59 @@ import inspect
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from lopd_lightning.losses import chunked_topk_tail_reverse_kl, token_logps, topk_tail_reverse_kl
+from lopd_lightning.deprecation import moved_names
+from lopd_lightning.losses import token_logps
+
+__all__ = [
+    "base_model",
+    "decoder_hidden_states",
+    "lm_head_logits",
+    "position_ids_from_mask",
+    "selected_hidden_states",
+    "selected_logits",
+    "shifted_token_logps",
+    "unpack",
+]
+
+#: names that moved to :mod:`lopd_lightning.lm_head` (served with a FutureWarning for one release).
+__getattr__ = moved_names(__name__, {
+    name: f"lopd_lightning.lm_head:{name}"
+    for name in ("Head", "chunked_head_kl", "chunked_token_logps", "constant_head", "lm_head_parameters")
+})
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids that ignore padding: ``cumsum(mask) - 1``, 0 on leading pads.
+
+    Used for every pass over a padded batch (the student's, the teacher's with its inserted context), so
+    that left or right padding and inserted tokens never shift a token's position.
+
+    Args:
+        attention_mask: (B, T) {0, 1} or bool.
+
+    Returns:
+        (B, T) long: 0, 1, 2, ... over the real tokens of each row, whatever the padding side or holes.
+    """
+    mask = attention_mask.long()
+    return (mask.cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def shifted_token_logps(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Log-probs of ``input_ids[:, 1:]`` from causal-LM ``logits`` (index t predicts token t+1).
+
+    Args:
+        logits: (B, T, V) float, e.g. the student's or
+            :meth:`lopd_lightning.teacher.SelfTeacher.logits_on_student_positions`.
+        input_ids: (B, T) long.
+        temperature: divide the logits by it first.
+
+    Returns:
+        (B, T-1) float32: ``log p(input_ids[b, t+1] | input_ids[b, :t+1])``; pad positions hold the
+        log-prob of the pad token (mask them).
+    """
+    return token_logps(logits[:, :-1], input_ids[:, 1:], temperature=temperature)
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -108,18 +159,14 @@ def unpack(values: Tensor, mask: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# hidden states instead of logits: the LM head recomputed chunk by chunk (peak memory O(chunk x V))
+# hidden states instead of logits: the LM head is left to the caller (lopd_lightning.lm_head)
 # --------------------------------------------------------------------------------------------------
-#: (weight (V, d), bias (V,) or None) of an output head.
-Head = tuple  # (Tensor, Tensor | None)
-
-
 def selected_hidden_states(model: nn.Module, positions: Tensor, *, return_cache: bool = False, **model_kwargs: Any) -> Any:
     """Packed (N, d) final hidden states (after the final norm: what the LM head reads) at ``positions``.
 
     ``lm_head_logits(model, selected_hidden_states(model, positions, **kw))`` equals
     ``selected_logits(model, positions, **kw)``; the caller can instead apply the head chunk by chunk
-    (:func:`chunked_head_kl`, :func:`chunked_token_logps`) so that no (N, V) tensor is alive.
+    (:class:`lopd_lightning.lm_head.LMHead`) so that no (N, V) tensor is alive.
 
     Args:
         model: a Hugging Face causal LM (or a PeftModel around one).
@@ -138,124 +185,3 @@ def selected_hidden_states(model: nn.Module, positions: Tensor, *, return_cache:
         raise ValueError(f"positions has shape {tuple(positions.shape)}, the inputs {tuple(hidden.shape[:2])}")
     selected = hidden[positions.bool()]
     return (selected, cache) if return_cache else selected
-
-
-def lm_head_parameters(model: nn.Module) -> Head:
-    """(weight (V, d), bias or None) of the model's output head, for computing its logits chunk by chunk.
-
-    Raises:
-        ValueError: the head is not a plain ``nn.Linear`` (e.g. a LoRA adapter on ``lm_head``) or the
-            model soft-caps its final logits (Gemma 2): the chunked losses apply ``hidden @ W.T + b`` only.
-    """
-    base = base_model(model)
-    head = base.get_output_embeddings()
-    if getattr(base.config, "final_logit_softcapping", None):
-        raise ValueError("the model soft-caps its final logits; the chunked LM-head losses do not: "
-                         "set distill_chunk_size to null")
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"the output head is a {type(head).__name__}, not an nn.Linear (a LoRA on lm_head?); "
-                         "the chunked LM-head losses need its plain weight: set distill_chunk_size to null")
-    return head.weight, head.bias
-
-
-def constant_head(head: Head) -> Head:
-    """The head with the tensors that require grad detached (the others are returned as they are)."""
-    return tuple(t.detach() if t is not None and t.requires_grad else t for t in head)  # type: ignore[return-value]
-
-
-def _two_head_kl_chunk(s: Tensor, t: Tensor, ws: Tensor, bs: Tensor | None, wt: Tensor, bt: Tensor | None,
-                       k: int, temperature: float) -> Tensor:
-    return topk_tail_reverse_kl(F.linear(s, ws, bs), F.linear(t, wt, bt), k=k, temperature=temperature)
-
-
-def chunked_head_kl(
-    student_hidden: Tensor,
-    teacher_hidden: Tensor,
-    student_head: Head,
-    teacher_head: Head,
-    *,
-    k: int,
-    temperature: float = 1.0,
-    chunk_size: int = 256,
-) -> Tensor:
-    """Per-row top-k + tail reverse KL of the student's and the teacher's heads on (N, d) hidden states.
-
-    Equals ``topk_tail_reverse_kl(F.linear(h_s, *student_head), F.linear(h_t, *teacher_head))`` with
-    peak memory O(chunk_size x V). When both heads are the very same tensors this is
-    :func:`lopd_lightning.losses.chunked_topk_tail_reverse_kl`; otherwise (a teacher head held constant
-    while the student's trains, or the teacher's own frozen copy) each chunk runs under
-    ``torch.utils.checkpoint`` with the two heads apart, so the gradient reaches each head only through
-    its own side (pass the constant side through :func:`constant_head`).
-
-    Returns:
-        (N,) float32 (float64 for float64 input).
-    """
-    (ws, bs), (wt, bt) = student_head, teacher_head
-    if ws is wt and bs is bt:
-        return chunked_topk_tail_reverse_kl(
-            student_hidden, teacher_hidden, ws, k=k, temperature=temperature, chunk_size=chunk_size, lm_head_bias=bs
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    n = student_hidden.shape[0]
-    if teacher_hidden.shape != student_hidden.shape:
-        raise ValueError(f"student hidden {tuple(student_hidden.shape)} != teacher hidden {tuple(teacher_hidden.shape)}")
-    if n == 0:
-        dtype = torch.float64 if torch.promote_types(student_hidden.dtype, ws.dtype) == torch.float64 else torch.float32
-        return torch.zeros(0, dtype=dtype, device=student_hidden.device)
-    grad_needed = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (student_hidden, teacher_hidden, ws, bs, wt, bt)
-    )
-    parts = []
-    for start in range(0, n, chunk_size):
-        args = (student_hidden[start:start + chunk_size], teacher_hidden[start:start + chunk_size],
-                ws, bs, wt, bt, int(k), float(temperature))
-        parts.append(checkpoint(_two_head_kl_chunk, *args, use_reentrant=False) if grad_needed
-                     else _two_head_kl_chunk(*args))
-    return torch.cat(parts)
-
-
-def _token_logps_chunk(hidden: Tensor, tokens: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    return token_logps(F.linear(hidden, weight, bias)[None], tokens[None], temperature=temperature)[0]
-
-
-def chunked_token_logps(
-    hidden: Tensor,
-    tokens: Tensor,
-    head: Head,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 256,
-) -> Tensor:
-    """``token_logps(F.linear(hidden, *head)[None], tokens[None])[0]`` with peak memory O(chunk_size x V).
-
-    Each chunk's logits are computed, reduced to (chunk,) log-probabilities and freed; with a gradient
-    to record (``hidden`` or the head requires grad), backward recomputes them one chunk at a time
-    (``torch.utils.checkpoint``, non-reentrant).
-
-    Args:
-        hidden: (N, d) final hidden states.
-        tokens: (N,) integer ids in [0, V).
-        head: (weight (V, d), bias or None); detach what must stay constant (:func:`constant_head`).
-        temperature: > 0.
-        chunk_size: rows per chunk, >= 1.
-
-    Returns:
-        (N,) float32 (float64 for float64 input) log-probabilities.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if hidden.ndim != 2 or tokens.shape != hidden.shape[:1]:
-        raise ValueError(f"need (N, d) hidden and (N,) tokens, got {tuple(hidden.shape)} and {tuple(tokens.shape)}")
-    weight, bias = head
-    n = hidden.shape[0]
-    if n == 0:
-        dtype = torch.float64 if torch.promote_types(hidden.dtype, weight.dtype) == torch.float64 else torch.float32
-        return torch.zeros(0, dtype=dtype, device=hidden.device)
-    grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    parts = []
-    for start in range(0, n, chunk_size):
-        args = (hidden[start:start + chunk_size], tokens[start:start + chunk_size], weight, bias, float(temperature))
-        parts.append(checkpoint(_token_logps_chunk, *args, use_reentrant=False) if grad_needed
-                     else _token_logps_chunk(*args))
-    return torch.cat(parts)

@@ -15,12 +15,20 @@ which ``nn.Module`` does not register. ``composer.parameters()`` and ``composer.
 hold only the resampler chi; the LoRA psi lives in the backbone (saved with it) and is reached with
 :meth:`LatentComposer.lora_parameters`. ``composer.to(device)`` moves only the resampler: the owner of the
 backbone (the LightningModule) moves the backbone.
+
+Map to the method (docs/METHOD.md):
+
+* :class:`LatentComposer`, :func:`experience_prompt`: section 3, c_phi = Comp_chi(Enc_psi(x, m_j)).
+* :func:`warm_start_loss`: section 5, the composer cold start L_init = -log pi_theta_bar(y* | s, c_phi).
+* :func:`clip_composer_grads`, :func:`composer_parameter_groups`: section 5, the separate clip norms
+  (30 for the resampler, 3 for the LoRA).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +36,10 @@ from peft import PeftModel
 from torch import Tensor, nn
 
 from lopd_lightning.adapters import COMPOSER, composer_lora_parameters, use_adapter
+from lopd_lightning.losses import token_logps
+
+if TYPE_CHECKING:  # the teacher is only called here (the teacher package does not import this module)
+    from lopd_lightning.teacher import SelfTeacher
 
 __all__ = [
     "ClipNorms",
@@ -38,6 +50,7 @@ __all__ = [
     "clip_composer_grads",
     "composer_parameter_groups",
     "experience_prompt",
+    "warm_start_loss",
 ]
 
 #: Clip norms of docs/METHOD.md section 5 (composer cold start): 30 for the compressor, 3 for the LoRA.
@@ -461,3 +474,43 @@ def clip_composer_grads(
     chi_norm = torch.nn.utils.clip_grad_norm_(chi, resampler_clip) if chi else zero
     psi_norm = torch.nn.utils.clip_grad_norm_(psi, lora_clip) if psi else zero.clone()
     return ClipNorms(chi_norm, psi_norm)
+
+
+def warm_start_loss(
+    teacher: SelfTeacher,
+    composer_output: ComposerOutput,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    context_position: Tensor | Sequence[int],
+    assistant_mask: Tensor,
+) -> Tensor:
+    """Composer cold start: L_init = -log pi_theta_bar(y* | s, c_phi), a masked token mean.
+
+    Args:
+        teacher: the self-teacher (its mode gives theta_bar).
+        composer_output: :class:`ComposerOutput` (latents (B, L, d), latent_mask (B, L)) for the retrieved
+            experiences of each row.
+        input_ids: (B, T) long, successful trajectories y* with their prompts.
+        attention_mask: (B, T) {0, 1}.
+        context_position: (B,) long, where the first user message's content starts.
+        assistant_mask: (B, T) {0, 1}, 1 on the assistant tokens of y* (aligned with ``input_ids``: the
+            tokens to predict).
+
+    Returns:
+        () float32: ``-sum(mask * logp) / sum(mask)`` over the predicted tokens ``input_ids[:, 1:]`` with
+        ``mask = assistant_mask[:, 1:] * attention_mask[:, 1:]``; 0 (still attached to the graph) when no
+        token is masked in. Gradients reach the latents (the composer) only.
+
+    Source: the composer cold start of LOPD (docs/METHOD.md section 5).
+    """
+    latents, latent_mask = composer_output[0], composer_output[1]
+    mask = assistant_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # [B, T-1]
+    positions = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # logits that predict masked tokens
+    logits = teacher.logits_on_student_positions(
+        input_ids, attention_mask, context_position, latents=latents, latent_mask=latent_mask, positions=positions
+    )  # [N, V]: the LM head runs on the N predicted tokens only
+    logps = token_logps(logits[None], input_ids[:, 1:][mask][None])[0]
+    loss = -logps.sum() / mask.sum().clamp(min=1).to(logps.dtype)
+    if not loss.requires_grad and latents.requires_grad:  # no row had a latent: keep the graph for backward()
+        loss = loss + 0.0 * latents.sum()
+    return loss

@@ -3,55 +3,48 @@
 One training step (manual optimisation, two optimisers):
 
 1. the DataModule's batch: the student's rollouts with the top-J experiences retrieved per example;
-2. the student's forward: its logits on its own tokens and, in ``live`` mode without dropout, its
-   key/value cache of the prompt before the context, which the teacher's pass starts from
-   (``teacher_prefix_cache``; other modes compute that prefix with one no-grad teacher pass);
+2. the student's forward at its assistant tokens (logits, or final hidden states with
+   ``distill_chunk_size``: :class:`~lopd_lightning.lm_head.LMHead` holds that choice) and, in ``live`` mode
+   without dropout, its key/value cache of the prompt before the context, which the teacher's pass
+   starts from (``teacher_prefix_cache``; other modes compute that prefix with one no-grad teacher pass);
 3. the composer turns each example's experiences into J*K latent tokens c_phi, and the self-teacher
    (the shared backbone, composer LoRA off) scores every student token with the latents in its first
-   user message: teacher logits on the student's positions;
+   user message: the teacher's outputs on the student's positions;
 4. student loss: L_distill = global token mean of KL(p~_S || p~_T) on the teacher's top-M + tail
-   support, the teacher constant;
-5. composer loss: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor, where Delta is
-   the privileged margin and the anchor ties c_phi to the warm-started composer's latents;
+   support, the teacher constant (:func:`~lopd_lightning.lm_head.distillation_loss`);
+5. composer loss: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor
+   (:func:`~lopd_lightning.losses.composer_objective`), where Delta is the privileged margin
+   (:func:`~lopd_lightning.lm_head.margin_delta`) and the anchor ties c_phi to the warm-started
+   composer's latents (:func:`~lopd_lightning.losses.anchor_loss`);
 6. one backward pass of the sum (disjoint parameters), then the student step and the composer step;
-7. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks.
+7. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks
+   (:class:`~lopd_lightning.dual.DualAscent`).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.adapters import copy_adapter
-from lopd_lightning.lm import (
-    chunked_head_kl,
-    chunked_token_logps,
-    constant_head,
-    lm_head_parameters,
-    selected_hidden_states,
-    unpack,
-)
-from lopd_lightning.losses import privileged_margin, token_logps, topk_tail_reverse_kl
+from lopd_lightning.adapters import add_composer_adapter, as_lora_config, check_lora_config, copy_adapter
+from lopd_lightning.deprecation import warn_once
+from lopd_lightning.dual import DualAscent
+from lopd_lightning.lm_head import LMHead, distillation_loss, margin_delta
+from lopd_lightning.losses import anchor_loss, composer_objective
 from lopd_lightning.memory.bank import Experience, ExperienceBank
-from lopd_lightning.memory.composer import LatentComposer, clip_composer_grads
+from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, clip_composer_grads, warm_start_loss
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
-from lopd_lightning.teacher import (
-    SelfTeacher,
-    TeacherPrefix,
-    position_ids_from_mask,
-    prefix_length,
-    supports_prefix_cache,
-    warm_start_loss,
-)
+from lopd_lightning.teacher import SelfTeacher, TeacherPrefix, prefix_length, supports_prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +92,33 @@ def check_bank(bank_path: str, num_experiences: int, *, capacity: int | None = N
         )
 
 
+class LOPDLosses(NamedTuple):
+    """What :meth:`LOPDModule.losses` returns (scalars are () float tensors).
+
+    Attributes:
+        loss_student: the distillation loss of the student (teacher detached), the global token mean.
+        loss_composer: the composer objective (student detached): ``distill_c + beta (m - delta) +
+            lambda anchor``; backpropagate the sum of the two losses once.
+        distill_c: the composer's distillation term.
+        delta: the margin Delta, differentiable in the latents.
+        anchor: the anchor term (mean squared distance to the frozen anchor's latents).
+        has_latents: (B,) bool, rows whose teacher saw latents.
+    """
+
+    loss_student: Tensor
+    loss_composer: Tensor
+    distill_c: Tensor
+    delta: Tensor
+    anchor: Tensor
+    has_latents: Tensor
+
+
 class LOPDModule(OnPolicyModule):
     """LOPD: a student distilled towards its latent-conditioned self-teacher; the composer trained with a margin.
+
+    ``beta`` (a property) is the dual variable of :attr:`dual` (:class:`~lopd_lightning.dual.DualAscent`);
+    ``lm_head`` (:class:`~lopd_lightning.lm_head.LMHead`) applies the student's and the teacher's LM heads
+    in full or in chunks (``distill_chunk_size``).
 
     Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
         num_latents: K, latent tokens per experience (paper: 32).
@@ -109,7 +127,8 @@ class LOPDModule(OnPolicyModule):
         composer_lora: LoRA of the composer's encoder (paper: rank 8, alpha 16, dropout 0, all projections).
         composer_lr: AdamW learning rate of the composer (paper: 1e-5).
         composer_clip_resampler, composer_clip_lora: separate grad-clip norms (paper: 30 and 3).
-        top_m: M, the teacher's top-M support of the distillation KL (paper: 20).
+        distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20; formerly
+            ``top_m``, still accepted with a FutureWarning).
         margin: m, the privileged margin (paper: 0.05); a MarginSchedule callback may vary it.
         anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
         dual_lr: eta_beta, step size of the dual ascent on beta (paper: 0.5).
@@ -127,25 +146,21 @@ class LOPDModule(OnPolicyModule):
         warm_start_batch_size: trajectories per warm-start step.
         distill_temperature: temperature of both distributions in the KL (1.0 in the paper).
         distill_chunk_size: None (default) computes the student's and the teacher's logits packed (N, V)
-            at the N assistant positions, as before. An int c >= 1 keeps only their final hidden states
-            (N, d) and applies the LM head c rows at a time, in the distillation KL of both losses and
-            in the sampled-token log-probs of the margin Delta (:func:`~lopd_lightning.lm.chunked_head_kl`,
-            :func:`~lopd_lightning.losses.chunked_topk_tail_reverse_kl`,
-            :func:`~lopd_lightning.lm.chunked_token_logps`): same values and gradients up to float
-            rounding, and the extra peak memory of the losses is O(c x V) instead of O(N x V) (flat in
-            the sequence length: benchmarks/results/loss_memory.json, about 400 MiB at c = 256,
-            V = 49,152 against 1.5 GiB unchunked at N = 1024 and growing linearly). The price is
-            recomputing the LM-head matmuls (and softmaxes) of every chunk in backward, a slower
-            loss. Needs a plain linear LM head without logit soft-capping (checked at construction).
+            at the N assistant positions. An int c >= 1 keeps only their final hidden states (N, d) and
+            applies the LM head c rows at a time (:class:`~lopd_lightning.lm_head.LMHead`), in the
+            distillation KL of both losses and in the sampled-token log-probs of the margin Delta: same
+            values and gradients up to float rounding, and the extra peak memory of the losses is
+            O(c x V) instead of O(N x V), flat in the sequence length (benchmarks/results/loss_memory.json).
+            The price is recomputing the LM-head matmuls (and softmaxes) of every chunk in backward, a
+            slower loss. Needs a plain linear LM head without logit soft-capping (checked at construction).
         teacher_prefix_cache: start the teacher's pass after the tokens that precede every row's context
             (:func:`~lopd_lightning.teacher.prefix_length`: the shortest, over the batch's rows, prompt
             prefix up to the first user message's content; for BFCL the system prompt with the tool
-            schemas: a median 383 of a live_simple prompt's 420 tokens, 3,671 of a multi_turn_base
-            prompt's 3,703), using their keys and values instead of recomputing them: in ``live`` mode
-            without dropout the student's own forward's, otherwise one no-grad teacher pass over them.
-            The causal mask makes those states independent of the latents, so the teacher's logits and
-            every gradient are the same up to float rounding, and the teacher's forward and the
-            composer's backward through it run on the rest only (benchmarks/results/step_cost.json
+            schemas, most of the prompt), using their keys and values instead of recomputing them: in
+            ``live`` mode without dropout the student's own forward's, otherwise one no-grad teacher pass
+            over them. The causal mask makes those states independent of the latents, so the teacher's
+            logits and every gradient are the same up to float rounding, and the teacher's forward and
+            the composer's backward through it run on the rest only (benchmarks/results/step_cost.json
             against step_cost_no_prefix.json). False recomputes the whole sequence. Models whose cache
             is not a plain full-attention one (sliding window, linear attention) get False, with a warning.
     """
@@ -161,7 +176,7 @@ class LOPDModule(OnPolicyModule):
         composer_lr: float = 1e-5,
         composer_clip_resampler: float = 30.0,
         composer_clip_lora: float = 3.0,
-        top_m: int = 20,
+        distill_top_k: int = 20,
         margin: float = 0.05,
         anchor_weight: float = 0.2,
         dual_lr: float = 0.5,
@@ -181,22 +196,72 @@ class LOPDModule(OnPolicyModule):
         teacher_prefix_cache: bool = True,
         **kwargs: Any,
     ):
-        # checks that need no model run before the student is loaded
+        composer_cfg = dict(DEFAULT_COMPOSER_LORA) if composer_lora is None else composer_lora
+        self._check_options(  # the checks that need no model, before the student is loaded
+            num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,
+            bank_path=bank_path, bank_capacity=bank_capacity, distill_chunk_size=distill_chunk_size,
+            composer_lora=composer_cfg, gradient_checkpointing=bool(kwargs.get("gradient_checkpointing")),
+        )
+        super().__init__(model, **kwargs)
+        self.save_hyperparameters()
+        self.check_top_k("distill_top_k", distill_top_k)
+        self.backbone = add_composer_adapter(self.backbone, composer_cfg)  # psi, on the shared backbone
+        composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
+        self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
+        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
+        if teacher_prefix_cache and not supports_prefix_cache(self.backbone):
+            log.warning("teacher_prefix_cache is off: this model's key/value cache is not plain full attention in "
+                        "every layer (sliding window or linear attention); the teacher recomputes the whole sequence")
+            self.hparams.teacher_prefix_cache = False
+        #: the student's and the teacher's LM heads, in full or in chunks (checks the heads when chunked).
+        self.lm_head = LMHead(self.backbone, self.teacher.model, chunk_size=distill_chunk_size)
+        self.bank = self._build_bank(
+            bank_path, embedder, num_experiences=num_experiences, capacity=bank_capacity, eviction=bank_eviction,
+            allow_self_retrieval=allow_self_retrieval,
+        )
+        # c_phi0: a frozen snapshot of the composer (its own LoRA adapter on the same backbone + a resampler)
+        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
+        self.anchor_composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=ANCHOR_ADAPTER, **composer_options)
+        self.freeze_anchor()
+        self.margin = float(margin)
+        #: beta and its dual ascent (docs/METHOD.md 5); ``self.beta`` reads and sets its value.
+        self.dual = DualAscent(beta_init, lr=dual_lr)
+        self.warm_started = warm_start_steps == 0
+
+    @staticmethod
+    def _check_options(
+        *,
+        num_latents: int,
+        num_experiences: int,
+        distill_top_k: int,
+        embedder: str,
+        bank_path: str | None,
+        bank_capacity: int | None,
+        distill_chunk_size: Any,
+        composer_lora: Any,
+        gradient_checkpointing: bool,
+    ) -> None:
+        """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
+
+        Raises:
+            ValueError: K < 1, J < 0, M < 1, an unknown embedder, a missing or too small bank,
+                gradient checkpointing, a ``distill_chunk_size`` that is not null or an int >= 1, or a
+                composer LoRA that the shared backbone cannot honour.
+            FileNotFoundError: ``bank_path`` holds no bank.
+        """
         if num_latents < 1:
             raise ValueError(f"model.init_args.num_latents must be >= 1 (latent tokens per experience), got {num_latents}")
         if num_experiences < 0:
             raise ValueError(f"model.init_args.num_experiences must be >= 0 (experiences per task), got {num_experiences}")
-        if top_m < 1:
-            raise ValueError(f"model.init_args.top_m must be >= 1, got {top_m}")
+        if distill_top_k < 1:
+            raise ValueError(f"model.init_args.distill_top_k must be >= 1, got {distill_top_k}")
         if str(embedder).lower().strip() not in EMBEDDERS:
-            import difflib
-
             close = difflib.get_close_matches(str(embedder).lower(), EMBEDDERS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"model.init_args.embedder {embedder!r} is not an embedder; {hint}choose one of {', '.join(EMBEDDERS)}")
         if bank_path:  # the bank's size from its meta.json: a missing or too small bank fails before the weights load
             check_bank(bank_path, num_experiences, capacity=bank_capacity)
-        if kwargs.get("gradient_checkpointing"):
+        if gradient_checkpointing:
             # one backward pass runs through the student, teacher and composer graphs, which were built
             # under different LoRA adapters; activation checkpointing recomputes each segment in that
             # backward under whichever adapter is active then: wrong activations (a shape error when the
@@ -209,41 +274,29 @@ class LOPDModule(OnPolicyModule):
         chunk = distill_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"model.init_args.distill_chunk_size must be null or an int >= 1, got {distill_chunk_size!r}")
-        self._composer_lora = dict(DEFAULT_COMPOSER_LORA if composer_lora is None else composer_lora)
-        super().__init__(model, **kwargs)
-        self.save_hyperparameters()
-        self.check_top_k("top_m", top_m)
-        composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
-        self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
-        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
-        if teacher_prefix_cache and not supports_prefix_cache(self.backbone):
-            log.warning("teacher_prefix_cache is off: this model's key/value cache is not plain full attention in "
-                        "every layer (sliding window or linear attention); the teacher recomputes the whole sequence")
-            self.hparams.teacher_prefix_cache = False
-        if distill_chunk_size is not None:  # the chunked losses need plain linear heads on both sides
-            lm_head_parameters(self.backbone)
-            self.teacher.head_parameters()
-        embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
-        if bank_path:
-            self.bank = ExperienceBank.load(
-                bank_path, embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
-            )
-            check_bank(bank_path, num_experiences, size=len(self.bank))
-        else:
-            self.bank = ExperienceBank(
-                embed, capacity=bank_capacity, eviction=bank_eviction, allow_self_retrieval=allow_self_retrieval
-            )
-        # c_phi0: a frozen snapshot of the composer (its own LoRA adapter on the same backbone + a resampler)
-        copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
-        self.anchor_composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=ANCHOR_ADAPTER, **composer_options)
-        self.freeze_anchor()
-        self.margin = float(margin)
-        self.beta = float(beta_init)
-        self.warm_started = warm_start_steps == 0
+        check_lora_config(as_lora_config(composer_lora, key="composer_lora"), "composer_lora")  # target_modules later
 
-    @override
-    def composer_lora_config(self) -> dict[str, Any] | None:
-        return self._composer_lora
+    def _build_bank(
+        self, bank_path: str | None, embedder: str, *, num_experiences: int, capacity: int | None, eviction: str,
+        allow_self_retrieval: bool,
+    ) -> ExperienceBank:
+        """The experience bank: loaded from ``bank_path`` (and checked to hold J experiences), or empty."""
+        embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
+        options = dict(capacity=capacity, eviction=eviction, allow_self_retrieval=allow_self_retrieval)
+        if not bank_path:
+            return ExperienceBank(embed, **options)
+        bank = ExperienceBank.load(bank_path, embed, **options)
+        check_bank(bank_path, num_experiences, size=len(bank))
+        return bank
+
+    @property
+    def beta(self) -> float:
+        """beta, the weight of (m - Delta) in the composer objective (:attr:`dual`'s value)."""
+        return self.dual.value
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self.dual.value = float(value)
 
     # ------------------------------------------------------------------ retrieval
     @override
@@ -281,130 +334,78 @@ class LOPDModule(OnPolicyModule):
 
     # ------------------------------------------------------------------ training
     def student_hidden(self, batch: RolloutBatch, positions: Tensor, *, return_cache: bool = False) -> Any:
-        """The student's final hidden states (after the final norm) at ``positions`` ((B, T-1) shifted
-        coordinates, as :meth:`student_logits`), packed (N, d); the LM head is left to the caller.
-        ``(hidden, cache)`` with ``return_cache`` (the forward's key/value cache)."""
-        with self.student_context():
-            return selected_hidden_states(
-                self.backbone,
-                self.unshift(positions),
-                return_cache=return_cache,
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                position_ids=position_ids_from_mask(batch.attention_mask),
-            )
+        """Deprecated: ``student_forward(batch, positions, output="hidden", keep_cache=return_cache)``.
 
-    def losses(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        The student's final hidden states (after the final norm) at ``positions`` ((B, T-1) shifted
+        coordinates), packed (N, d); ``(hidden, cache)`` with ``return_cache``."""
+        warn_once("LOPDModule.student_hidden", "LOPDModule.student_hidden is deprecated and will be removed; use "
+                  'student_forward(batch, positions, output="hidden"), which returns a StudentForward')
+        forward = self.student_forward(batch, positions, output="hidden", keep_cache=return_cache)
+        return (forward.values, forward.cache) if return_cache else forward.values
+
+    def losses(self, batch: RolloutBatch) -> LOPDLosses:
         """The step's forward passes and losses, no backward (steps 2-5 of the module docstring).
 
         Returns:
-            ``loss_student`` and ``loss_composer`` (the two scalars to backpropagate, summed), ``distill_c``
-            (the composer's KL term), ``delta`` (the margin Delta, differentiable in the latents),
-            ``anchor`` and ``has_latents`` ((B,) bool: rows whose teacher saw latents).
-            With ``distill_chunk_size`` set, logits exist only ``distill_chunk_size`` rows at a time.
+            :class:`LOPDLosses`.
         """
-        targets, mask = self.shifted(batch)
+        targets, mask = self.shifted(batch)  # the N loss tokens omega; outputs exist only there (packed)
         num_tokens = self.num_loss_tokens(batch)
-        k, tau = self.hparams.top_m, self.hparams.distill_temperature
-        chunk = self.hparams.get("distill_chunk_size")
-
-        # logits (or hidden states) only on assistant tokens (packed N x V / N x d): the LM head never
-        # runs on prompt or padding
-        tokens = targets[mask]  # [N]
-        # the tokens before every row's context: the teacher's pass starts after them (teacher_prefix_cache)
-        use_prefix = self.hparams.get("teacher_prefix_cache", True)
-        n_prefix = prefix_length(batch.attention_mask, batch.context_position) if use_prefix else 0
-        share = n_prefix > 0 and self.teacher.shares_student_weights
-        prefix = None
+        head, top_k, tau = self.lm_head, self.hparams.distill_top_k, self.hparams.distill_temperature
+        n_prefix = self._prefix_length(batch)  # the teacher's pass starts after these tokens
         with self.timed("student_step"):
-            forward = self.student_forward(batch, mask, output="logits" if chunk is None else "hidden", keep_cache=share)
-            student_out = forward.values
-            if share:
-                prefix = TeacherPrefix.from_cache(forward.cache, n_prefix)
-            del forward
-
+            student, prefix = self._student_pass(batch, mask, n_prefix)  # [N, V] or [N, d]
         with self.timed("teacher"):
-            if n_prefix > 0 and prefix is None:
-                prefix = self.teacher.own_prefix(batch.input_ids, batch.attention_mask, n_prefix)
-            composed = self.compose(batch)
-            teacher_inputs = dict(
-                latents=composed.latents, latent_mask=composed.latent_mask, positions=self.unshift(mask), prefix=prefix
-            )
-            if chunk is None:
-                teacher_logits = self.teacher.logits_on_student_positions(
-                    batch.input_ids, batch.attention_mask, batch.context_position, **teacher_inputs
-                )[None]  # [1, N, V]
-            else:
-                teacher_hidden = self.teacher.hidden_on_student_positions(
-                    batch.input_ids, batch.attention_mask, batch.context_position, **teacher_inputs
-                )  # [N, d]
-            del teacher_inputs, prefix
-
+            composed, teacher = self._teacher_pass(batch, mask, n_prefix, prefix)  # [N, V] or [N, d]
+            del prefix
         with self.timed("student_step"):
-            if chunk is None:
-                student_logits = student_out[None]  # [1, N, V]
-                distill = topk_tail_reverse_kl(student_logits, teacher_logits.detach(), k=k, temperature=tau)
-            else:
-                student_hidden = student_out  # [N, d]
-                # the heads: the student's trains with a full-parameter student (through the student's
-                # side only, as in the unchunked loss); the teacher's is a constant everywhere, and the
-                # composer's loss must not reach the student's head either
-                student_head = lm_head_parameters(self.backbone)
-                student_const = constant_head(student_head)
-                teacher_head = self.teacher.head_parameters()
-                same_head = teacher_head[0] is student_head[0] and teacher_head[1] is student_head[1]
-                teacher_const = student_const if same_head else constant_head(teacher_head)
-                distill = chunked_head_kl(
-                    student_hidden, teacher_hidden.detach(), student_head, teacher_const,
-                    k=k, temperature=tau, chunk_size=chunk,
-                )[None]  # [1, N]
-            loss_student = distill.sum() / num_tokens  # the global token mean (docs/METHOD.md 5)
-
+            loss_student = distillation_loss(head, student, teacher.detach(), top_k=top_k, temperature=tau, num_tokens=num_tokens)
         with self.timed("composer_step"):
-            if chunk is None:
-                student_detached = student_logits.detach()
-                distill_c = topk_tail_reverse_kl(student_detached, teacher_logits, k=k, temperature=tau).sum() / num_tokens
-                teacher_tok = token_logps(teacher_logits, tokens[None])[0]
-                student_tok = token_logps(student_detached, tokens[None])[0]
-            else:
-                student_detached = student_hidden.detach()
-                distill_c = chunked_head_kl(
-                    student_detached, teacher_hidden, student_const, teacher_const, k=k, temperature=tau, chunk_size=chunk
-                ).sum() / num_tokens
-                teacher_tok = chunked_token_logps(teacher_hidden, tokens, teacher_const, chunk_size=chunk)
-                with torch.no_grad():
-                    student_tok = chunked_token_logps(student_detached, tokens, student_const, chunk_size=chunk)
+            distill_c = distillation_loss(head, student.detach(), teacher, top_k=top_k, temperature=tau, num_tokens=num_tokens)
             # Delta only over rollouts whose teacher saw latents: without them delta is 0 by construction
             # (live mode) and would pull Delta to 0 and wind beta up with no signal
             has_latents = composed.latent_mask.any(dim=-1)  # [B]
-            delta = privileged_margin(
-                unpack(teacher_tok, mask),
-                unpack(student_tok, mask),
-                batch.rewards,
-                mask & has_latents[:, None],
+            delta = margin_delta(head, student, teacher, targets[mask], mask, batch.rewards, rows=has_latents)
+            anchor = anchor_loss(composed.latents, self.anchor_latents(batch), composed.latent_mask)
+            loss_composer = composer_objective(
+                distill_c, delta, anchor, beta=self.beta, margin=self.margin, anchor_weight=self.hparams.anchor_weight
             )
-            keep = composed.latent_mask.unsqueeze(-1).to(composed.latents.dtype)
-            n = (keep.sum() * composed.latents.shape[-1]).clamp_min(1)
-            anchor = (((composed.latents - self.anchor_latents(batch)) ** 2) * keep).sum() / n
-            loss_composer = distill_c + self.beta * (self.margin - delta) + self.hparams.anchor_weight * anchor
             # every composer parameter joins the graph (a zero term when no row has latents), so DDP's
             # gradient all-reduce sees the same parameters on every rank and every step
             loss_composer = loss_composer + 0.0 * sum(p.sum() for p in self.composer.trainable_parameters())
-        return dict(
-            loss_student=loss_student,
-            loss_composer=loss_composer,
-            distill_c=distill_c,
-            delta=delta,
-            anchor=anchor,
-            has_latents=has_latents,
+        return LOPDLosses(loss_student, loss_composer, distill_c, delta, anchor, has_latents)
+
+    def _student_pass(self, batch: RolloutBatch, mask: Tensor, n_prefix: int) -> tuple[Tensor, TeacherPrefix | None]:
+        """The student's outputs at ``mask`` (:attr:`lm_head`'s kind) and, when its weights are the teacher's,
+        the key/value prefix of ``n_prefix`` tokens its forward computed for the teacher."""
+        share = n_prefix > 0 and self.teacher.shares_student_weights
+        forward = self.student_forward(batch, mask, output=self.lm_head.output, keep_cache=share)
+        return forward.values, (TeacherPrefix.from_cache(forward.cache, n_prefix) if share else None)
+
+    def _teacher_pass(
+        self, batch: RolloutBatch, mask: Tensor, n_prefix: int, prefix: TeacherPrefix | None
+    ) -> tuple[ComposerOutput, Tensor]:
+        """The latents c_phi and the teacher's outputs at the student's ``mask`` with them in its context,
+        after the shared ``n_prefix`` tokens (``prefix`` from the student, or one no-grad teacher pass)."""
+        if n_prefix > 0 and prefix is None:
+            prefix = self.teacher.own_prefix(batch.input_ids, batch.attention_mask, n_prefix)
+        composed = self.compose(batch)
+        teacher = self.teacher.on_student_positions(
+            batch.input_ids, batch.attention_mask, batch.context_position, positions=self.unshift(mask),
+            output=self.lm_head.output, latents=composed.latents, latent_mask=composed.latent_mask, prefix=prefix,
         )
+        return composed, teacher
+
+    def _prefix_length(self, batch: RolloutBatch) -> int:
+        """The tokens before every row's context, where the teacher's pass starts (0: ``teacher_prefix_cache`` off)."""
+        if not self.hparams.get("teacher_prefix_cache", True):
+            return 0
+        return prefix_length(batch.attention_mask, batch.context_position)
 
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         opt_student, opt_composer = self.optimizers()
-        out = self.losses(batch)
-        loss_student, loss_composer = out["loss_student"], out["loss_composer"]
-        delta, anchor, has_latents = out["delta"], out["anchor"], out["has_latents"]
+        loss_student, loss_composer, _, delta, anchor, has_latents = self.losses(batch)
 
         # One backward pass of the sum: the two graphs touch disjoint trainable parameters (the student's
         # loss sees the teacher detached, the composer's sees the student detached), so each optimiser
@@ -430,9 +431,8 @@ class LOPDModule(OnPolicyModule):
         rows_with_latents = self.global_count(has_latents.sum())
         delta_global = self.global_mean(delta)
         beta_before = self.beta
-        if rows_with_latents > 0 and not skipped and bool(torch.isfinite(delta_global)):
-            # dual ascent only when some teacher saw latents (docs/METHOD.md 5) and the margin is a number
-            self.beta = max(0.0, self.beta + self.hparams.dual_lr * (self.margin - float(delta_global)))
+        # dual ascent only when some teacher saw latents (docs/METHOD.md 5); a non-finite Delta is skipped
+        self.dual.update(delta_global, self.margin, active=rows_with_latents > 0 and not skipped)
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()
 
@@ -524,7 +524,7 @@ class LOPDModule(OnPolicyModule):
     @override
     def method_state(self) -> dict[str, Any]:
         return {
-            "beta": self.beta,
+            **self.dual.state_dict(),  # "beta", the key every LOPD checkpoint has
             "margin": self.margin,
             "warm_started": self.warm_started,
             "bank": self.bank.state_dict(),
@@ -534,7 +534,7 @@ class LOPDModule(OnPolicyModule):
     def load_method_state(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        self.beta = float(state["beta"])
+        self.dual.load_state_dict(state)
         self.margin = float(state["margin"])
         self.warm_started = bool(state["warm_started"])
         self.bank.load_state_dict(state["bank"])

@@ -1,0 +1,103 @@
+"""The terms of LOPD's composer objective: the privileged margin Delta, the latent anchor, their sum.
+
+Map to the method (docs/METHOD.md):
+
+* :func:`privileged_margin`: section 5, the margin Delta(phi) of the composer objective.
+* :func:`anchor_loss`: section 5, the latent anchor mean((c_phi - sg[c_phi0])^2).
+* :func:`composer_objective`: section 5, L_distill + beta (m - Delta) + lambda anchor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def privileged_margin(
+    teacher_logps: Tensor, student_logps: Tensor, rewards: Tensor, mask: Tensor
+) -> Tensor:
+    """The margin Delta: how much more (or less) the teacher believes the sampled tokens, weighted by outcome.
+
+    Formula, per rollout b with outcome weight ``A_b = 2 r_b - 1`` and privilege
+    ``delta = teacher_logps - sg[student_logps]``:
+    ``D_b = sum_t mask[b, t] A_b delta[b, t] / sum_t mask[b, t]``, then
+    ``Delta = mean of D_b over the rollouts with at least one masked-in token`` (0 if there are none).
+
+    Gradient flows to ``teacher_logps`` only (the student log-probs and the rewards are detached).
+
+    Args:
+        teacher_logps: (B, T) float, log pi_T(a | s, c_phi) of the sampled tokens.
+        student_logps: (B, T) float, log pi_S(a | s) of the same tokens.
+        rewards: (B,) float, trajectory rewards r(tau) in [0, 1].
+        mask: (B, T) bool or {0, 1}, 1 on assistant tokens.
+
+    Returns:
+        () float, Delta(phi).
+
+    Raises:
+        ValueError: the (B, T) tensors differ in shape, or ``rewards`` is not (B,).
+
+    Source: LOPD paper, docs/METHOD.md section 5: A(tau) = 2 r(tau) - 1,
+    delta = log pi_T(a | s, c_phi) - sg[log pi_S(a | s)], Delta(phi) = mean over rollouts of
+    [sum omega A delta / sum omega].
+    """
+    if teacher_logps.shape != student_logps.shape or teacher_logps.shape != mask.shape:
+        raise ValueError(
+            f"teacher_logps {tuple(teacher_logps.shape)}, student_logps {tuple(student_logps.shape)} "
+            f"and mask {tuple(mask.shape)} must have the same (B, T) shape"
+        )
+    if teacher_logps.ndim != 2 or rewards.shape != teacher_logps.shape[:1]:
+        raise ValueError(
+            f"rewards must be (B,) = {tuple(teacher_logps.shape[:1])} for (B, T) log-probs, got "
+            f"rewards {tuple(rewards.shape)} and log-probs {tuple(teacher_logps.shape)}"
+        )
+    weights = mask.to(teacher_logps.dtype)  # [B, T]
+    outcome = (2.0 * rewards.detach().to(teacher_logps.dtype) - 1.0)[:, None]  # [B, 1]
+    delta = teacher_logps - student_logps.detach()  # [B, T]
+    per_token = torch.where(weights != 0, outcome * delta * weights, torch.zeros_like(delta))
+    count = weights.sum(dim=-1)  # [B]
+    per_rollout = per_token.sum(dim=-1) / count.clamp(min=1)  # [B]
+    has_tokens = (count > 0).to(per_rollout.dtype)  # [B]
+    return (per_rollout * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+def anchor_loss(latents: Tensor, anchor_latents: Tensor, latent_mask: Tensor) -> Tensor:
+    """The latent anchor: the mean squared distance of c_phi to the warm-started composer's c_phi0.
+
+    Formula: ``sum_{b, l, i} mask[b, l] (latents - sg[anchor_latents])[b, l, i]^2 / (d * sum mask)``,
+    the mean over the kept latent tokens and their d coordinates (0 when no latent is kept).
+
+    Args:
+        latents: (B, L, d) float, c_phi (differentiable).
+        anchor_latents: (B, L, d) float, c_phi0 of the frozen snapshot (detached).
+        latent_mask: (B, L) bool, True on the latent tokens a teacher sees.
+
+    Returns:
+        () float in ``latents.dtype``.
+
+    Source: LOPD paper, docs/METHOD.md section 5: lambda mean((c_phi - sg[c_phi0])^2) in the composer objective.
+    """
+    keep = latent_mask.unsqueeze(-1).to(latents.dtype)  # [B, L, 1]
+    count = (keep.sum() * latents.shape[-1]).clamp_min(1)
+    return (((latents - anchor_latents.detach()) ** 2) * keep).sum() / count
+
+
+def composer_objective(
+    distill: Tensor, delta: Tensor, anchor: Tensor, *, beta: float, margin: float, anchor_weight: float
+) -> Tensor:
+    """The composer's loss: ``L_distill(student detached) + beta (m - Delta) + lambda anchor``.
+
+    Args:
+        distill: () float, L_distill with the student detached (gradient to the teacher's latents).
+        delta: () float, the margin Delta(phi) (:func:`privileged_margin`).
+        anchor: () float, :func:`anchor_loss`.
+        beta: the dual variable, >= 0 (:class:`lopd_lightning.dual.DualAscent`).
+        margin: m.
+        anchor_weight: lambda.
+
+    Returns:
+        () float, what the composer's optimiser minimises.
+
+    Source: LOPD paper, docs/METHOD.md section 5, the composer objective.
+    """
+    return distill + beta * (margin - delta) + anchor_weight * anchor
