@@ -120,14 +120,14 @@ def build(**module_options: Any) -> tuple[ReverseWordLOPD, OnPolicyDataModule]:
     """A tiny ReverseWordLOPD (random Llama, LoRA student, hashing embedder) and its DataModule."""
     options: dict[str, Any] = dict(
         lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
-        rollouts_per_example=2,
+        group_size=2,
         max_new_tokens=8,
         num_latents=4,
         num_experiences=2,
         composer_depth=2,
         max_experience_tokens=64,
         embedder="hashing",
-        top_m=8,
+        distill_top_k=8,
         learning_rate=1e-3,
         composer_lr=1e-3,
     )

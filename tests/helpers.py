@@ -69,3 +69,28 @@ def alive(*, pgid: int, uid: int | None) -> list[int]:
         if state not in ("Z", "X") and (int(pgrp) == pgid or int(session) == pgid or real_uid == uid):
             found.append(int(name))
     return found
+
+
+def assert_renamed_keyword(make, old: str, new: str, value, *, owner: str) -> None:
+    """A constructor's renamed keyword: ``make(**{old: value})`` works (``hparams[new] == value``) and warns
+    one FutureWarning naming the new spelling, however often it is used; both spellings raise ValueError.
+
+    Args:
+        make: ``make(**kwargs)`` builds the module.
+        owner: the class whose constructor renames it (the warning's ``<owner>.<old>``).
+    """
+    import warnings
+
+    import pytest
+
+    from lopd_lightning import deprecation
+
+    deprecation._warned.discard(f"{owner}.{old}")  # warn_once is per process: start this check afresh
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        modules = [make(**{old: value}) for _ in range(2)]
+    assert all(m.hparams[new] == value and old not in m.hparams for m in modules)
+    renamed = [w for w in caught if issubclass(w.category, FutureWarning) and f"{owner}.{old}" in str(w.message)]
+    assert len(renamed) == 1 and f"use {owner}.{new}" in str(renamed[0].message)
+    with pytest.raises(ValueError, match=f"{old} and .*{new} are the same setting"):
+        make(**{old: value, new: value})

@@ -26,8 +26,8 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj
 
 def make_module(**overrides) -> LOPDModule:
     options = dict(
-        lora=LORA, rollouts_per_example=2, max_new_tokens=8, num_latents=4, num_experiences=2, composer_depth=2,
-        max_experience_tokens=64, embedder="hashing", top_m=8, learning_rate=1e-3, composer_lr=1e-3,
+        lora=LORA, group_size=2, max_new_tokens=8, num_latents=4, num_experiences=2, composer_depth=2,
+        max_experience_tokens=64, embedder="hashing", distill_top_k=8, learning_rate=1e-3, composer_lr=1e-3,
     )
     options.update(overrides)
     return LOPDModule("tiny", **options)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lopd_lightning.data import OnPolicyDataModule
+from lopd_lightning.data import OnPolicyDataModule, RolloutSource
 from lopd_lightning.tasks.toy import ToyTask
 
 
@@ -95,6 +95,8 @@ def test_on_before_batch_transfer_makes_rollouts_for_training_only():
 
     # training: the module's make_batch gets the task and the examples; the position advances
     dm.trainer = SimpleNamespace(training=True, lightning_module=module, world_size=1, global_rank=0)
+    dm.setup("fit")  # binds the trainer's module as the rollout source
+    assert dm.rollout_source is module
     assert dm.on_before_batch_transfer(examples, 0) == ("rollouts", 2)
     assert module.calls == [(dm.task, examples)]
     assert dm.position == 2
@@ -140,6 +142,35 @@ def test_ddp_ranks_read_disjoint_slices_of_one_stream_and_position_counts_all_ra
             return len(examples)
 
     dm.trainer = SimpleNamespace(training=True, world_size=2, global_rank=0, lightning_module=Maker())
+    dm.setup("fit")
     dm.position = 0
     assert dm.on_before_batch_transfer(single[0], 0) == 3
     assert dm.position == 6  # both ranks consumed 3 examples
+
+
+def test_the_rollout_source_is_bound_explicitly_and_a_module_without_one_fails_clearly():
+    dm = OnPolicyDataModule("toy", examples_per_step=2)
+    examples = dm.examples_at(0)
+    assert isinstance(FakeModule(), RolloutSource) and not isinstance(object(), RolloutSource)
+
+    # training before any binding: a clear error, and the data position does not move
+    dm.trainer = SimpleNamespace(training=True, lightning_module=FakeModule(), world_size=1, global_rank=0)
+    with pytest.raises(RuntimeError, match="no rollout source"):
+        dm.on_before_batch_transfer(examples, 0)
+    assert dm.position == 0
+
+    # fitting a LightningModule that cannot make batches: the error names it and the interface
+    class NoBatches:
+        pass
+
+    dm.trainer = SimpleNamespace(training=True, lightning_module=NoBatches(), world_size=1, global_rank=0)
+    with pytest.raises(TypeError, match=r"NoBatches cannot serve on-policy batches.*make_batch\(task, examples\)"):
+        dm.setup("fit")
+    dm.setup("validate")  # validation needs no rollouts: nothing bound, no error
+    assert dm.rollout_source is None
+
+    # any object with make_batch can be bound by hand (a tool, a test)
+    source = FakeModule()
+    dm.bind_rollout_source(source)
+    dm.trainer = SimpleNamespace(training=True, lightning_module=None, world_size=1, global_rank=0)
+    assert dm.on_before_batch_transfer(examples, 0) == ("rollouts", 2) and source.calls == [(dm.task, examples)]

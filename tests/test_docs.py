@@ -55,7 +55,7 @@ def test_method_md_states_the_defaults_the_code_uses():
 
     text = METHOD.read_text()
     lopd = inspect.signature(LOPDModule.__init__).parameters
-    for key, written in [("num_latents", "K = 32"), ("num_experiences", "J = 3"), ("top_m", "M = 20"),
+    for key, written in [("num_latents", "K = 32"), ("num_experiences", "J = 3"), ("distill_top_k", "M = 20"),
                          ("margin", "m = 0.05"), ("anchor_weight", "lambda = 0.2"), ("dual_lr", "eta_beta = 0.5")]:
         assert written in text, written
         assert str(lopd[key].default) == written.split("= ")[1], key

@@ -120,8 +120,47 @@ def test_a_tasks_own_turn_limit_is_kept_through_the_hooks(custom_task):
         def start(self, example):
             return Endless()
 
-    module, _ = custom_task.build(max_new_tokens=2, rollouts_per_example=1)
+    module, _ = custom_task.build(max_new_tokens=2, group_size=1)
     task = ThreeTurns()
     batch = module.make_batch(task, task.examples("train")[:2])
     assert [m["turns"] for m in batch.metadata] == [3, 3]
     assert all(m["truncation"] == "max_turns" for m in batch.metadata)
+
+
+def test_module_hooked_task_routes_messages_and_rewards_through_the_hooks(custom_task):
+    """ModuleHookedTask, the one place the hooks enter the rollout loop, works with any object that has them."""
+    import pytest
+
+    from lopd_lightning.modules.hooked_task import ModuleHookedEpisode, ModuleHookedTask, TrajectoryHooks
+
+    class Hooks:
+        def __init__(self):
+            self.scored = []
+
+        def build_messages(self, task, example):
+            return [{"role": "system", "content": "be brief"}, *task.initial_messages(example)]
+
+        def score_trajectory(self, task, example, messages, reward):
+            self.scored.append((example.id, [m["role"] for m in messages], reward))
+            return 0.5 * reward
+
+    task, hooks = custom_task.ReverseWordTask(), Hooks()
+    assert isinstance(hooks, TrajectoryHooks)
+    hooked = ModuleHookedTask(task, hooks)
+    example = task.examples("train")[0]
+    assert hooked.name == task.name and hooked.examples("train") == task.examples("train")
+    assert hooked.initial_messages(example)[0] == {"role": "system", "content": "be brief"}
+    episode = hooked.start(example)
+    assert isinstance(episode, ModuleHookedEpisode)
+    assert episode.step(example.data["answer"]).done
+    assert episode.reward() == 0.5
+    assert hooks.scored == [(example.id, ["system", "user", "assistant"], 1.0)]
+
+    class Broken(custom_task.ReverseWordTask):
+        def score(self, example, completion):
+            return 2.0  # outside [0, 1]: the task's reward is checked before the hook sees it
+
+    broken = ModuleHookedTask(Broken(), hooks).start(example)
+    broken.step("x")
+    with pytest.raises(ValueError, match=r"returned reward 2\.0 .*rewards must be in \[0, 1\]"):
+        broken.reward()

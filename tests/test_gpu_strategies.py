@@ -40,4 +40,4 @@ def test_fsdp_lopd_two_gpus(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_grpo_two_gpus(tmp_path):
     _fit(tmp_path, ["--model=lopd_lightning.modules.GRPOModule", "--model.init_args.model=tiny",
-                    "--model.init_args.rollouts_per_example=2", "--trainer.callbacks=[]"], "deepspeed.yaml")
+                    "--model.init_args.group_size=2", "--trainer.callbacks=[]"], "deepspeed.yaml")

@@ -12,16 +12,18 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lopd_lightning.advantages import group_advantages
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.modules.grpo import GRPOModule, grpo_loss, k3_kl
-from helpers import ParityToy, quiet_trainer
+from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs, grpo_loss, k3_kl
+from lopd_lightning.rollout import batch_from_conversations
+from helpers import ParityToy, assert_renamed_keyword, quiet_trainer
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 
 def make_module(**overrides) -> GRPOModule:
-    options = dict(lora=LORA, rollouts_per_example=4, max_new_tokens=6, learning_rate=1e-2)
+    options = dict(lora=LORA, group_size=4, max_new_tokens=6, learning_rate=1e-2)
     options.update(overrides)
     return GRPOModule("tiny", **options)
 
@@ -155,7 +157,7 @@ def test_ppo_epochs_step_global_step_once_per_batch_and_move_the_ratio(tmp_path)
     original = module.loss_terms
 
     def loss_terms(logps, old_logps, inputs):
-        mask = inputs["mask"]
+        mask = inputs.mask
         ratios.append(float((logps.detach() - old_logps)[mask].abs().max()))
         return original(logps, old_logps, inputs)
 
@@ -182,8 +184,8 @@ def no_model_loading(monkeypatch):
 
 
 def test_group_of_one_fails_before_loading_the_model(no_model_loading):
-    with pytest.raises(ValueError, match=r"rollouts_per_example >= 2.*got 1.*set model\.init_args\.rollouts_per_example"):
-        GRPOModule("tiny", rollouts_per_example=1)
+    with pytest.raises(ValueError, match=r"group_size >= 2.*got 1.*set model\.init_args\.group_size"):
+        GRPOModule("tiny", group_size=1)
 
 
 @pytest.mark.parametrize(
@@ -194,3 +196,55 @@ def test_group_of_one_fails_before_loading_the_model(no_model_loading):
 def test_bad_options_fail_before_loading_the_model(no_model_loading, overrides, message):
     with pytest.raises(ValueError, match=message):
         GRPOModule("tiny", **overrides)
+
+
+def test_rollouts_per_example_is_the_deprecated_spelling_of_group_size():
+    def make(**kwargs):
+        return GRPOModule("tiny", lora=LORA, max_new_tokens=6, **kwargs)
+
+    assert_renamed_keyword(make, "rollouts_per_example", "group_size", 2, owner="GRPOModule")
+
+
+# ------------------------------------------------------------------------------- step inputs
+def test_step_inputs_are_a_typed_record_that_subclasses_extend():
+    module = make_module(kl_coef=0.1)
+    conversations = [[{"role": "user", "content": "Repeat: a"}, {"role": "assistant", "content": f"r{i}"}] for i in range(8)]
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # group 1 has no signal
+    batch = batch_from_conversations(module.tokenizer, conversations, rewards=rewards, group_ids=[0] * 4 + [1] * 4,
+                                     example_ids=["a"] * 4 + ["b"] * 4)
+    inputs = module.step_inputs(batch)
+    assert isinstance(inputs, GRPOStepInputs)
+    _, mask = module.shifted(batch)
+    assert torch.equal(inputs.mask, mask)
+    torch.testing.assert_close(inputs.advantages, group_advantages(batch.rewards.float(), group_size=4, eps=1e-4))
+    assert inputs.num_tokens == int(mask.sum())
+    assert inputs.ref_logps.shape == mask.shape and bool((inputs.ref_logps[~mask] == 0).all())
+    assert float(inputs.metrics["train/zero_std_groups"]) == 0.5
+    assert set(inputs.metrics) == {"train/advantage_abs_mean", "train/zero_std_groups"}
+
+    from dataclasses import dataclass
+
+    @dataclass
+    class WithExtra(GRPOStepInputs):
+        extra: int = 0
+
+    extended = inputs.extend(WithExtra, extra=3)
+    assert isinstance(extended, WithExtra) and extended.extra == 3 and extended.advantages is inputs.advantages
+    # the loss reads the record: the same terms from the original and the extended one
+    logps = module.student_logps(batch).detach()
+    assert float(module.loss_terms(logps, logps, extended)["train/loss"]) == float(module.loss_terms(logps, logps, inputs)["train/loss"])
+
+
+def test_step_inputs_read_as_a_dict_still_work_and_warn_once():
+    from lopd_lightning import deprecation
+
+    inputs = GRPOStepInputs(mask=torch.ones(1, 2, dtype=torch.bool), advantages=torch.zeros(1), num_tokens=2.0)
+    deprecation._warned.discard("GRPOStepInputs[]")
+    deprecation._warned.discard("GRPOStepInputs[]=")
+    with pytest.warns(FutureWarning, match=r"read inputs.advantages") as caught:
+        assert inputs["advantages"] is inputs.advantages
+        assert inputs["num_tokens"] == 2.0
+    assert len([w for w in caught if "read inputs" in str(w.message)]) == 1
+    with pytest.warns(FutureWarning, match="as a field of a subclass"):
+        inputs["teacher_logps"] = torch.zeros(1, 2)
+    assert inputs.teacher_logps.shape == (1, 2)

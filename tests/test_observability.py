@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lopd_lightning.callbacks import RunSummary, StepRichProgressBar, StepTQDMProgressBar, step_description
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.modules.base import _fenced
+from lopd_lightning.modules.observability import _fenced
 from lopd_lightning.modules.grpo import GRPOModule
 from helpers import EvenToy, quiet_trainer
 
@@ -26,7 +26,7 @@ EXAMPLES_PER_STEP, G, VAL_EXAMPLES, STEPS = 2, 2, 3, 2
 
 
 def make_module(**overrides) -> GRPOModule:
-    options = dict(lora=LORA, rollouts_per_example=G, max_new_tokens=4, learning_rate=1e-3,
+    options = dict(lora=LORA, group_size=G, max_new_tokens=4, learning_rate=1e-3,
                    log_samples=2, log_samples_every_n_steps=1)
     options.update(overrides)
     return GRPOModule("tiny", **options)
@@ -61,7 +61,8 @@ def read_events(log_dir: Path) -> tuple[dict[str, list], dict[str, list]]:
 
 @contextmanager
 def base_log_records():
-    """The INFO records of ``lopd_lightning.modules.base`` logged inside the block (a list, filled as they come)."""
+    """The INFO records of ``lopd_lightning.modules`` (the module's progress and evaluation lines) logged inside the
+    block (a list, filled as they come)."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -69,7 +70,7 @@ def base_log_records():
             records.append(record)
 
     handler = Keep(level=logging.INFO)
-    base_log = logging.getLogger("lopd_lightning.modules.base")
+    base_log = logging.getLogger("lopd_lightning.modules")
     old_level = base_log.level
     base_log.setLevel(logging.INFO)
     base_log.addHandler(handler)
@@ -317,3 +318,14 @@ def test_standalone_validate_returns_and_logs_its_metrics(tmp_path):
 def test_negative_settings_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="model.init_args.log_samples"):
         make_module(log_samples=-1)
+
+
+def test_phase_names_moved_to_observability_and_the_old_path_warns_once():
+    from lopd_lightning import deprecation
+    from lopd_lightning.modules import base, observability
+
+    deprecation._warned.discard("lopd_lightning.modules.base.PHASE_NAMES")
+    with pytest.warns(FutureWarning, match=r"modules.base.PHASE_NAMES moved to lopd_lightning.modules.observability") as caught:
+        assert base.PHASE_NAMES is observability.PHASE_NAMES
+        assert base.PHASE_NAMES["generation"] == "gen"
+    assert len([w for w in caught if "PHASE_NAMES" in str(w.message)]) == 1

@@ -18,6 +18,7 @@ from lopd_lightning.modules.opsd import OPSD_REFERENCE_TEMPLATE, OPSDModule
 from lopd_lightning.rollout import batch_from_conversations
 from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
+from helpers import assert_renamed_keyword
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -98,7 +99,7 @@ def test_one_step_fit_teacher_sees_the_reference_and_the_student_does_not(tmp_pa
     ).fit(module, dm)
     assert module.global_step == 1
     batch, refs = seen["batch"], seen["refs"]
-    assert len(batch) == 4  # rollouts_per_example defaults to 1
+    assert len(batch) == 4  # group_size defaults to 1
     for example_id, ref in zip(batch.example_ids, refs, strict=True):
         odd = int(example_id.split("/")[1]) % 2
         assert (ref is None) == bool(odd)
@@ -185,3 +186,26 @@ def test_loss_equals_naive_generalized_jsd(divergence, beta):
     assert float(expected) > 0
     assert float(captured["loss"]) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
     assert captured["train/rows_with_reference"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("old, new, value", [("top_k_distill", "distill_top_k", 8), ("rollouts_per_example", "group_size", 2)])
+def test_renamed_keywords_still_work_and_warn_once(old, new, value):
+    def make(**kwargs):
+        return OPSDModule("tiny", lora=LORA, max_new_tokens=8, **kwargs)
+
+    assert_renamed_keyword(make, old, new, value, owner="OPSDModule")
+
+
+def test_teacher_contexts_frame_the_references_and_keep_the_rows_that_have_one():
+    module = make_module()
+    task = ToyTask()
+    examples = task.all_examples()[:2]
+    conversations = [[*task.initial_messages(ex), {"role": "assistant", "content": "x"}] for ex in examples]
+    batch = batch_from_conversations(module.tokenizer, conversations, rewards=[0.0, 0.0], group_ids=[0, 1],
+                                     example_ids=[ex.id for ex in examples])
+    module.reference_texts = lambda batch: ["the answer", None]
+    contexts = module.teacher_contexts(batch)
+    assert contexts.texts == [OPSD_REFERENCE_TEMPLATE.format(reference="the answer"), None]
+    assert contexts.kept.tolist() == [True, False]
+    assert module.teacher_context_ids(["the answer", None]) == module.teacher.encode_text_context(
+        contexts.texts, prefix="", suffix="")

@@ -70,8 +70,8 @@ def build(tmp_path, name: str, extra_callbacks=()):
     L.seed_everything(0)
     task = EvenToy()
     module = LOPDModule(
-        "tiny", lora=LORA, rollouts_per_example=2, max_new_tokens=8, num_latents=4, num_experiences=2,
-        composer_depth=2, max_experience_tokens=64, embedder="hashing", top_m=8, learning_rate=1e-3,
+        "tiny", lora=LORA, group_size=2, max_new_tokens=8, num_latents=4, num_experiences=2,
+        composer_depth=2, max_experience_tokens=64, embedder="hashing", distill_top_k=8, learning_rate=1e-3,
         composer_lr=1e-3, margin=0.3, seed=0,
     )
     seed_bank(module, task)
@@ -139,7 +139,7 @@ def test_a_checkpoint_with_the_old_untrained_composer_adapter_still_resumes(tmp_
     from helpers import ParityToy, quiet_trainer
 
     lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    module = GRPOModule("tiny", lora=lora, rollouts_per_example=2, max_new_tokens=4)
+    module = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
     dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
     trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
@@ -152,9 +152,53 @@ def test_a_checkpoint_with_the_old_untrained_composer_adapter_still_resumes(tmp_
     checkpoint["state_dict"].update(old)  # what the earlier version saved
     torch.save(checkpoint, path)
 
-    resumed = GRPOModule("tiny", lora=lora, rollouts_per_example=2, max_new_tokens=4)
+    resumed = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
     with caplog.at_level("WARNING"):
         quiet_trainer(tmp_path / "2", max_steps=2).fit(resumed, dm, ckpt_path=str(path))
     assert f"holds {len(old)} composer-adapter weights" in caplog.text
     loaded = GRPOModule.load_from_checkpoint(path)  # lopd export's path, strict loading
     assert not any(".composer." in k for k in loaded.state_dict())
+
+
+@pytest.mark.parametrize("method", ["GRPOModule", "SDPOModule"])
+def test_a_checkpoint_whose_hparams_carry_the_old_argument_names_loads_and_resumes(tmp_path, method):
+    """Checkpoints written before the renames (rollouts_per_example, top_k_distill, jsd_alpha) hold the old
+    names in their hyper-parameters: load_from_checkpoint maps them to the new ones (with a FutureWarning),
+    and a run resumes from them."""
+    import torch
+
+    import lopd_lightning.modules as modules
+    from helpers import ParityToy, quiet_trainer
+
+    cls = getattr(modules, method)
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    extra = {"distill_top_k": 8, "jsd_beta": 0.3} if method == "SDPOModule" else {}
+    module = cls("tiny", lora=lora, group_size=2, max_new_tokens=4, **extra)
+    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
+    trainer.fit(module, dm)
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    checkpoint = torch.load(path, weights_only=False)
+    hparams = checkpoint["hyper_parameters"]
+    old_names = {"group_size": "rollouts_per_example", "distill_top_k": "top_k_distill", "jsd_beta": "jsd_alpha"}
+    for new, old in old_names.items():
+        if new in hparams:
+            hparams[old] = hparams.pop(new)  # what the earlier version saved
+    assert "rollouts_per_example" in hparams and "group_size" not in hparams
+    torch.save(checkpoint, path)
+
+    from lopd_lightning import deprecation
+
+    deprecation._warned.discard(f"{method}.rollouts_per_example")  # warn_once: this check starts afresh
+    with pytest.warns(FutureWarning, match="rollouts_per_example is deprecated"):
+        loaded = cls.load_from_checkpoint(path)
+    assert loaded.hparams.group_size == 2 and "rollouts_per_example" not in loaded.hparams
+    for name, value in extra.items():
+        assert loaded.hparams[name] == value
+    for key, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+    resumed = cls("tiny", lora=lora, group_size=2, max_new_tokens=4, **extra)
+    quiet_trainer(tmp_path / "2", max_steps=2).fit(resumed, dm, ckpt_path=str(path))
+    assert resumed.global_step == 2 and resumed.rollouts_consumed == 8

@@ -16,12 +16,16 @@ from lopd_lightning.losses import generalized_jsd, topk_tail_reverse_kl
 from lopd_lightning.modules.sdpo import (
     SDPO_CONTEXT_SUFFIX,
     SDPO_DEMO_TEMPLATE,
+    SDPOContexts,
     SDPOModule,
     successful_sibling,
 )
+from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import batch_from_conversations
 from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
+from lopd_lightning.teacher import SelfTeacher
+from helpers import assert_renamed_keyword
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -34,7 +38,7 @@ class AlwaysToy(ToyTask):
 
 
 def make_module(**overrides) -> SDPOModule:
-    options = dict(rollouts_per_example=4, max_new_tokens=8, top_k_distill=8, learning_rate=1e-3)
+    options = dict(group_size=4, max_new_tokens=8, distill_top_k=8, learning_rate=1e-3)
     options.update(overrides)
     return SDPOModule("tiny", **options)
 
@@ -58,9 +62,9 @@ def hand_batch(tokenizer, rewards, group_ids):
     )
 
 
-def test_rollouts_per_example_below_two_raises_before_loading():
-    with pytest.raises(ValueError, match="rollouts_per_example"):
-        SDPOModule("no-such-model", rollouts_per_example=1)
+def test_group_size_below_two_raises_before_loading():
+    with pytest.raises(ValueError, match="group_size"):
+        SDPOModule("no-such-model", group_size=1)
 
 
 def test_successful_sibling_choice():
@@ -76,7 +80,8 @@ def test_successful_sibling_choice():
 def test_teacher_context_uses_successful_siblings_only():
     module = make_module()
     batch = hand_batch(module.tokenizer, [1.0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1])
-    texts, has_demo, kept = module.teacher_contexts(batch)
+    contexts = module.teacher_contexts(batch)
+    texts, has_demo, kept = contexts.texts, contexts.has_demo, contexts.kept
     demo = lambda i: SDPO_DEMO_TEMPLATE.format(demo=f"reply {i}") + SDPO_CONTEXT_SUFFIX  # noqa: E731
     assert texts[:4] == [demo(3), demo(0), demo(0), demo(0)]  # self excluded: row 0 sees row 3
     assert texts[4:] == [None] * 4  # a group without success: no context
@@ -98,12 +103,13 @@ def test_feedback_of_the_rows_own_attempt():
         module.tokenizer, [conv(0), conv(1)], rewards=[1.0, 0.0], group_ids=[0, 0], example_ids=["a", "a"]
     )
     batch.metadata[1]["errors"] = ["bad call"]
-    texts, has_demo, kept = module.teacher_contexts(batch)
+    contexts = module.teacher_contexts(batch)
+    texts, kept = contexts.texts, contexts.kept
     assert texts[0] is None and kept.tolist() == [False, True]  # row 0 is the only success
     assert "[action] try 0\n[result] hint 0\n[action] answer 0" in texts[1]
     assert "hint 1\nerror: bad call" in texts[1]
     module.hparams.include_feedback = False
-    assert "hint 1" not in module.teacher_contexts(batch)[0][1]
+    assert "hint 1" not in module.teacher_contexts(batch).texts[1]
 
 
 def naive_inputs(module: SDPOModule, batch, texts):
@@ -140,19 +146,20 @@ def run_step(module, batch):
 
 @pytest.mark.parametrize("divergence", ["topk_reverse_kl", "jsd"])
 def test_loss_equals_naive_divergence_over_kept_rows(divergence):
-    module = make_module(lora=None, divergence=divergence, jsd_alpha=0.3)
+    module = make_module(lora=None, divergence=divergence, jsd_beta=0.3)
     # perturb the student so that the EMA teacher (a copy at init) differs from it beyond the context
     with torch.no_grad():
         for p in module.student_parameters():
             p.add_(0.05 * torch.randn_like(p))
     batch = hand_batch(module.tokenizer, [1.0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1])
-    texts, _, kept = module.teacher_contexts(batch)
+    contexts = module.teacher_contexts(batch)
+    texts, kept = contexts.texts, contexts.kept
     student, teacher = naive_inputs(module, batch, texts)
     if divergence == "jsd":
         expected = generalized_jsd(student, teacher, beta=0.3).sum() / student.shape[1]
     else:
         # SDPO's support: the student's top-k
-        expected = topk_tail_reverse_kl(student, teacher, k=8, support="student").sum() / student.shape[1]
+        expected = topk_tail_reverse_kl(student, teacher, top_k=8, support="student").sum() / student.shape[1]
     _, mask = module.shifted(batch)
     assert student.shape[1] == int((mask & kept[:, None]).sum())  # the kept rows' tokens only
     logged = run_step(module, batch)
@@ -201,3 +208,79 @@ def test_one_step_fit_logs_tags_and_moves_the_ema_teacher(tmp_path):
     expected = 0.95 * seen["ema_before"][i] + 0.05 * student.detach()
     torch.testing.assert_close(ema.detach(), expected)
     assert not torch.equal(ema.detach(), seen["ema_before"][i])  # it moved towards the student
+
+
+# ------------------------------------------------------------------------------ renamed keywords
+@pytest.mark.parametrize(
+    "old, new, value",
+    [("rollouts_per_example", "group_size", 2), ("top_k_distill", "distill_top_k", 8), ("jsd_alpha", "jsd_beta", 0.3)],
+)
+def test_renamed_keywords_still_work_and_warn_once(old, new, value):
+    def make(**kwargs):
+        return SDPOModule("tiny", lora=LORA, max_new_tokens=8, **kwargs)
+
+    assert_renamed_keyword(make, old, new, value, owner="SDPOModule")
+
+
+def test_teacher_contexts_unpacked_as_the_old_tuple_still_work_and_warn_once():
+    from lopd_lightning import deprecation
+
+    module = make_module()
+    batch = hand_batch(module.tokenizer, [1.0, 0, 0, 1], [0, 0, 0, 0])
+    contexts = module.teacher_contexts(batch)
+    assert isinstance(contexts, SDPOContexts) and isinstance(contexts, TeacherContexts)
+    deprecation._warned.discard("SDPOContexts.__iter__")
+    with pytest.warns(FutureWarning, match=r"read \.texts, \.has_demo and \.kept") as caught:
+        texts, has_demo, kept = contexts
+        texts_again, _, _ = module.teacher_contexts(batch)
+    assert len([w for w in caught if "SDPOContexts" in str(w.message)]) == 1
+    assert texts == texts_again == contexts.texts and has_demo is contexts.has_demo and kept is contexts.kept
+
+
+def test_a_divergence_sdpo_does_not_take_fails_before_loading():
+    with pytest.raises(ValueError, match=r"divergence must be one of 'topk_reverse_kl', 'jsd', got 'forward_kl'"):
+        SDPOModule("no-such-model", divergence="forward_kl")
+
+
+# ------------------------------------------------------------------------------ the shared skeleton
+class HintedDistillation(SelfDistillationModule):
+    """A method of its own on the skeleton: the frozen base reads a fixed hint on the even rows, every kept
+    token weighs 2, and the hooks record that they ran."""
+
+    HINT = "Hint: answer briefly.\n\n"
+
+    def __init__(self, model="tiny", **kwargs):
+        super().__init__(model, **kwargs)
+        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode="base")
+        self.updates = 0
+
+    def teacher_contexts(self, batch):
+        texts = [self.HINT if i % 2 == 0 else None for i in range(len(batch))]
+        kept = torch.tensor([t is not None for t in texts], dtype=torch.bool)
+        return TeacherContexts(texts=texts, kept=kept)
+
+    def token_weights(self, batch, student_logits, targets):
+        assert student_logits.shape[0] == targets.shape[0]
+        return torch.full((targets.shape[0],), 2.0)
+
+    def distillation_metrics(self, batch, contexts):
+        return {"train/rows_hinted": self.row_fraction(contexts.kept, batch)}
+
+    def after_update(self):
+        self.updates += 1
+
+
+def test_a_subclass_with_its_own_teacher_contexts_and_weights_trains_on_the_skeleton():
+    module = HintedDistillation(lora=None, max_new_tokens=8, divergence="forward_kl", learning_rate=1e-3)
+    with torch.no_grad():  # the student differs from the frozen teacher beyond the context
+        for p in module.student_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = hand_batch(module.tokenizer, [0.0, 1.0, 0.0, 1.0], [0, 0, 1, 1])
+    texts = module.teacher_contexts(batch).texts
+    student, teacher = naive_inputs(module, batch, texts)  # the even rows' tokens, the hint in the teacher
+    expected = 2.0 * generalized_jsd(student, teacher, beta=0.0).sum() / student.shape[1]
+    logged = run_step(module, batch)
+    assert float(expected) > 0
+    assert float(logged["loss"]) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+    assert logged["train/rows_hinted"] == pytest.approx(0.5) and "train/distill" in logged
+    assert module.updates == 1

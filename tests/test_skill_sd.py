@@ -20,6 +20,7 @@ from lopd_lightning.modules.skill_sd import (
     SKILL_CONTEXT_SUFFIX,
     SKILL_PROMPTS,
     SkillSDModule,
+    SkillSDStepInputs,
     sdl_per_token,
     ucb1_select,
 )
@@ -32,7 +33,7 @@ SKILL = "Say the answer ONLY"
 
 def make_module(**overrides) -> SkillSDModule:
     options = dict(
-        lora=LORA, rollouts_per_example=2, max_new_tokens=6, learning_rate=1e-2, skill_refresh_every=0,
+        lora=LORA, group_size=2, max_new_tokens=6, learning_rate=1e-2, skill_refresh_every=0,
         skill_max_new_tokens=8,
     )
     options.update(overrides)
@@ -134,16 +135,36 @@ def test_loss_terms_add_sdl_coef_times_the_sdl_on_rows_with_a_skill():
     teacher = torch.tensor([[-0.5, -2.5], [0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True], [True, True]])
     sdl_mask = torch.tensor([[True, True], [False, False]])  # row 1 has no skill
-    inputs = dict(
+    inputs = SkillSDStepInputs(
         mask=mask, sdl_mask=sdl_mask, advantages=torch.tensor([1.0, -1.0], dtype=torch.float64), num_tokens=4,
         ref_logps=None, teacher_logps=teacher, metrics={},
     )
     terms = module.loss_terms(logps, old, inputs)
     # row 0: l = (-0.5, 0.5), rho = (exp(0.1), 1)
     sdl = (math.exp(0.1) * (math.exp(0.5) - 1 - 0.5) + (math.exp(-0.5) - 1 + 0.5)) / 4
-    grpo = grpo_loss(logps, old, inputs["advantages"], mask, num_tokens=4).loss
+    grpo = grpo_loss(logps, old, inputs.advantages, mask, num_tokens=4).loss
     assert float(terms["train/sdl"]) == pytest.approx(sdl, rel=1e-12)
     assert float(terms["train/loss"]) == pytest.approx(float(grpo) + 0.5 * sdl, rel=1e-12)
+
+
+def test_step_inputs_extend_grpos_record_with_the_teacher_and_the_sdl_mask():
+    from lopd_lightning.modules.grpo import GRPOStepInputs
+    from lopd_lightning.rollout import batch_from_conversations
+
+    module = make_module()
+    conversations = [[{"role": "user", "content": "Repeat: a"}, {"role": "assistant", "content": f"r{i}"}] for i in range(4)]
+    batch = batch_from_conversations(module.tokenizer, conversations, rewards=[1.0, 0.0, 0.0, 1.0], group_ids=[0, 0, 1, 1],
+                                     example_ids=["a", "a", "b", "b"])
+    for i, meta in enumerate(batch.metadata):
+        meta["skill_text"] = SKILL if i < 2 else None  # example "a" has a skill, "b" none
+    inputs = module.step_inputs(batch)
+    assert isinstance(inputs, SkillSDStepInputs) and isinstance(inputs, GRPOStepInputs)
+    _, mask = module.shifted(batch)
+    has_skill = torch.tensor([True, True, False, False])
+    assert torch.equal(inputs.sdl_mask, mask & has_skill[:, None])
+    assert bool((inputs.teacher_logps[inputs.sdl_mask] < 0).all()) and bool((inputs.teacher_logps[~inputs.sdl_mask] == 0).all())
+    assert float(inputs.metrics["train/skill_rows"]) == 0.5 and inputs.metrics["train/num_skills"] == 0.0
+    assert "train/zero_std_groups" in inputs.metrics  # GRPO's metrics are kept
 
 
 # ------------------------------------------------------------------------ the teacher's context
@@ -309,5 +330,5 @@ def test_bad_teacher_mode_fails_before_loading_the_model(monkeypatch):
     monkeypatch.setattr("lopd_lightning.modules.base.load_student", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     with pytest.raises(ValueError, match="teacher_mode"):
         SkillSDModule("tiny", teacher_mode="frozen")
-    with pytest.raises(ValueError, match="rollouts_per_example >= 2"):
-        SkillSDModule("tiny", rollouts_per_example=1)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        SkillSDModule("tiny", group_size=1)

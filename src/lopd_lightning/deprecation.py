@@ -4,7 +4,10 @@ Every rename warns once per process (a ``FutureWarning``, shown by default) and 
 the old spelling is removed in the release after next. ``CHANGELOG.md`` lists every rename.
 
 * :data:`RENAMED_KEYS` maps an old constructor argument (``model.init_args.<old>`` in a config) to its
-  new name; :func:`renamed_kwargs` applies it to a constructor, ``lopd_lightning.cli`` to a config.
+  new name; the metaclass :class:`RenamedArguments` applies it to every method module's constructor call
+  (``OnPolicyModule`` and its subclasses, ``load_from_checkpoint`` of an old checkpoint included),
+  ``lopd_lightning.cli`` to a config file and the command line.
+* :func:`renamed_kwargs` renames the keywords of a function.
 * :func:`moved_names` gives a module the ``__getattr__`` that serves a name that now lives elsewhere.
 """
 
@@ -16,7 +19,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-__all__ = ["RENAMED_KEYS", "moved_names", "rename_keys", "renamed_kwargs", "warn_once"]
+__all__ = ["RENAMED_KEYS", "RenamedArguments", "moved_names", "rename_keys", "renamed_kwargs", "warn_once"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,15 +34,21 @@ RENAMED_KEYS: dict[str, str] = {
 _warned: set[str] = set()
 
 
-def warn_once(key: str, message: str) -> None:
-    """Issue ``message`` as a ``FutureWarning`` the first time ``key`` is seen in this process."""
+def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
+    """Issue ``message`` as a ``FutureWarning`` the first time ``key`` is seen in this process.
+
+    ``stacklevel`` counts from the caller of ``warn_once`` as ``warnings.warn``'s does from its caller plus
+    one (the default 3 attributes the warning to the caller of the function that called ``warn_once``).
+    """
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(message, FutureWarning, stacklevel=3)
+    warnings.warn(message, FutureWarning, stacklevel=stacklevel)
 
 
-def rename_keys(values: Mapping[str, Any], *, where: str, renames: Mapping[str, str] = RENAMED_KEYS) -> dict[str, Any]:
+def rename_keys(
+    values: Mapping[str, Any], *, where: str, renames: Mapping[str, str] = RENAMED_KEYS, stacklevel: int = 4
+) -> dict[str, Any]:
     """``values`` with every old key of ``renames`` replaced by its new one (warning once per key).
 
     Args:
@@ -55,20 +64,44 @@ def rename_keys(values: Mapping[str, Any], *, where: str, renames: Mapping[str, 
             continue
         if new in out:
             raise ValueError(f"{where}.{old} and {where}.{new} are the same setting; keep only {where}.{new}")
-        warn_once(f"{where}.{old}", f"{where}.{old} is deprecated and will be removed; use {where}.{new}")
+        warn_once(f"{where}.{old}", f"{where}.{old} is deprecated and will be removed; use {where}.{new}",
+                  stacklevel=stacklevel)
         out[new] = out.pop(old)
     return out
 
 
-def renamed_kwargs(func: F) -> F:
-    """Decorate a constructor so that the old names of :data:`RENAMED_KEYS` still work (with a warning)."""
+def renamed_kwargs(renames: Mapping[str, str]) -> Callable[[F], F]:
+    """Decorate a function so that the old keyword names of ``renames`` (old -> new) still work, warning once.
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        owner = func.__qualname__.split(".")[0]
-        return func(*args, **rename_keys(kwargs, where=owner))
+    For functions only: a class's constructor uses :class:`RenamedArguments`, which adds no stack frame
+    between nested ``__init__`` calls (Lightning's ``save_hyperparameters`` walks those frames).
+    """
 
-    return wrapper  # type: ignore[return-value]
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if any(old in kwargs for old in renames):
+                kwargs = rename_keys(kwargs, where=func.__name__, renames=renames, stacklevel=4)
+            return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class RenamedArguments(type):
+    """Metaclass whose constructor calls accept the old argument names of :data:`RENAMED_KEYS`.
+
+    ``Cls(rollouts_per_example=4)`` becomes ``Cls(group_size=4)`` with one ``FutureWarning``; giving both
+    spellings raises ValueError. The renaming happens before ``__init__`` runs, so the constructors (and
+    Lightning's ``save_hyperparameters``, which reads their frames) only ever see the new names. A subclass
+    that passes an old name on to ``super().__init__(...)`` must use the new one.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if any(old in kwargs for old in RENAMED_KEYS):
+            kwargs = rename_keys(kwargs, where=cls.__name__, stacklevel=4)
+        return super().__call__(*args, **kwargs)
 
 
 def moved_names(module_name: str, moves: Mapping[str, str]) -> Callable[[str], Any]:

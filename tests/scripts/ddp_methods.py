@@ -38,8 +38,8 @@ def build_module(method: str) -> OnPolicyModule:
     L.seed_everything(0)
     if method == "lopd":
         module = LOPDModule(
-            "tiny", rollouts_per_example=2, num_latents=4, num_experiences=2, composer_depth=2,
-            max_experience_tokens=64, embedder="hashing", top_m=8, composer_lr=1e-3, margin=0.3,
+            "tiny", group_size=2, num_latents=4, num_experiences=2, composer_depth=2,
+            max_experience_tokens=64, embedder="hashing", distill_top_k=8, composer_lr=1e-3, margin=0.3,
             composer_clip_resampler=1e9, composer_clip_lora=1e9, **COMMON,
         )
         task = EvenToy()
@@ -49,13 +49,13 @@ def build_module(method: str) -> OnPolicyModule:
             records.append(Experience(task_id=ex.id, task_text=ex.text, trace=task.experience_text(ex, messages), reward=1.0))
         module.bank.add(records)
     elif method == "grpo":
-        module = GRPOModule("tiny", rollouts_per_example=2, **COMMON)
+        module = GRPOModule("tiny", group_size=2, **COMMON)
     elif method == "sdpo":
-        module = SDPOModule("tiny", rollouts_per_example=2, top_k_distill=8, **COMMON)
+        module = SDPOModule("tiny", group_size=2, distill_top_k=8, **COMMON)
     elif method == "opsd":
         module = OPSDModule("tiny", **COMMON)
     elif method == "skill_sd":
-        module = SkillSDModule("tiny", rollouts_per_example=2, skill_refresh_every=0, skill_max_new_tokens=8, **COMMON)
+        module = SkillSDModule("tiny", group_size=2, skill_refresh_every=0, skill_max_new_tokens=8, **COMMON)
     elif method == "sft":
         module = SFTModule("tiny", **COMMON)
     else:

@@ -2,7 +2,7 @@
 
 One training step (manual optimisation, one optimiser):
 
-1. the DataModule's batch: G = ``rollouts_per_example`` rollouts per task, contiguous groups;
+1. the DataModule's batch: G = ``group_size`` rollouts per task, contiguous groups;
 2. group-relative advantages A_i = (R_i - mean_G R) / (std_G R + eps), one per rollout;
 3. optionally the frozen reference's log-probs (the base weights) for a k3 KL penalty;
 4. ``ppo_epochs`` passes over the batch: per-token PPO-clip surrogate with ratio exp(logp - logp_old),
@@ -19,6 +19,7 @@ k3 KL estimator to a reference); PPO, Schulman et al. 2017, Eq. 7 (the clipped s
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.advantages import group_advantages
+from lopd_lightning.deprecation import warn_once
 from lopd_lightning.lm import unpack
 from lopd_lightning.losses import GRPOLoss, grpo_loss, k3_kl, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
@@ -40,14 +42,53 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
     with_grad = [p for p in params if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.zeros(())
 
-__all__ = ["GRPOLoss", "GRPOModule", "grpo_loss", "k3_kl"]
+
+@dataclass
+class GRPOStepInputs:
+    """What every PPO pass of one GRPO step needs, computed once by :meth:`GRPOModule.step_inputs`.
+
+    A subclass that needs more (Skill-SD's teacher log-probs) subclasses this record with its extra
+    fields and builds it with :meth:`extend`.
+
+    Attributes:
+        mask: (B, T-1) bool, the loss tokens (shifted coordinates: position t predicts token t+1).
+        advantages: (B,) float, the group-relative advantages (docs/METHOD.md section 6).
+        num_tokens: the denominator of the global token mean (:meth:`OnPolicyModule.num_loss_tokens`).
+        ref_logps: (B, T-1) float log-probs of the batch's tokens under the frozen reference on the loss
+            tokens (0 elsewhere), or None without a reference (``kl_coef == 0``).
+        metrics: ``train/...`` scalars logged once for the step, besides the loss terms.
+    """
+
+    mask: Tensor
+    advantages: Tensor
+    num_tokens: float
+    ref_logps: Tensor | None = None
+    metrics: dict[str, Tensor | float] = field(default_factory=dict)
+
+    def extend(self, cls: type[GRPOStepInputs], **extra: Any) -> Any:
+        """This record's values as a ``cls`` (a subclass of this record) with its ``extra`` fields."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(self)}, **extra)
+
+    def __getitem__(self, name: str) -> Any:
+        """Deprecated: step inputs were a dict; read ``inputs.<name>`` instead."""
+        warn_once("GRPOStepInputs[]", f"step inputs are a {type(self).__name__} record: read inputs.{name}, "
+                  f"not inputs[{name!r}]")
+        return getattr(self, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """Deprecated: step inputs were a dict; subclass the record (:meth:`extend`) instead."""
+        warn_once("GRPOStepInputs[]=", f"step inputs are a {type(self).__name__} record: add {name!r} as a field "
+                  "of a subclass of it (GRPOStepInputs.extend), not as a dict key")
+        setattr(self, name, value)
+
+__all__ = ["GRPOLoss", "GRPOModule", "GRPOStepInputs", "grpo_loss", "k3_kl"]
 
 
 class GRPOModule(OnPolicyModule):
     """GRPO: group-relative advantages, PPO-clip, optional k3 KL to the frozen base (docs/METHOD.md section 6).
 
     Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
-        rollouts_per_example: the group size G, >= 2 (paper: 4).
+        group_size: the group size G, >= 2 (paper: 4; formerly ``rollouts_per_example``).
         clip_eps_low, clip_eps_high: PPO clip range below and above 1 (paper: 0.2 each; DAPO's
             clip-higher uses a larger ``clip_eps_high``).
         kl_coef: weight of the k3 KL to the reference (0: no reference, no extra forward). The reference
@@ -62,7 +103,7 @@ class GRPOModule(OnPolicyModule):
             sampling temperature to score tokens under the sampling distribution).
 
     Raises:
-        ValueError: ``rollouts_per_example`` < 2 or another option out of range, before the model loads.
+        ValueError: ``group_size`` < 2 or another option out of range, before the model loads.
 
     Logged (besides the shared tags): ``train/loss``, ``train/pg_loss``, ``train/kl`` (with a
     reference), ``train/clip_fraction``, ``train/advantage_abs_mean``, ``train/zero_std_groups``
@@ -74,7 +115,7 @@ class GRPOModule(OnPolicyModule):
         self,
         model: str = "tiny",
         *,
-        rollouts_per_example: int = 4,
+        group_size: int = 4,
         clip_eps_low: float = 0.2,
         clip_eps_high: float = 0.2,
         kl_coef: float = 0.0,
@@ -84,10 +125,10 @@ class GRPOModule(OnPolicyModule):
         **kwargs: Any,
     ):
         # checks that need no model run before the student is loaded
-        if rollouts_per_example < 2:
+        if group_size < 2:
             raise ValueError(
-                f"{type(self).__name__} needs rollouts_per_example >= 2 (advantages compare the rollouts of "
-                f"one task), got {rollouts_per_example}; set model.init_args.rollouts_per_example to 2 or more "
+                f"{type(self).__name__} needs group_size >= 2 (advantages compare the rollouts of "
+                f"one task), got {group_size}; set model.init_args.group_size to 2 or more "
                 "(docs/METHOD.md: G = 4)"
             )
         if not 0.0 <= clip_eps_low < 1.0 or not clip_eps_high >= 0.0:
@@ -100,7 +141,7 @@ class GRPOModule(OnPolicyModule):
             raise ValueError(f"logps_temperature must be > 0, got {logps_temperature}")
         if not advantage_eps >= 0:
             raise ValueError(f"advantage_eps must be >= 0, got {advantage_eps}")
-        super().__init__(model, rollouts_per_example=rollouts_per_example, **kwargs)
+        super().__init__(model, group_size=group_size, **kwargs)
         self.save_hyperparameters()
         #: the frozen base as a context-free SelfTeacher in "base" mode (None when kl_coef == 0).
         self.reference: SelfTeacher | None = None
@@ -126,19 +167,17 @@ class GRPOModule(OnPolicyModule):
         logps = token_logps(logits[None], targets[mask][None], temperature=self.hparams.logps_temperature)[0]
         return unpack(logps.detach(), mask)
 
-    def step_inputs(self, batch: RolloutBatch) -> dict[str, Any]:
-        """What every pass of this step needs, computed once: a dict with
+    def step_inputs(self, batch: RolloutBatch) -> GRPOStepInputs:
+        """What every pass of this step needs, computed once (:class:`GRPOStepInputs`): the loss mask, the
+        group-relative advantages, the token-mean denominator, the reference log-probs (with ``kl_coef >
+        0``, timed as ``time/reference``) and the metrics ``train/advantage_abs_mean`` and
+        ``train/zero_std_groups``.
 
-        - ``mask``: (B, T-1) bool loss tokens (shifted coordinates);
-        - ``advantages``: (B,) float group-relative advantages;
-        - ``num_tokens``: the global token mean's denominator (:meth:`num_loss_tokens`);
-        - ``ref_logps``: (B, T-1) reference log-probs, or None;
-        - ``metrics``: extra ``train/...`` scalars to log (subclasses add theirs).
-
-        Subclasses extend it (call ``super()``) with what their :meth:`loss_terms` reads.
+        Subclasses extend it (call ``super()``, then :meth:`GRPOStepInputs.extend`) with what their
+        :meth:`loss_terms` reads.
         """
         _, mask = self.shifted(batch)
-        g = int(self.hparams.rollouts_per_example)
+        g = int(self.hparams.group_size)
         rewards = batch.rewards.float()
         advantages = group_advantages(rewards, group_size=g, eps=self.hparams.advantage_eps)  # [B]
         grouped = rewards.view(-1, g)
@@ -147,20 +186,21 @@ class GRPOModule(OnPolicyModule):
         if self.reference is not None and self.hparams.kl_coef > 0:
             with self.timed("reference"):
                 ref_logps = self.reference_logps(batch)
-        return {
-            "mask": mask,
-            "advantages": advantages,
-            "num_tokens": self.num_loss_tokens(batch),
-            "ref_logps": ref_logps,
-            "metrics": {
+        return GRPOStepInputs(
+            mask=mask,
+            advantages=advantages,
+            num_tokens=self.num_loss_tokens(batch),
+            ref_logps=ref_logps,
+            metrics={
                 "train/advantage_abs_mean": self.global_mean(advantages.abs().mean()),
                 "train/zero_std_groups": self.global_mean(zero_std),
             },
-        }
+        )
 
-    def loss_terms(self, logps: Tensor, old_logps: Tensor, inputs: dict[str, Any]) -> dict[str, Tensor]:
-        """The loss of one pass and its parts: ``train/loss`` (minimised), ``train/pg_loss``,
-        ``train/clip_fraction`` and ``train/kl`` (with a reference).
+    def loss_terms(self, logps: Tensor, old_logps: Tensor, inputs: GRPOStepInputs) -> dict[str, Tensor]:
+        """The loss of one pass and its parts, keyed by the TensorBoard tag they are logged under:
+        ``train/loss`` (the value minimised), ``train/pg_loss``, ``train/clip_fraction`` and ``train/kl``
+        (with a reference). The dict is the logged metrics; subclasses add their terms to it.
 
         Args:
             logps: (B, T-1) log-probs of the batch's tokens under the current student (differentiable).
@@ -171,12 +211,12 @@ class GRPOModule(OnPolicyModule):
         out = grpo_loss(
             logps,
             old_logps,
-            inputs["advantages"].to(logps.device),
-            inputs["mask"],
+            inputs.advantages.to(logps.device),
+            inputs.mask,
             eps_low=hp.clip_eps_low,
             eps_high=hp.clip_eps_high,
-            num_tokens=inputs["num_tokens"],
-            ref_logps=inputs["ref_logps"],
+            num_tokens=inputs.num_tokens,
+            ref_logps=inputs.ref_logps,
             kl_coef=hp.kl_coef,
         )
         terms = {"train/loss": out.loss, "train/pg_loss": out.pg_loss, "train/clip_fraction": out.clip_fraction}
@@ -194,6 +234,7 @@ class GRPOModule(OnPolicyModule):
         old_logps: Tensor | None = None
         terms: dict[str, Tensor] = {}
         norm = torch.zeros(())
+        max_norm = self.hparams.grad_clip if self.hparams.grad_clip > 0 else float("inf")  # passes before the last
         for epoch in range(epochs):
             with self.timed("student_step"):
                 logps = self.student_logps(batch, temperature=self.hparams.logps_temperature)  # [B, T-1]
@@ -205,10 +246,9 @@ class GRPOModule(OnPolicyModule):
                     # the one LightningOptimizer step of this batch: global_step advances once
                     norm = self.clip_and_step(optimizer, params, self.hparams.grad_clip)
                 else:
-                    max_norm = self.hparams.grad_clip if self.hparams.grad_clip > 0 else float("inf")
                     self.step_uncounted(optimizer, lambda: clip_grads(params, max_norm))
         metrics = {k: self.global_mean(v) for k, v in terms.items()}
-        metrics.update(inputs["metrics"])
+        metrics.update(inputs.metrics)
         metrics["train/grad_norm"] = norm
         self.log_rollout_metrics(batch, metrics)
         return terms["train/loss"].detach()

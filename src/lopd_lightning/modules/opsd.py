@@ -14,6 +14,10 @@ One training step (manual optimisation, one optimiser):
    of the first user message;
 4. student step: global token mean of D(teacher, student) over the rows that have a reference (rows
    without one get no context and are dropped from the loss).
+
+Steps 3-4 are the skeleton OPSD shares with SDPO
+(:class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`); OPSD supplies the teacher's
+context (:meth:`OPSDModule.teacher_contexts`) and no token weights.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.losses import generalized_jsd, topk_tail_reverse_kl
-from lopd_lightning.modules.base import OnPolicyModule
+from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
 from lopd_lightning.teacher import SelfTeacher
@@ -42,52 +45,51 @@ OPSD_REFERENCE_TEMPLATE = (
 )
 
 
-class OPSDModule(OnPolicyModule):
+class OPSDModule(SelfDistillationModule):
     """OPSD: the student distilled towards the frozen initial model that sees the reference solution.
 
-    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
+    Args (besides :class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`'s, whose
+    ``divergence``, ``distill_top_k``, ``jsd_beta`` and ``distill_temperature`` it takes):
         divergence: ``"jsd"`` (generalized JSD, full vocabulary, ``jsd_beta``; OPSD's scripts),
             ``"forward_kl"`` (full-vocabulary KL(T || S): the generalized JSD at beta 0; the LOPD
             paper's runs of OPSD) or ``"topk_reverse_kl"`` (top-k + tail KL(p~_S || p~_T)).
         jsd_beta: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
             0 forward KL(T || S), 1 reverse KL(S || T)); 0.5 in OPSD's scripts.
-        top_k_distill: k of ``"topk_reverse_kl"``.
+        distill_top_k: k of ``"topk_reverse_kl"`` (formerly ``top_k_distill``).
         max_reference_chars: truncation of the reference text.
         distill_temperature: temperature of both distributions in the divergence (1.0).
 
-    ``rollouts_per_example`` defaults to 1 (OPSD needs no groups).
+    ``group_size`` defaults to 1 (OPSD needs no groups).
 
     Raises:
-        ValueError: an unknown divergence, ``jsd_beta`` outside [0, 1], ``top_k_distill < 1`` (before the
+        ValueError: an unknown divergence, ``jsd_beta`` outside [0, 1], ``distill_top_k < 1`` (before the
             model is loaded).
+
+    Logged (besides the shared tags): ``train/loss``, ``train/distill``, ``train/rows_with_reference``,
+    ``train/grad_norm``; ``time/teacher``, ``time/student_step``.
 
     Source: Zhao et al. 2026 (OPSD); docs/METHOD.md section 6.
     """
+
+    divergences = ("jsd", "forward_kl", "topk_reverse_kl")
 
     def __init__(
         self,
         model: str = "tiny",
         *,
-        rollouts_per_example: int = 1,
+        group_size: int = 1,
         divergence: OPSDDivergence = "jsd",
         jsd_beta: float = 0.5,
-        top_k_distill: int = 20,
+        distill_top_k: int = 20,
         max_reference_chars: int = 4000,
         distill_temperature: float = 1.0,
         **kwargs: Any,
     ):
-        if divergence not in ("jsd", "forward_kl", "topk_reverse_kl"):
-            raise ValueError(f"divergence must be 'jsd', 'forward_kl' or 'topk_reverse_kl', got {divergence!r}")
-        if not 0.0 <= jsd_beta <= 1.0:
-            raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}")
-        if top_k_distill < 1:
-            raise ValueError(f"top_k_distill must be >= 1, got {top_k_distill}")
-        if distill_temperature <= 0:
-            raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
-        super().__init__(model, rollouts_per_example=rollouts_per_example, **kwargs)
+        super().__init__(
+            model, group_size=group_size, divergence=divergence, jsd_beta=jsd_beta, distill_top_k=distill_top_k,
+            distill_temperature=distill_temperature, **kwargs,
+        )
         self.save_hyperparameters()
-        if divergence == "topk_reverse_kl":
-            self.check_top_k("top_k_distill", top_k_distill)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode="base")
 
     # ------------------------------------------------------------------ the teacher's context
@@ -122,61 +124,24 @@ class OPSDModule(OnPolicyModule):
         return out
 
     def teacher_context_ids(self, texts: list[str | None]) -> list[list[int]]:
-        """Token ids of ``OPSD_REFERENCE_TEMPLATE`` per row ([] for None)."""
-        framed = [OPSD_REFERENCE_TEMPLATE.format(reference=t) if t is not None else None for t in texts]
-        return self.teacher.encode_text_context(framed, prefix="", suffix="")
+        """Token ids of ``OPSD_REFERENCE_TEMPLATE`` per row ([] for None): what the teacher reads for
+        reference texts (the texts of :meth:`teacher_contexts`, tokenised)."""
+        return self.teacher.encode_text_context(self.framed(texts), prefix="", suffix="")
 
-    # ------------------------------------------------------------------ the loss
-    def divergence(self, student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
-        """Per-token divergence (..., V) x 2 -> (...) of ``divergence`` at ``distill_temperature``."""
-        hp = self.hparams
-        tau = hp.distill_temperature
-        if hp.divergence == "jsd":
-            return generalized_jsd(student_logits, teacher_logits, beta=hp.jsd_beta, temperature=tau)
-        if hp.divergence == "forward_kl":
-            return generalized_jsd(student_logits, teacher_logits, beta=0.0, temperature=tau)
-        return topk_tail_reverse_kl(student_logits, teacher_logits, k=hp.top_k_distill, temperature=tau)
+    @staticmethod
+    def framed(texts: list[str | None]) -> list[str | None]:
+        """Each reference text in ``OPSD_REFERENCE_TEMPLATE`` (None stays None)."""
+        return [OPSD_REFERENCE_TEMPLATE.format(reference=t) if t is not None else None for t in texts]
 
     @override
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        optimizer = self.optimizers()
-        hp = self.hparams
-        _, mask = self.shifted(batch)  # [B, T-1]
+    def teacher_contexts(self, batch: RolloutBatch) -> TeacherContexts:
+        """Per row, :meth:`reference_texts` framed in ``OPSD_REFERENCE_TEMPLATE``; the rows with a
+        reference are kept (the others get no context)."""
         texts = self.reference_texts(batch)
-        kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=mask.device)  # [B]
-        kept_mask = mask & kept[:, None]
-        num_tokens = self.num_loss_tokens(batch, kept_mask)
+        kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=batch.input_ids.device)
+        return TeacherContexts(texts=self.framed(texts), kept=kept)
 
-        with self.timed("teacher"):
-            teacher_logits = None
-            if bool(kept.any()) or self.sharded:  # sharded: every rank runs the pass
-                teacher_logits = self.teacher.logits_on_student_positions(
-                    batch.input_ids,
-                    batch.attention_mask,
-                    batch.context_position,
-                    context_ids=self.teacher_context_ids(texts),
-                    positions=self.unshift(kept_mask),
-                ).detach()  # [N_kept, V]
-
-        with self.timed("student_step"):
-            student_logits = self.student_logits(batch, mask)  # [N, V]
-            if teacher_logits is not None:
-                keep = kept[:, None].expand_as(mask)[mask]  # [N] bool
-                per_token = self.divergence(student_logits[keep][None], teacher_logits[None])[0]  # [N_kept]
-                loss = per_token.sum() / num_tokens
-            else:  # no row with a reference here: a zero loss that still reaches every parameter (DDP)
-                loss = student_logits.sum() * 0.0
-            self.manual_backward(loss)
-            norm = self.clip_and_step(optimizer, self.student_parameters(), hp.grad_clip)
-
-        loss_global = self.global_mean(loss)
-        self.log_rollout_metrics(
-            batch,
-            {
-                "train/loss": loss_global,
-                "train/distill": loss_global,
-                "train/rows_with_reference": self.global_count(kept.sum()) / max(1, self.global_count(len(batch))),
-                "train/grad_norm": norm,
-            },
-        )
-        return loss.detach()
+    @override
+    def distillation_metrics(self, batch: RolloutBatch, contexts: TeacherContexts) -> dict[str, Tensor | float]:
+        """``train/rows_with_reference``: the fraction of the rows (all ranks) with a reference."""
+        return {"train/rows_with_reference": self.row_fraction(contexts.kept, batch)}

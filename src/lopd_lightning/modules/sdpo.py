@@ -7,7 +7,7 @@ attempt). The student is distilled towards that teacher on its own tokens.
 
 One training step (manual optimisation, one optimiser):
 
-1. the DataModule's batch: G rollouts per example, contiguous groups (``batch.group_ids``);
+1. the DataModule's batch: G = ``group_size`` rollouts per example, contiguous groups (``batch.group_ids``);
 2. :meth:`SDPOModule.teacher_contexts`: per row, the text of a successful sibling (reward >=
    ``success_threshold``, never the row itself unless ``allow_self_demo``), chosen deterministically
    (the first success of the group in batch order, other than the row), plus the row's feedback;
@@ -18,19 +18,26 @@ One training step (manual optimisation, one optimiser):
    clipped importance ratio; rows without a demonstration are dropped (their teacher saw nothing
    privileged, so it would only pull the student towards the lagging EMA of itself);
 5. the EMA teacher moves towards the updated student: ``ema <- 0.95 ema + 0.05 student``.
+
+Steps 3-4 are the skeleton SDPO shares with OPSD
+(:class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`); SDPO supplies the teacher's
+context (:meth:`SDPOModule.teacher_contexts`), the importance weight (:meth:`SDPOModule.token_weights`)
+and the EMA update (:meth:`SDPOModule.after_update`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.losses import generalized_jsd, token_logps, topk_tail_reverse_kl
-from lopd_lightning.modules.base import OnPolicyModule
+from lopd_lightning.deprecation import warn_once
+from lopd_lightning.losses import token_logps
+from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Message
 from lopd_lightning.teacher import SelfTeacher
@@ -84,20 +91,40 @@ def successful_sibling(
     return out
 
 
-class SDPOModule(OnPolicyModule):
+@dataclass(frozen=True)
+class SDPOContexts(TeacherContexts):
+    """SDPO's teacher contexts: :class:`~lopd_lightning.modules.self_distillation.TeacherContexts` plus
+    which rows have a demonstration.
+
+    Attributes:
+        has_demo: (B,) bool on the batch's device, rows with a successful sibling in their context.
+    """
+
+    has_demo: Tensor | None = None
+
+    def __iter__(self):
+        """Deprecated: ``texts, has_demo, kept = module.teacher_contexts(batch)`` (a tuple before); read
+        the attributes."""
+        warn_once("SDPOContexts.__iter__", "SDPOModule.teacher_contexts returns an SDPOContexts record: read "
+                  ".texts, .has_demo and .kept instead of unpacking a (texts, has_demo, kept) tuple")
+        return iter((self.texts, self.has_demo, self.kept))
+
+
+class SDPOModule(SelfDistillationModule):
     """SDPO: the student distilled towards its EMA teacher reprompted with a successful sibling.
 
-    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
-        rollouts_per_example: G, rollouts per example (a group), >= 2 (SDPO needs siblings); default 4.
+    Args (besides :class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`'s, whose
+    ``divergence``, ``distill_top_k``, ``jsd_beta``, ``distill_temperature`` and ``topk_support`` it takes):
+        group_size: G, rollouts per example (a group), >= 2 (SDPO needs siblings); default 4.
         teacher_ema_rate: EMA rate of the teacher, ``ema <- (1 - r) ema + r student`` after each
             student step (SDPO: 0.05).
-        divergence: ``"topk_reverse_kl"`` (KL(p~_S || p~_T) on the teacher's top-k + a tail bucket;
-            SDPO's default) or ``"jsd"`` (the generalized JSD with ``jsd_alpha``, full vocabulary).
-        top_k_distill: k of ``"topk_reverse_kl"`` (SDPO: 20).
+        divergence: ``"topk_reverse_kl"`` (KL(p~_S || p~_T) on a top-k + a tail bucket; SDPO's default)
+            or ``"jsd"`` (the generalized JSD with ``jsd_beta``, full vocabulary).
+        distill_top_k: k of ``"topk_reverse_kl"`` (SDPO: 20; formerly ``top_k_distill``).
         topk_support: whose top-k is the support of ``"topk_reverse_kl"``: ``"student"`` (SDPO's
             implementation, default) or ``"teacher"`` (LOPD's).
-        jsd_alpha: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
-            0 forward KL(T || S), 1 reverse KL(S || T)).
+        jsd_beta: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
+            0 forward KL(T || S), 1 reverse KL(S || T); formerly ``jsd_alpha``).
         is_clip: clip of the per-token importance weight ``min(pi_S / pi_old, is_clip)`` (detached);
             None disables the weight. ``pi_old`` is :meth:`behaviour_logps`: the current student's
             log-probs at ``distill_temperature``, detached. With one update per batch (this module),
@@ -114,22 +141,28 @@ class SDPOModule(OnPolicyModule):
         distill_temperature: temperature of both distributions in the divergence (1.0).
 
     Raises:
-        ValueError: ``rollouts_per_example < 2``, an unknown divergence, ``top_k_distill < 1``,
-            ``jsd_alpha`` outside [0, 1] or ``is_clip <= 0`` (before the model is loaded).
+        ValueError: ``group_size < 2``, an unknown divergence, ``distill_top_k < 1``, ``jsd_beta``
+            outside [0, 1] or ``is_clip <= 0`` (before the model is loaded).
+
+    Logged (besides the shared tags): ``train/loss``, ``train/distill``, ``train/rows_with_demo``,
+    ``train/rows_kept``, ``train/groups_without_success``, ``train/grad_norm``; ``time/teacher``,
+    ``time/student_step``.
 
     Source: Hubotter et al. 2026, "Reinforcement Learning via Self-Distillation"; docs/METHOD.md section 6.
     """
+
+    divergences = ("topk_reverse_kl", "jsd")
 
     def __init__(
         self,
         model: str = "tiny",
         *,
-        rollouts_per_example: int = 4,
+        group_size: int = 4,
         teacher_ema_rate: float = 0.05,
         divergence: SDPODivergence = "topk_reverse_kl",
-        top_k_distill: int = 20,
+        distill_top_k: int = 20,
         topk_support: str = "student",
-        jsd_alpha: float = 0.5,
+        jsd_beta: float = 0.5,
         is_clip: float | None = 2.0,
         allow_self_demo: bool = False,
         include_feedback: bool = True,
@@ -139,28 +172,19 @@ class SDPOModule(OnPolicyModule):
         distill_temperature: float = 1.0,
         **kwargs: Any,
     ):
-        # checks that need no model run before the student is loaded
-        if rollouts_per_example < 2:
+        # checks that need no model run before the student is loaded (the divergence's: the base's)
+        if group_size < 2:
             raise ValueError(
-                f"SDPO needs sibling rollouts: rollouts_per_example must be >= 2, got {rollouts_per_example}; "
-                f"set model.init_args.rollouts_per_example to 2 or more (SDPO default: 4)"
+                f"SDPO needs sibling rollouts: group_size must be >= 2, got {group_size}; "
+                f"set model.init_args.group_size to 2 or more (SDPO default: 4)"
             )
-        if divergence not in ("topk_reverse_kl", "jsd"):
-            raise ValueError(f"divergence must be 'topk_reverse_kl' or 'jsd', got {divergence!r}")
-        if top_k_distill < 1:
-            raise ValueError(f"top_k_distill must be >= 1, got {top_k_distill}")
-        if topk_support not in ("student", "teacher"):
-            raise ValueError(f"topk_support must be 'student' or 'teacher', got {topk_support!r}")
-        if not 0.0 <= jsd_alpha <= 1.0:
-            raise ValueError(f"jsd_alpha must be in [0, 1], got {jsd_alpha}")
         if is_clip is not None and is_clip <= 0:
             raise ValueError(f"is_clip must be > 0 or None, got {is_clip}")
-        if distill_temperature <= 0:
-            raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
-        super().__init__(model, rollouts_per_example=rollouts_per_example, **kwargs)
+        super().__init__(
+            model, group_size=group_size, divergence=divergence, distill_top_k=distill_top_k, topk_support=topk_support,
+            jsd_beta=jsd_beta, distill_temperature=distill_temperature, **kwargs,
+        )
         self.save_hyperparameters()
-        if divergence == "topk_reverse_kl":
-            self.check_top_k("top_k_distill", top_k_distill)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode="ema", ema_rate=teacher_ema_rate)
 
     # ------------------------------------------------------------------ the teacher's context
@@ -194,7 +218,8 @@ class SDPOModule(OnPolicyModule):
         lines += [f"error: {e}" for e in metadata.get("errors", []) or []]
         return "\n".join(line for line in lines if line)[: self.hparams.max_feedback_chars]
 
-    def teacher_contexts(self, batch: RolloutBatch) -> tuple[list[str | None], Tensor, Tensor]:
+    @override
+    def teacher_contexts(self, batch: RolloutBatch) -> SDPOContexts:
         """Each row's privileged text for the teacher, and which rows have a demonstration / are kept.
 
         Row i's text is ``SDPO_DEMO_TEMPLATE`` with :func:`successful_sibling`'s rollout, then (with
@@ -203,8 +228,8 @@ class SDPOModule(OnPolicyModule):
         have feedback.
 
         Returns:
-            (texts: B entries, str or None; has_demo: (B,) bool; kept: (B,) bool, the rows in the loss),
-            tensors on the batch's device.
+            :class:`SDPOContexts`: ``texts`` (B entries, str or None), ``kept`` ((B,) bool, the rows in the
+            loss) and ``has_demo`` ((B,) bool), tensors on the batch's device.
         """
         hp = self.hparams
         siblings = successful_sibling(
@@ -223,18 +248,9 @@ class SDPOModule(OnPolicyModule):
         device = batch.input_ids.device
         has_demo = torch.tensor([s is not None for s in siblings], dtype=torch.bool, device=device)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=device)
-        return texts, has_demo, kept
+        return SDPOContexts(texts=texts, kept=kept, has_demo=has_demo)
 
     # ------------------------------------------------------------------ the loss
-    def divergence(self, student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
-        """Per-token divergence (..., V) x 2 -> (...) of ``divergence`` at ``distill_temperature``."""
-        hp = self.hparams
-        if hp.divergence == "jsd":
-            return generalized_jsd(student_logits, teacher_logits, beta=hp.jsd_alpha, temperature=hp.distill_temperature)
-        return topk_tail_reverse_kl(
-            student_logits, teacher_logits, k=hp.top_k_distill, temperature=hp.distill_temperature, support=hp.topk_support
-        )
-
     def behaviour_logps(self, batch: RolloutBatch, current_logps: Tensor) -> Tensor:
         """log pi_old of the kept tokens, (N,) packed like ``current_logps``: the current student, detached.
 
@@ -243,56 +259,29 @@ class SDPOModule(OnPolicyModule):
         return current_logps.detach()
 
     @override
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        optimizer = self.optimizers()
+    def token_weights(self, batch: RolloutBatch, student_logits: Tensor, targets: Tensor) -> Tensor | None:
+        """The clipped importance ratio ``min(pi_S / pi_old, is_clip)`` per kept token, detached (None when
+        ``is_clip`` is None); log-probs at ``distill_temperature``, pi_old from :meth:`behaviour_logps`."""
         hp = self.hparams
-        targets, mask = self.shifted(batch)  # [B, T-1]
-        texts, has_demo, kept = self.teacher_contexts(batch)
-        kept_mask = mask & kept[:, None]  # [B, T-1]
-        num_tokens = self.num_loss_tokens(batch, kept_mask)
+        if hp.is_clip is None:
+            return None
+        logps = token_logps(student_logits[None], targets[None], temperature=hp.distill_temperature)[0]
+        return (logps - self.behaviour_logps(batch, logps)).exp().clamp(max=hp.is_clip).detach()
 
-        with self.timed("teacher"):
-            teacher_logits = None
-            if bool(kept.any()) or self.sharded:  # sharded: every rank runs the pass
-                context_ids = self.teacher.encode_text_context(texts, prefix="", suffix="")
-                teacher_logits = self.teacher.logits_on_student_positions(
-                    batch.input_ids,
-                    batch.attention_mask,
-                    batch.context_position,
-                    context_ids=context_ids,
-                    positions=self.unshift(kept_mask),
-                ).detach()  # [N_kept, V]
-
-        with self.timed("student_step"):
-            student_logits = self.student_logits(batch, mask)  # [N, V], every assistant token
-            if teacher_logits is not None:
-                keep = kept[:, None].expand_as(mask)[mask]  # [N] bool, row-major like the packed logits
-                student_kept = student_logits[keep]  # [N_kept, V]
-                per_token = self.divergence(student_kept[None], teacher_logits[None])[0]  # [N_kept]
-                if hp.is_clip is not None:
-                    logps = token_logps(student_kept[None], targets[kept_mask][None], temperature=hp.distill_temperature)[0]
-                    weight = (logps - self.behaviour_logps(batch, logps)).exp().clamp(max=hp.is_clip).detach()
-                    per_token = per_token * weight
-                loss = per_token.sum() / num_tokens
-            else:  # no kept row here: a zero loss that still reaches every parameter (DDP)
-                loss = student_logits.sum() * 0.0
-            self.manual_backward(loss)
-            norm = self.clip_and_step(optimizer, self.student_parameters(), hp.grad_clip)
+    @override
+    def after_update(self) -> None:
+        """The EMA teacher moves towards the updated student."""
         self.teacher.update_ema()
 
+    @override
+    def distillation_metrics(self, batch: RolloutBatch, contexts: SDPOContexts) -> dict[str, Tensor | float]:
+        """``train/rows_with_demo``, ``train/rows_kept`` (fractions of the rows, all ranks) and
+        ``train/groups_without_success`` (fraction of the groups without a success)."""
         groups = batch.group_ids.unique()
-        success = batch.rewards >= hp.success_threshold
+        success = batch.rewards >= self.hparams.success_threshold
         no_success = sum(1 for g in groups.tolist() if not bool(success[batch.group_ids == g].any()))
-        loss_global = self.global_mean(loss)
-        self.log_rollout_metrics(
-            batch,
-            {
-                "train/loss": loss_global,
-                "train/distill": loss_global,
-                "train/rows_with_demo": self.global_count(has_demo.sum()) / max(1, self.global_count(len(batch))),
-                "train/rows_kept": self.global_count(kept.sum()) / max(1, self.global_count(len(batch))),
-                "train/groups_without_success": self.global_count(no_success) / max(1, self.global_count(len(groups))),
-                "train/grad_norm": norm,
-            },
-        )
-        return loss.detach()
+        return {
+            "train/rows_with_demo": self.row_fraction(contexts.has_demo, batch),
+            "train/rows_kept": self.row_fraction(contexts.kept, batch),
+            "train/groups_without_success": self.global_count(no_success) / max(1, self.global_count(len(groups))),
+        }

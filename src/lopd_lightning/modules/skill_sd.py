@@ -42,6 +42,7 @@ import logging
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from typing_extensions import override
 
 from lopd_lightning.lm import unpack
 from lopd_lightning.losses import k3_kl, masked_mean, token_logps
-from lopd_lightning.modules.grpo import GRPOModule
+from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs
 from lopd_lightning.rollout import RolloutBatch, encode_prompt
 from lopd_lightning.tasks import Example, Task
 from lopd_lightning.teacher import SelfTeacher
@@ -63,6 +64,7 @@ __all__ = [
     "SKILL_KINDS",
     "SKILL_PROMPTS",
     "SkillSDModule",
+    "SkillSDStepInputs",
     "sdl_per_token",
     "ucb1_select",
 ]
@@ -148,6 +150,20 @@ def sdl_per_token(logps: Tensor, teacher_logps: Tensor, old_logps: Tensor) -> Te
         )
     rho = torch.exp(logps.detach() - old_logps.detach())
     return rho * k3_kl(logps, teacher_logps)  # exp(-l) - 1 + l is k3 with d = -l, evaluated stably
+
+
+@dataclass
+class SkillSDStepInputs(GRPOStepInputs):
+    """GRPO's step inputs (:class:`~lopd_lightning.modules.grpo.GRPOStepInputs`) plus the skill teacher's.
+
+    Attributes:
+        teacher_logps: (B, T-1) float log pi_T(a | s, skill) of the batch's tokens on the loss tokens of
+            rows with a skill (0 elsewhere), no gradient (:meth:`SkillSDModule.teacher_logps`).
+        sdl_mask: (B, T-1) bool, the loss tokens of the rows with a skill (where the SDL term is taken).
+    """
+
+    teacher_logps: Tensor | None = None
+    sdl_mask: Tensor | None = None
 
 
 class SkillSDModule(GRPOModule):
@@ -297,24 +313,24 @@ class SkillSDModule(GRPOModule):
         return unpack(logps.detach(), rows_mask), has_skill
 
     @override
-    def step_inputs(self, batch: RolloutBatch) -> dict[str, Any]:
-        """GRPO's inputs plus ``teacher_logps`` (B, T-1) and ``sdl_mask`` (the loss tokens of rows with a skill)."""
+    def step_inputs(self, batch: RolloutBatch) -> SkillSDStepInputs:
+        """GRPO's inputs plus the teacher's log-probs and the SDL mask (:class:`SkillSDStepInputs`, the
+        teacher pass timed as ``time/teacher``) and the metrics ``train/skill_rows``, ``train/num_skills``."""
         inputs = super().step_inputs(batch)
         with self.timed("teacher"):
             teacher_logps, has_skill = self.teacher_logps(batch)
-        inputs["teacher_logps"] = teacher_logps
-        inputs["sdl_mask"] = inputs["mask"] & has_skill[:, None]
-        inputs["metrics"]["train/skill_rows"] = self.global_mean(has_skill.float().mean())
-        inputs["metrics"]["train/num_skills"] = float(len(self.skills))
+        inputs = inputs.extend(SkillSDStepInputs, teacher_logps=teacher_logps, sdl_mask=inputs.mask & has_skill[:, None])
+        inputs.metrics["train/skill_rows"] = self.global_mean(has_skill.float().mean())
+        inputs.metrics["train/num_skills"] = float(len(self.skills))
         return inputs
 
     @override
-    def loss_terms(self, logps: Tensor, old_logps: Tensor, inputs: dict[str, Any]) -> dict[str, Tensor]:
-        """GRPO's terms, ``train/sdl`` (global token mean of :func:`sdl_per_token` over rows with a skill),
-        and ``train/loss = GRPO loss + sdl_coef * sdl``."""
+    def loss_terms(self, logps: Tensor, old_logps: Tensor, inputs: SkillSDStepInputs) -> dict[str, Tensor]:
+        """GRPO's terms (keyed by their logged tags), ``train/sdl`` (global token mean of
+        :func:`sdl_per_token` over rows with a skill), and ``train/loss = GRPO loss + sdl_coef * sdl``."""
         terms = super().loss_terms(logps, old_logps, inputs)
-        per_token = sdl_per_token(logps, inputs["teacher_logps"], old_logps)
-        sdl = masked_mean(per_token, inputs["sdl_mask"], num_tokens=inputs["num_tokens"])
+        per_token = sdl_per_token(logps, inputs.teacher_logps, old_logps)
+        sdl = masked_mean(per_token, inputs.sdl_mask, num_tokens=inputs.num_tokens)
         terms["train/sdl"] = sdl
         terms["train/loss"] = terms["train/loss"] + self.hparams.sdl_coef * sdl
         return terms

@@ -1,0 +1,196 @@
+"""Validation and test episodes of every method: greedy, one per example, logged as ``val/`` and ``test/``.
+
+:class:`EvaluationMixin` is one part of :class:`~lopd_lightning.modules.base.OnPolicyModule` (it is not
+used alone). Lightning's validation loop hands it the DataModule's val examples
+(``validation_step``); each batch is run greedily by the current student
+(:meth:`~EvaluationMixin.evaluate_examples`, through the module's hooks:
+:class:`~lopd_lightning.modules.hooked_task.ModuleHookedTask`). At the end of the loop
+:meth:`~EvaluationMixin.log_evaluation` writes ``<split>/reward_mean``, ``<split>/success_rate`` and
+``<split>/turns_mean`` at x = the training steps done (and ``by_rollouts/<split>_...``), the samples and
+the generations file (:mod:`lopd_lightning.modules.observability`), and one INFO line.
+
+Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``).
+``validate_before_training`` runs the val split once before the first step, logged at step 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lopd_lightning.modules.hooked_task import ModuleHookedTask
+from lopd_lightning.modules.observability import ObservabilityMixin
+from lopd_lightning.rollout import RolloutBatch, generate_rollouts
+from lopd_lightning.tasks import Example, Task
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EvaluationMixin"]
+
+
+class EvaluationMixin(ObservabilityMixin):
+    """Greedy validation and test episodes, their metrics and what they leave in the logs.
+
+    Reads the module's ``hparams`` (``success_threshold``, ``seed``, ``save_generations``,
+    ``log_samples``, ``validate_before_training``) and its rollout settings (``sampling_options``,
+    ``student_context``), defined by :class:`~lopd_lightning.modules.base.OnPolicyModule`.
+
+    Attributes (after an evaluation):
+        last_val, last_test: the values :meth:`log_evaluation` returned for the last validation / test.
+        val_history: ``(training steps done, values)`` of every validation of this run.
+    """
+
+    def _init_evaluation(self) -> None:
+        """The state this mixin keeps (called once by ``OnPolicyModule.__init__``)."""
+        self.val_reward = MeanMetric()
+        self.val_success = MeanMetric()
+        self.val_turns = MeanMetric()
+        #: the batches of the current evaluation (samples and the generations file; reset by log_evaluation).
+        self.eval_batches: list[RolloutBatch] = []
+
+    # ------------------------------------------------------------------ episodes
+    def evaluate_examples(self, task: Task, examples: list[Example]) -> RolloutBatch:
+        """Greedy episodes of the current student on ``examples`` (one trajectory each)."""
+        with self.student_context():
+            return generate_rollouts(
+                self.backbone,
+                self.tokenizer,
+                ModuleHookedTask(task, self),
+                examples,
+                group_size=1,
+                seed=self.hparams.seed,
+                step=0,
+                **self.sampling_options(greedy=True),
+            )
+
+    @override
+    def validation_step(self, examples: list[Example], batch_idx: int) -> None:
+        batch = self.evaluate_examples(self.trainer.datamodule.task, examples)
+        rewards = batch.rewards.float().to(self.device)
+        self.val_reward.update(rewards)
+        self.val_success.update((rewards >= self.hparams.success_threshold).float())
+        self.val_turns.update(torch.tensor([float(m.get("turns", 1)) for m in batch.metadata]))
+        self.eval_batches.append(batch)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        if self._trainer is not None and self.trainer.sanity_checking:
+            self.reset_evaluation()  # Lightning's sanity check: nothing logged, written or remembered
+            return
+        values = self.log_evaluation("val")
+        if values is None:
+            return
+        self.last_val = values
+        self.val_history = getattr(self, "val_history", []) + [(int(self.global_step), self.last_val)]
+
+    @override
+    def test_step(self, examples: list[Example], batch_idx: int) -> None:
+        """The same greedy episodes as :meth:`validation_step` (``lopd test``: the DataModule's test split)."""
+        self.validation_step(examples, batch_idx)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        values = self.log_evaluation("test")
+        if values is not None:
+            self.last_test = values
+
+    @override
+    def on_train_start(self) -> None:
+        """With ``validate_before_training``: the val split once before the first step, logged at step 0."""
+        if self.hparams.validate_before_training and self.global_step == 0:
+            dm = self.trainer.datamodule
+            loader = dm.val_dataloader()
+            for i, examples in enumerate(loader):
+                self.validation_step(examples, i)
+            values = self.log_evaluation("val", direct_step=0)
+            if values is not None:
+                self.last_val = values
+                self.val_history = getattr(self, "val_history", []) + [(0, values)]
+
+    def reset_evaluation(self) -> None:
+        """Forget the episodes of the current evaluation (metrics and batches)."""
+        for metric in (self.val_reward, self.val_success, self.val_turns):
+            metric.reset()
+        self.eval_batches = []
+
+    # ------------------------------------------------------------------ what an evaluation leaves
+    def log_evaluation(self, prefix: str, *, direct_step: int | None = None) -> dict[str, float] | None:
+        """Log ``<prefix>/reward_mean``, ``<prefix>/success_rate`` and ``<prefix>/turns_mean`` of the
+        episodes since the last call (also ``by_rollouts/<prefix>_...``), show the first ``log_samples``
+        episodes as TensorBoard text (``samples/<prefix>``), write every episode to
+        ``<log_dir>/generations/<prefix>_step_<N>.jsonl``, reset and return the values (None when no
+        episode ran).
+
+        Inside ``fit`` the values are written straight to the loggers at x = the training steps done
+        (``self.log`` would file the validation after step k under k - 1); they still reach
+        ``trainer.callback_metrics`` (checkpoint monitors). ``direct_step`` writes at that step instead
+        (outside Lightning's validation loop, e.g. the evaluation before training, at 0).
+        """
+        if self.val_reward.update_count == 0:
+            self.eval_batches = []
+            return None
+        values = {
+            f"{prefix}/reward_mean": self.val_reward.compute(),
+            f"{prefix}/success_rate": self.val_success.compute(),
+            f"{prefix}/turns_mean": self.val_turns.compute(),
+        }
+        in_fit = self._trainer is not None and self.trainer.state.fn == "fit"
+        step = int(self.global_step) if direct_step is None else int(direct_step)
+        if direct_step is None and not in_fit:  # `lopd validate` / `lopd test`: Lightning's loggers and results
+            self.log_dict(values, prog_bar=False)
+        else:
+            if direct_step is None:
+                self.log_dict(values, prog_bar=False, logger=False)
+            self.log_to_loggers({k: float(v) for k, v in values.items()}, step)
+        self.log_by_rollouts({f"{prefix}_" + k.split("/", 1)[1]: v for k, v in values.items()})
+        records = self.evaluation_records(prefix, step)
+        path = self.write_generations(prefix, step, records)
+        self.log_sample_text(prefix, step, records)
+        # the episodes that ran: the records when they were gathered (they are not without a logger)
+        episodes = len(records) if records else self._evaluation_episodes()
+        if self.global_rank == 0:
+            log.info(
+                "%s after step %d: reward %.3f | success %.3f | turns %.2f | %d episodes%s", prefix, step,
+                float(values[f"{prefix}/reward_mean"]), float(values[f"{prefix}/success_rate"]),
+                float(values[f"{prefix}/turns_mean"]), episodes, f" | generations {path}" if path else "",
+            )
+        self.reset_evaluation()
+        return {k: float(v) for k, v in values.items()}
+
+    def _evaluation_episodes(self) -> int:
+        """The episodes of the current evaluation on every rank (an example a distributed sampler repeated
+        to even out the ranks counted once, as :meth:`evaluation_records` keeps it)."""
+        ids = [example_id for batch in self.eval_batches for example_id in batch.example_ids]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, ids)
+            return len({example_id for rank_ids in gathered for example_id in rank_ids})
+        return len(ids)
+
+    def evaluation_records(self, prefix: str, step: int) -> list[dict[str, Any]]:
+        """The records (:meth:`trajectory_records`) of the current evaluation, gathered from every rank
+        in the val split's order (an example that a distributed sampler repeated to even out the ranks
+        is kept once). Empty when nothing would use them (no logger, or samples and file both off)."""
+        wanted = (self.hparams.save_generations or self.hparams.log_samples > 0) and bool(self.loggers)
+        if not wanted:
+            return []
+        records = [r for batch in self.eval_batches for r in self.trajectory_records(batch, prefix, step)]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, records)
+            seen: set[str] = set()
+            records = []
+            for r in (r for rank_records in gathered for r in rank_records):
+                if r["example_id"] not in seen:
+                    seen.add(r["example_id"])
+                    records.append(r)
+            dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            if dm is not None and hasattr(dm, "val_examples_list"):
+                order = {ex.id: i for i, ex in enumerate(dm.val_examples_list)}
+                records.sort(key=lambda r: order.get(r["example_id"], len(order)))
+        return records
