@@ -42,6 +42,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
 
+from lopd_lightning.deprecation import rename_keys  # noqa: E402
+
 METHODS = ("lopd", "grpo", "sdpo", "opsd", "skill_sd")
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 REWARD_TAG = "by_rollouts/reward_mean"
@@ -67,14 +69,14 @@ def method_config(config_dir: Path, method: str) -> dict[str, Any]:
 
 
 def trajectories_per_step(config: dict[str, Any]) -> int:
-    """Trajectories one training step generates: examples per step x rollouts per example."""
+    """Trajectories one training step generates: examples per step x the group size."""
     data = config.get("data", {}).get("init_args", {})
-    model = config.get("model", {}).get("init_args", {})
-    missing = [name for name, part in (("data.init_args.examples_per_step", data), ("model.init_args.rollouts_per_example", model))
+    model = rename_keys(config.get("model", {}).get("init_args", {}), where="model.init_args")  # old configs too
+    missing = [name for name, part in (("data.init_args.examples_per_step", data), ("model.init_args.group_size", model))
                if name.rsplit(".", 1)[1] not in part]
     if missing:  # the budget is counted in trajectories: both factors must be explicit, not class defaults
         raise ValueError(f"the comparison config must set {' and '.join(missing)} (trajectories per step)")
-    return int(data["examples_per_step"]) * int(model["rollouts_per_example"])
+    return int(data["examples_per_step"]) * int(model["group_size"])
 
 
 def run_config(

@@ -37,7 +37,7 @@ from common import run_metadata, write_json_atomic  # noqa: E402
 
 from lopd_lightning.models import load_student  # noqa: E402
 from lopd_lightning.rollout import RolloutBatch, generate_rollouts  # noqa: E402
-from lopd_lightning.tasks import Example, Task, get_task  # noqa: E402
+from lopd_lightning.tasks import Example, Task, episode_reward, get_task  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "eval_base.json"
 
@@ -106,7 +106,7 @@ def replay_turns(task: Task, example: Example, messages: list[dict[str, Any]]) -
             if getattr(episode, "done", False):
                 break
             episode.step(message["content"])
-    return float(episode.fraction_passed), float(episode.reward())
+    return float(episode.fraction_passed), episode_reward(task, example, episode)
 
 
 def summarize(spec: TaskSpec, task: Task, examples: list[Example], batch: RolloutBatch,

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` next to this file, when imported too
 from common import run_metadata, write_json_atomic  # noqa: E402
 
-from lopd_lightning.losses import chunked_topk_tail_reverse_kl, topk_tail_reverse_kl  # noqa: E402
+from lopd_lightning.lm_head import chunked_topk_tail_reverse_kl  # noqa: E402
+from lopd_lightning.losses import topk_tail_reverse_kl  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "loss_memory.json"
 GIB = 2**30
@@ -124,9 +125,9 @@ def run_case(args: argparse.Namespace, length: int, method: str) -> dict[str, An
 
     def step() -> float:
         if method == "chunked":
-            kl = chunked_topk_tail_reverse_kl(student, teacher, weight, k=args.k, chunk_size=args.chunk_size)
+            kl = chunked_topk_tail_reverse_kl(student, teacher, weight, top_k=args.k, chunk_size=args.chunk_size)
         else:
-            kl = topk_tail_reverse_kl(F.linear(student, weight), F.linear(teacher, weight), k=args.k)
+            kl = topk_tail_reverse_kl(F.linear(student, weight), F.linear(teacher, weight), top_k=args.k)
         loss = kl.mean()
         grads = torch.autograd.grad(loss, grad_inputs)
         value = float(loss.detach()) + sum(float(g.sum()) * 0.0 for g in grads)

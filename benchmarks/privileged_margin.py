@@ -131,7 +131,7 @@ def build_module(args: argparse.Namespace):
     from lopd_lightning.modules import LOPDModule
 
     return LOPDModule(
-        str(args.student), lora=LORA, rollouts_per_example=args.samples, temperature=0.7, top_p=0.95, top_k=20,
+        str(args.student), lora=LORA, group_size=args.samples, temperature=0.7, top_p=0.95, top_k=20,
         max_new_tokens=args.max_new_tokens, num_latents=args.num_latents, num_experiences=args.num_experiences,
         composer_depth=8, max_experience_tokens=192, embedder="minilm", warm_start_steps=args.warm_start_steps,
         warm_start_batch_size=2, composer_lr=1e-4, teacher_mode="live", seed=args.seed,
@@ -233,9 +233,11 @@ def random_record(module, seed: int, example_id: str):
 
 
 def reply_reward(task, example, reply: str) -> float:
+    from lopd_lightning.tasks import episode_reward
+
     episode = task.start(example)
     episode.step(reply)
-    return float(episode.reward())
+    return episode_reward(task, example, episode)
 
 
 def latent_rms(module, composer, batch) -> float:

@@ -14,7 +14,7 @@ from its floor.
   rollouts (1: the paper's one rollout per task), GRPO ``trajectories / --grpo-group`` tasks x G
   (``--grpo-group`` 4); ``--lopd-group 4`` gives both the same layout. Same seeds for both methods.
 - Settings of configs/compare: LoRA r16 on all projections (``--no-lora``: full student), lr 1e-4,
-  T 0.7 / top_p 0.95 / top_k 20, LOPD K 8, J 2, depth 8, max_experience_tokens 192, top_m 20, live
+  T 0.7 / top_p 0.95 / top_k 20, LOPD K 8, J 2, depth 8, max_experience_tokens 192, distill_top_k 20, live
   teacher, no composer warm start (its cost is once per run, not per step). The bank is the task's train
   reference solutions replayed and scored, as ``lopd build-memory --from-references`` does (embedder
   ``hashing`` for the tiny model, ``minilm`` otherwise).
@@ -67,7 +67,7 @@ LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 #: LOPD settings of configs/compare/lopd.yaml (warm start off: a once-per-run cost).
 LOPD_SETTINGS = dict(composer_lr=1e-4, num_latents=8, num_experiences=2, composer_depth=8, max_experience_tokens=192,
-                     top_m=20, margin=0.05, anchor_weight=0.2, dual_lr=0.5, teacher_mode="live", warm_start_steps=0)
+                     distill_top_k=20, margin=0.05, anchor_weight=0.2, dual_lr=0.5, teacher_mode="live", warm_start_steps=0)
 GRPO_SETTINGS = dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, ppo_epochs=1)
 #: the LOPD phases compared with a floor share (the rest: retrieval, memory_refresh, other).
 UPDATE_PHASES = ("student_step", "backward", "composer_step")
@@ -202,13 +202,13 @@ def build(method: str, args: argparse.Namespace) -> tuple[Any, OnPolicyDataModul
     info: dict[str, Any] = {}
     if method == "lopd":
         group = args.lopd_group
-        module = LOPDModule(args.model, rollouts_per_example=group, embedder=args.embedder, bank_path=None,
+        module = LOPDModule(args.model, group_size=group, embedder=args.embedder, bank_path=None,
                             distill_chunk_size=getattr(args, "distill_chunk_size", None),
                             teacher_prefix_cache=getattr(args, "teacher_prefix_cache", True), **LOPD_SETTINGS, **common)
         callbacks: list[Callback] = [MarginSchedule(schedule="constant"), TimedMemoryRefresh(every_n_steps=1, min_reward=1.0)]
     else:
         group = args.grpo_group
-        module = GRPOModule(args.model, rollouts_per_example=group, **GRPO_SETTINGS, **common)
+        module = GRPOModule(args.model, group_size=group, **GRPO_SETTINGS, **common)
         callbacks = []
     dm = OnPolicyDataModule(args.task, examples_per_step=args.trajectories // group, val_examples=1, seed=args.seed)
     if method == "lopd":
@@ -343,7 +343,7 @@ def floor_units(module: LOPDModule, batch, args: argparse.Namespace) -> dict[str
 
     def lopd_update():  # LOPD's forwards, losses and one backward on this batch, no step
         out = module.losses(batch)
-        (out["loss_student"] + out["loss_composer"]).backward()
+        (out.loss_student + out.loss_composer).backward()
         module.zero_grad(set_to_none=True)
 
     units = {"composer_path_s": composer_path, "teacher_forward_unit_s": forward,
