@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11 and pip:
 #   make quickstart   install into .venv (created or reused) and run the quickstart
 #   make test         install into .venv and run the whole test suite
+#   make test-vllm    install the project with the vllm extra into .venv-vllm and run the vLLM tests
 # GPU machines: `make TORCH=torch FAISS=gpu quickstart` (any torch build, faiss-gpu).
 PYTHON ?= python3.11
 VENV   ?= .venv
@@ -8,8 +9,11 @@ TORCH  ?= torch==2.13.0
 FAISS  ?= cpu
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.lopd-installed-$(FAISS)
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.lopd-installed-vllm-$(FAISS)
 
-.PHONY: install quickstart test clean
+.PHONY: install quickstart test test-vllm clean
 
 install: $(STAMP)
 
@@ -31,5 +35,19 @@ quickstart: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# vLLM in its own environment (it pins transformers < 5.20), so .venv stays as it is; the CUDA builds of
+# torchvision/torchaudio/torchcodec that pip brings along are removed (they break `import transformers`).
+$(VLLM_STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet "$(TORCH)"
+	$(VLLM_BIN)/python -m pip install --quiet -e ".[$(FAISS),test,vllm]" "$(TORCH)"
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -k vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

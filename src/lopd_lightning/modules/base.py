@@ -45,6 +45,7 @@ from lopd_lightning.modules.hooked_task import ModuleHookedTask
 from lopd_lightning.modules.observability import ObservabilityMixin
 from lopd_lightning.modules.optimization import OptimizationMixin
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
+from lopd_lightning.rollout.backends import BACKENDS, GenerationBackend, make_backend
 from lopd_lightning.tasks import Example, Message, Task, episode_reward
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,11 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin, met
             training steps done); nothing is written without a logger.
         progress_every_n_steps: log one INFO line every n training steps (step, trajectories so far,
             reward, success, loss, seconds by phase; 0: none).
+        generation_backend: ``"hf"`` (transformers' ``generate`` on the live student; the default and the
+            reference) or ``"vllm"`` (an in-process vLLM engine, the ``vllm`` extra; the student's weights,
+            LoRA merged, are synced into it after every optimiser step). See :mod:`lopd_lightning.rollout`.
+        vllm_options: keyword options of :class:`~lopd_lightning.rollout.vllm_backend.VLLMBackend`
+            (``max_model_len``, ``kv_cache_gib``, ``enable_prefix_caching``, ``engine_options``).
 
     Raises:
         ValueError: ``group_size`` < 1, ``temperature`` <= 0, a negative logging option or a bad LoRA
@@ -161,6 +167,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin, met
         sample_prompt_chars: int = 400,
         save_generations: bool = True,
         progress_every_n_steps: int = 1,
+        generation_backend: str = "hf",
+        vllm_options: dict[str, Any] | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -173,6 +181,12 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin, met
                            ("sample_prompt_chars", sample_prompt_chars), ("progress_every_n_steps", progress_every_n_steps)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0 (0 = off), got {value}; set model.init_args.{key}")
+        if generation_backend not in BACKENDS:
+            raise ValueError(f"model.init_args.generation_backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {generation_backend!r}")
+        if vllm_options and generation_backend != "vllm":
+            raise ValueError("model.init_args.vllm_options is set but generation_backend is "
+                             f"{generation_backend!r}; set model.init_args.generation_backend: vllm or drop vllm_options")
         check_lora_config(as_lora_config(lora, key="lora"), "lora")  # before the weights load; target_modules after
         self.model_name = model
         backbone, self.tokenizer = load_student(model, dtype=dtype, seed=seed)
@@ -185,6 +199,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin, met
         log.info("student %s (%s)", model, describe(backbone))
         self.rollouts_consumed = 0
         self.step_timings: dict[str, float] = {}
+        self._backend: GenerationBackend | None = None
+        self._backend_step = -1  # the global_step whose weights the backend samples from
         self._init_optimization()
         self._init_evaluation()
         self._init_observability()
@@ -245,6 +261,24 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin, met
             options["max_new_tokens"] = hp.val_max_new_tokens
         return options
 
+    def generation_backend(self) -> GenerationBackend:
+        """The backend rollouts and evaluations generate with (``generation_backend``), sampling from the
+        student's current weights: built on first use, and for an engine with weights of its own (vLLM)
+        synced after every optimiser step (``trainer.global_step`` moved since the last sync; a resumed run
+        too). The HF backend runs the live student and needs no sync."""
+        if self._backend is None:
+            adapter = STUDENT_ADAPTER if self.is_lora_student else None
+            with self.student_context():
+                self._backend = make_backend(self.hparams.get("generation_backend", "hf"), self.backbone, self.tokenizer,
+                                             adapter=adapter, options=self.hparams.get("vllm_options"))
+            self._backend_step = int(self.global_step)
+        elif self._backend_step != int(self.global_step):
+            start = time.perf_counter()
+            self._backend.sync_weights(self.backbone)
+            self.step_timings["weight_sync"] = time.perf_counter() - start
+            self._backend_step = int(self.global_step)
+        return self._backend
+
     def rollout_seed(self) -> int:
         """The sampling seed of this rank: ``seed + 7919 * rank`` (ranks sample different rollouts)."""
         return int(self.hparams.seed) + 7919 * int(self.global_rank)
@@ -277,6 +311,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin, met
                 group_size=self.hparams.group_size,
                 seed=self.rollout_seed(),
                 step=int(self.global_step),
+                backend=self.generation_backend(),
                 **self.sampling_options(),
             )
         self.step_timings["generation"] = time.perf_counter() - start

