@@ -73,7 +73,9 @@ def alive(*, pgid: int, uid: int | None) -> list[int]:
 
 def assert_renamed_keyword(make, old: str, new: str, value, *, owner: str) -> None:
     """A constructor's renamed keyword: ``make(**{old: value})`` works (``hparams[new] == value``) and warns
-    one FutureWarning naming the new spelling, however often it is used; both spellings raise ValueError.
+    one FutureWarning naming the new spelling, however often it is used; both spellings with different
+    values raise ValueError (with the same value they agree: what ``load_from_checkpoint`` of a subclass
+    that passes the old name to ``super().__init__`` gives).
 
     Args:
         make: ``make(**kwargs)`` builds the module.
@@ -93,4 +95,5 @@ def assert_renamed_keyword(make, old: str, new: str, value, *, owner: str) -> No
     renamed = [w for w in caught if issubclass(w.category, FutureWarning) and f"{owner}.{old}" in str(w.message)]
     assert len(renamed) == 1 and f"use {owner}.{new}" in str(renamed[0].message)
     with pytest.raises(ValueError, match=f"{old} and .*{new} are the same setting"):
-        make(**{old: value, new: value})
+        make(**{old: value, new: value + 1})  # value + 1: never the default in these tests
+    assert make(**{old: value, new: value}).hparams[new] == value

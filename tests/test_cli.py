@@ -8,7 +8,7 @@ import dataclasses
 import os
 import subprocess
 import sys
-import tempfile
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -208,10 +208,11 @@ def test_a_module_check_without_the_key_in_its_message_gets_the_key_named(capsys
     assert_one_line_error(err, "model.init_args.ppo_epochs must be >= 1, got 0")
 
 
-def test_the_base_checks_name_their_keys(capsys, no_model_loading):
+def test_the_base_checks_name_their_keys(tmp_path, capsys, no_model_loading):
     # rollouts_per_example is group_size's former name: the check names the key as it is now spelled
-    for flag in ("--model.init_args.rollouts_per_example=0", "--model.init_args.group_size=0"):
-        code, err = run_main(["fit", "-c", str(TINY_YAML), flag], capsys)
+    for config, flag in ((old_tiny_config(tmp_path), "--model.init_args.rollouts_per_example=0"),
+                         (TINY_YAML, "--model.init_args.group_size=0")):
+        code, err = run_main(["fit", "-c", str(config), flag], capsys)
         assert code == 1
         assert_one_line_error(err, "model.init_args.group_size must be >= 1, got 0")
     code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.lora={r: 4, lora_alfa: 8}"], capsys)
@@ -486,6 +487,9 @@ def test_tasks_verify_takes_a_task_class_path(capsys):
 # ---------------------------------------------------------------------- renamed keys (issue 15)
 #: new key -> the spelling configs/tiny.yaml had before the rename
 TINY_OLD_SPELLINGS = {"group_size": "rollouts_per_example", "distill_top_k": "top_m"}
+#: the fit of one step that the tests of old spellings run (no logger, checkpoint or validation)
+ONE_STEP = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+            "--trainer.limit_val_batches=0"]
 
 
 @pytest.fixture
@@ -494,99 +498,180 @@ def fresh_deprecation_warnings(monkeypatch):
     monkeypatch.setattr(deprecation, "_warned", set())
 
 
-def old_tiny_config(folder: Path) -> Path:
+def old_tiny_text() -> str:
     """configs/tiny.yaml as an earlier release wrote it (rollouts_per_example, top_m)."""
     text = TINY_YAML.read_text()
     for new, old in TINY_OLD_SPELLINGS.items():
         assert f"    {new}: " in text
         text = text.replace(f"    {new}: ", f"    {old}: ")
+    return text
+
+
+def old_tiny_config(folder: Path) -> Path:
     path = folder / "old.yaml"
-    path.write_text(text)
+    path.write_text(old_tiny_text())
     return path
 
 
-def renamed_warnings(caught, new: str) -> list:
-    return [w for w in caught if issubclass(w.category, FutureWarning) and f"use model.init_args.{new}" in str(w.message)]
+def renamed_warnings(caught, owner: str, old: str, new: str) -> list:
+    """The FutureWarnings of ``owner``'s deprecated argument ``old``: exactly the message naming the new one."""
+    expected = (f"{owner}.{old} is deprecated and will be removed; use {owner}.{new} "
+                f"(config key model.init_args.{new})")
+    return [w for w in caught if issubclass(w.category, FutureWarning) and str(w.message) == expected]
+
+
+def fit_recording_warnings(args: list[str]):
+    """``lopd fit <args> <ONE_STEP>`` in process: (the LightningCLI, the warnings it raised)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = _lightning_cli(["fit", *args, *ONE_STEP])
+    assert cli.trainer.global_step == 1
+    return cli, caught
+
+
+def assert_old_tiny_spellings_fit(cli, caught) -> None:
+    """The run of an old tiny config: the values under the new names only, one warning per old name, at
+    the line that called the CLI (this file: the first caller outside lopd_lightning, Lightning and
+    jsonargparse)."""
+    assert cli.model.hparams.group_size == 2 and cli.model.hparams.distill_top_k == 8
+    assert not {"rollouts_per_example", "top_m"} & set(cli.model.hparams)
+    for new, old in TINY_OLD_SPELLINGS.items():
+        (warning,) = renamed_warnings(caught, "LOPDModule", old, new)
+        assert warning.filename == __file__
 
 
 def test_an_old_config_file_trains_with_one_warning_per_renamed_key(tmp_path, monkeypatch, fresh_deprecation_warnings):
     old = old_tiny_config(tmp_path)
     before = old.read_text()
     monkeypatch.chdir(tmp_path)
-    copies = lambda: set(Path(tempfile.gettempdir()).glob("lopd-config-*"))  # noqa: E731
-    existing = copies()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cli = _lightning_cli(["fit", "-c", str(old), "--trainer.max_steps=1", "--trainer.logger=false",
-                              "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0"])
-    assert cli.trainer.global_step == 1
-    assert cli.model.hparams.group_size == 2 and cli.model.hparams.distill_top_k == 8
-    assert not {"rollouts_per_example", "top_m"} & set(cli.model.hparams)
-    lines = old.read_text().splitlines()
-    for new, old_key in TINY_OLD_SPELLINGS.items():
-        (warning,) = renamed_warnings(caught, new)  # one warning, located at the key in the user's file
-        assert str(warning.message) == (f"model.init_args.{old_key} is deprecated and will be removed; "
-                                        f"use model.init_args.{new}")
-        assert warning.filename == str(old) and lines[warning.lineno - 1].strip().startswith(f"{old_key}:")
+    cli, caught = fit_recording_warnings(["-c", str(old)])
+    assert_old_tiny_spellings_fit(cli, caught)
     assert old.read_text() == before  # the user's file is read, never rewritten
-    assert copies() <= existing  # the renamed copy lived in a temporary folder, removed after the run
-    assert [p.name for p in tmp_path.iterdir()] == ["old.yaml"]
+    assert [p.name for p in tmp_path.iterdir()] == ["old.yaml"]  # and no copy is written
+
+
+@pytest.mark.parametrize("form", ["model_key_names_the_file", "model_flag_names_the_file"])
+def test_old_keys_in_an_included_file_with_a_relative_path_fit_and_warn(form, tmp_path, monkeypatch,
+                                                                       fresh_deprecation_warnings):
+    """configs/ holds an old config whose model section is another file: ``model: model.yaml`` (relative to
+    the config, run from another folder) or ``--model configs/model.yaml``. The old keys are read in the
+    included file as anywhere else, and the relative include still resolves (nothing is copied)."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    head, rest = old_tiny_text().split("model:\n", 1)
+    model_text, data = rest.split("data:\n", 1)
+    (folder / "model.yaml").write_text(textwrap.dedent(model_text))
+    assert "rollouts_per_example: 2" in (folder / "model.yaml").read_text()
+    if form == "model_key_names_the_file":
+        (folder / "old.yaml").write_text(f"{head}model: model.yaml\ndata:\n{data}")
+        args = ["-c", "configs/old.yaml"]
+    else:
+        (folder / "old.yaml").write_text(f"{head}data:\n{data}")
+        args = ["-c", "configs/old.yaml", "--model", "configs/model.yaml"]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    args = [str(Path("..") / a) if a.startswith("configs/") else a for a in args]
+    cli, caught = fit_recording_warnings(args)
+    assert_old_tiny_spellings_fit(cli, caught)
 
 
 @pytest.mark.parametrize(
-    "config, flags, expected",
+    "configs, flags, owner, expected",
     [
-        (TINY_YAML, ["--model.init_args.rollouts_per_example=4", "--model.top_m=5"],
+        (["old"], ["--model.init_args.rollouts_per_example=4", "--model.top_m=5"], "LOPDModule",
          {"group_size": 4, "distill_top_k": 5}),
-        (ROOT / "configs" / "compare_tiny" / "sdpo.yaml", ["--model.init_args.jsd_alpha=0.25", "--model.init_args.top_k_distill=7"],
-         {"jsd_beta": 0.25, "distill_top_k": 7}),
+        # sdpo.yaml sets group_size to SDPO's default, 4: a default value does not clash with the old name
+        (["common.yaml", "sdpo.yaml"], ["--model.init_args.jsd_alpha=0.25", "--model.init_args.rollouts_per_example=2"],
+         "SDPOModule", {"jsd_beta": 0.25, "group_size": 2, "distill_top_k": 8}),
     ],
     ids=["lopd", "sdpo"],
 )
-def test_old_command_line_flags_set_the_new_keys_with_one_warning(config, flags, expected, capsys, no_model_loading,
-                                                                  fresh_deprecation_warnings):
-    with pytest.warns(FutureWarning) as caught:
-        printed = print_config(["-c", str(config), *flags], capsys)
-    init_args = printed["model"]["init_args"]
-    assert {k: init_args[k] for k in expected} == expected
-    assert not set(deprecation.RENAMED_KEYS) & set(init_args)
-    for new in expected:
-        (warning,) = renamed_warnings(caught, new)
-        assert warning.filename == "<command line>"
+def test_old_command_line_flags_fit_with_one_warning(configs, flags, owner, expected, tmp_path,
+                                                     fresh_deprecation_warnings):
+    paths = [str(old_tiny_config(tmp_path)) if c == "old" else str(ROOT / "configs" / "compare_tiny" / c) for c in configs]
+    cli, caught = fit_recording_warnings([a for p in paths for a in ("-c", p)] + flags)
+    assert {k: cli.model.hparams[k] for k in expected} == expected
+    assert not set(deprecation.renamed_arguments(type(cli.model))) & set(cli.model.hparams)
+    for flag in flags:
+        old = flag.split("=")[0].rpartition(".")[2]
+        new = deprecation.RENAMED_KEYS[old]
+        assert len(renamed_warnings(caught, owner, old, new)) == 1
 
 
 def test_an_old_key_and_its_new_spelling_together_are_one_line(tmp_path, capsys, no_model_loading,
                                                               fresh_deprecation_warnings):
-    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=4",
+    both_keys = ("LOPDModule.rollouts_per_example and LOPDModule.group_size are the same setting (config keys "
+                 "model.init_args.rollouts_per_example and model.init_args.group_size), given 4 and 2; keep only "
+                 "group_size")
+    code, err = run_main(["fit", "-c", str(old_tiny_config(tmp_path)), "--model.init_args.rollouts_per_example=4",
                           "--model.init_args.group_size=2"], capsys)
     assert code == 1
-    assert_one_line_error(err, "<command line>: model.init_args.rollouts_per_example and model.init_args.group_size "
-                               "are the same setting; keep only model.init_args.group_size")
+    assert_one_line_error(err, both_keys)
     both = tmp_path / "both.yaml"
-    both.write_text(TINY_YAML.read_text().replace("    group_size: 2\n", "    group_size: 2\n    rollouts_per_example: 2\n"))
+    both.write_text(TINY_YAML.read_text().replace("    group_size: 2\n", "    group_size: 2\n    rollouts_per_example: 4\n"))
     code, err = run_main(["fit", "-c", str(both)], capsys)
     assert code == 1
-    assert_one_line_error(err, f"{both}: model.init_args.rollouts_per_example and model.init_args.group_size are the "
-                               f"same setting; keep only model.init_args.group_size")
+    assert_one_line_error(err, both_keys)
+    # across sources too: tiny.yaml sets group_size, the command line its old name
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=4"], capsys)
+    assert code == 1
+    assert_one_line_error(err, both_keys)
 
 
 @pytest.mark.parametrize(
-    "flag, expected",
+    "config, flag, expected",
     [
-        ("--model.init_args.group_sise=3",
+        (TINY_YAML, "--model.init_args.group_sise=3",
          "unknown key model.init_args.group_sise (LOPDModule has no argument 'group_sise'); "
          "did you mean model.init_args.group_size?"),
-        ("--model.init_args.rollouts_per_exampel=3",
+        (TINY_YAML, "--model.init_args.rollouts_per_exampel=3",
          "unknown key model.init_args.rollouts_per_exampel (LOPDModule has no argument 'rollouts_per_exampel'); "
          "did you mean model.init_args.group_size?"),
+        (ROOT / "configs" / "compare_tiny" / "sdpo.yaml", "--model.init_args.top_k_distil=3",
+         "unknown key model.init_args.top_k_distil (SDPOModule has no argument 'top_k_distil'); "
+         "did you mean model.init_args.distill_top_k?"),
+        # jsd_alpha is SDPO's old name, not LOPD's: a plain unknown key, no did-you-mean
+        (TINY_YAML, "--model.init_args.jsd_alpha=0.3",
+         "unknown key model.init_args.jsd_alpha (LOPDModule has no argument 'jsd_alpha')"),
     ],
-    ids=["new_name", "old_name"],
+    ids=["new_name", "old_name", "sdpo_old_name", "another_methods_old_name"],
 )
-def test_a_misspelt_key_still_gets_did_you_mean_with_the_new_name(flag, expected, capsys, no_model_loading,
+def test_a_misspelt_key_still_gets_did_you_mean_with_the_new_name(config, flag, expected, capsys, no_model_loading,
                                                                  fresh_deprecation_warnings):
-    code, err = run_main(["fit", "-c", str(TINY_YAML), flag], capsys)
+    code, err = run_main(["fit", "-c", str(config), flag], capsys)
     assert code == 2
     assert_one_line_error(err, expected)
+
+
+@pytest.mark.parametrize(
+    "method, renames",
+    [("LOPDModule", {"top_m": "distill_top_k", "rollouts_per_example": "group_size"}),
+     ("SDPOModule", {"rollouts_per_example": "group_size", "top_k_distill": "distill_top_k", "jsd_alpha": "jsd_beta"})],
+)
+def test_help_marks_the_old_names_as_deprecated(method, renames, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _lightning_cli(["fit", "--model.help", method])
+    assert exit_info.value.code in (0, None)
+    text = " ".join(capsys.readouterr().out.split())
+    for old, new in renames.items():
+        flag = f"--model.{old} {old.upper()} deprecated spelling of ``{new}`` "
+        assert flag in text, text
+
+
+def test_print_config_shows_the_keys_as_given_and_writes_nothing(tmp_path, capsys, no_model_loading,
+                                                                fresh_deprecation_warnings):
+    """Nothing renames a config before it is read: --print_config (which builds nothing) shows an old key as
+    it was given, in each form of config (a file under its subcommand, --config=FILE, a YAML string)."""
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("fit:\n  model:\n    init_args:\n      rollouts_per_example: 3  # kept comment\n")
+    before = nested.read_text()
+    with pytest.raises(SystemExit):
+        _lightning_cli([f"--config={nested}", "fit", "-c", str(TINY_YAML), "-c", "{model: {init_args: {top_m: 5}}}",
+                        "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    assert (printed["rollouts_per_example"], printed["top_m"]) == (3, 5)
+    assert (printed["group_size"], printed["distill_top_k"]) == (2, 8)  # tiny.yaml's: building it would fail
+    assert nested.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["nested.yaml"]
 
 
 def test_python_dash_m_runs_the_cli_package(tmp_path):
@@ -595,28 +680,3 @@ def test_python_dash_m_runs_the_cli_package(tmp_path):
                             text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == list(TASK_NAMES)
-
-
-def test_rename_deprecated_keys_reads_every_form_of_config(tmp_path, fresh_deprecation_warnings):
-    """Config files by -c, --config FILE and --config=FILE, a config under its subcommand, a YAML string, and
-    an old name that is also a key outside model.init_args (left alone there)."""
-    from lopd_lightning.cli import rename_deprecated_keys
-
-    nested = tmp_path / "nested.yaml"
-    nested.write_text("fit:\n  model:\n    init_args:\n      jsd_alpha: 0.25  # kept comment\n      lr: 1.0e-3\n")
-    clash = tmp_path / "clash.yaml"
-    clash.write_text("model:\n  init_args: {top_k_distill: 3}\ndata:\n  init_args: {task_options: {top_k_distill: 9}}\n")
-    copies = tmp_path / "copies"
-    copies.mkdir()
-    with pytest.warns(FutureWarning):
-        args = rename_deprecated_keys(["--config", str(nested), f"--config={clash}", "fit", "-c",
-                                       "{model: {init_args: {top_m: 2}}}", "--trainer.max_steps=1"], copies)
-    assert args[0] == "--config" and Path(args[1]).parent.parent == copies
-    assert Path(args[1]).read_text() == nested.read_text().replace("jsd_alpha", "jsd_beta")  # only the key changes
-    clash_copy = Path(args[2].split("=", 1)[1])
-    assert yaml.safe_load(clash_copy.read_text()) == {
-        "model": {"init_args": {"distill_top_k": 3}}, "data": {"init_args": {"task_options": {"top_k_distill": 9}}}}
-    assert yaml.safe_load(args[5]) == {"model": {"init_args": {"distill_top_k": 2}}} and args[6:] == ["--trainer.max_steps=1"]
-    assert nested.read_text().count("jsd_alpha") == 1  # the user's files are not touched
-    untouched = ["fit", "-c", str(TINY_YAML), "--model.init_args.group_size=3", "-c", str(tmp_path / "none.yaml")]
-    assert rename_deprecated_keys(untouched, copies) == untouched  # nothing old: the same arguments

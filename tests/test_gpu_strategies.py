@@ -18,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+pytestmark = pytest.mark.gpu
 
 
 def _fit(tmp_path: Path, method_args: list[str], trainer_config: str) -> None:

@@ -8,7 +8,8 @@ import torch
 
 from lopd_lightning import deprecation
 from lopd_lightning.adapters import prepare_backbone
-from lopd_lightning.lm import position_ids_from_mask, selected_logits, shifted_token_logps, unpack
+from lopd_lightning.lm import position_ids_from_mask, selected_logits, unpack
+from lopd_lightning.losses import shifted_token_logps
 from lopd_lightning.losses import token_logps
 from lopd_lightning.models import tiny_model, tiny_tokenizer
 from lopd_lightning.teacher import SelfTeacher

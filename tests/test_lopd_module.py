@@ -454,6 +454,9 @@ def test_unknown_task_name_lists_known_ones(no_model_loading):
         ({"num_experiences": -1}, "model.init_args.num_experiences must be >= 0"),
         ({"num_latents": 0}, "model.init_args.num_latents must be >= 1"),
         ({"distill_top_k": 0}, "model.init_args.distill_top_k must be >= 1"),
+        ({"beta_init": -1.0}, r"model.init_args.beta_init must be >= 0 \(beta_0.*got -1.0"),
+        ({"beta_init": float("nan")}, "model.init_args.beta_init must be >= 0"),
+        ({"dual_lr": -0.5}, r"model.init_args.dual_lr must be >= 0 \(eta_beta.*got -0.5"),
     ],
 )
 def test_bad_module_options_fail_before_loading_the_model(no_model_loading, overrides, message):
@@ -539,6 +542,15 @@ def test_dual_ascent_state_dict_round_trip_and_an_old_checkpoints_state():
     assert "DualAscent(value=1.5" in repr(fresh)
 
 
+def test_dual_ascent_refuses_a_negative_start_or_step_size():
+    from lopd_lightning.dual import DualAscent
+
+    for init, lr, key in ((-0.1, 0.5, "beta_init"), (0.0, -1.0, "dual_lr")):
+        with pytest.raises(ValueError, match=f"model.init_args.{key} must be >= 0"):
+            DualAscent(init, lr=lr)
+    assert DualAscent(0.0, lr=0.0).update(0.0, 0.05) == 0.0  # both 0: allowed, beta stays
+
+
 def test_module_beta_is_the_controllers_value_and_an_old_method_state_resumes():
     module = make_module(None, beta_init=0.4, dual_lr=0.25)
     assert module.beta == 0.4 and module.dual.value == 0.4 and module.dual.lr == 0.25
@@ -574,7 +586,7 @@ def test_the_old_argument_names_still_work_and_warn_once(monkeypatch):
         warnings.filterwarnings("error", message="LOPDModule", category=FutureWarning)
         LOPDModule("tiny", top_m=7, **options)  # once per process
     with pytest.raises(ValueError, match="are the same setting"):
-        LOPDModule("tiny", top_m=7, distill_top_k=7, **options)
+        LOPDModule("tiny", top_m=7, distill_top_k=9, **options)
 
 
 def test_student_hidden_is_deprecated_for_student_forward(tmp_path, bank_dir, monkeypatch):

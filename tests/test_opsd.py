@@ -209,3 +209,38 @@ def test_teacher_contexts_frame_the_references_and_keep_the_rows_that_have_one()
     assert contexts.kept.tolist() == [True, False]
     assert module.teacher_context_ids(["the answer", None]) == module.teacher.encode_text_context(
         contexts.texts, prefix="", suffix="")
+
+
+class PlainReferenceOPSD(OPSDModule):
+    """``teacher_context_ids`` as an override written for the previous release: the teacher reads the
+    reference text without OPSD's template."""
+
+    def teacher_context_ids(self, texts):
+        self.seen = list(texts)
+        return self.teacher.encode_text_context(texts, prefix="", suffix="")
+
+
+def test_a_teacher_context_ids_override_is_what_the_teacher_reads():
+    module = PlainReferenceOPSD("tiny", lora=None, max_new_tokens=8, learning_rate=1e-3)
+    task = ToyTask()
+    examples = task.all_examples()[:2]
+    conversations = [[*task.initial_messages(ex), {"role": "assistant", "content": "x"}] for ex in examples]
+    batch = batch_from_conversations(module.tokenizer, conversations, rewards=[0.0, 0.0], group_ids=[0, 1],
+                                     example_ids=[ex.id for ex in examples])
+    module.reference_texts = lambda batch: ["the answer", None]
+    given = {}
+    teacher_pass = module.teacher.logits_on_student_positions
+
+    def recorded(*args, **kwargs):
+        given["context_ids"] = kwargs["context_ids"]
+        return teacher_pass(*args, **kwargs)
+
+    module.teacher.logits_on_student_positions = recorded
+    optimizer = torch.optim.AdamW(module.student_parameters(), lr=1e-3)
+    module.optimizers = lambda: optimizer
+    module.manual_backward = lambda loss: loss.backward()  # no Trainer
+    module.log_rollout_metrics = lambda batch, metrics: None
+    module.training_step(batch, 0)
+    assert module.seen == ["the answer", None]  # the reference texts, before the template
+    assert given["context_ids"] == module.teacher.encode_text_context(["the answer", None], prefix="", suffix="")
+    assert given["context_ids"] != OPSDModule.teacher_context_ids(module, ["the answer", None])  # not the template's

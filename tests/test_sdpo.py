@@ -284,3 +284,47 @@ def test_a_subclass_with_its_own_teacher_contexts_and_weights_trains_on_the_skel
     assert float(logged["loss"]) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
     assert logged["train/rows_hinted"] == pytest.approx(0.5) and "train/distill" in logged
     assert module.updates == 1
+
+
+# ------------------------------------------------------------------------------ hooks of an earlier release
+class OldTupleSDPO(SDPOModule):
+    """``teacher_contexts`` as an override written for the previous release returned it: a tuple."""
+
+    def teacher_contexts(self, batch):
+        contexts = super().teacher_contexts(batch)
+        return contexts.texts, contexts.has_demo, contexts.kept
+
+
+def test_a_teacher_contexts_override_returning_the_old_tuple_trains_with_one_warning(monkeypatch):
+    from lopd_lightning import deprecation
+
+    monkeypatch.setattr(deprecation, "_warned", set())
+    batch_rewards, groups = [1.0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]
+    new = make_module(lora=None)
+    old = OldTupleSDPO("tiny", lora=None, group_size=4, max_new_tokens=8, distill_top_k=8, learning_rate=1e-3)
+    batch = hand_batch(new.tokenizer, batch_rewards, groups)
+    expected = run_step(new, batch)
+    with pytest.warns(FutureWarning, match=r"OldTupleSDPO.teacher_contexts returned a \(texts, has_demo, kept\) "
+                                           r"tuple, which is deprecated; return SDPOContexts") as caught:
+        logged = [run_step(old, batch) for _ in range(2)]
+    assert len([w for w in caught if "teacher_contexts returned" in str(w.message)]) == 1  # once per process
+    assert float(logged[0]["loss"]) == pytest.approx(float(expected["loss"]), rel=1e-5, abs=1e-7)
+    assert logged[0]["train/rows_with_demo"] == expected["train/rows_with_demo"] == pytest.approx(0.5)
+
+
+def test_a_teacher_contexts_override_returning_something_else_is_a_type_error():
+    module = make_module(lora=None)
+    module.teacher_contexts = lambda batch: ["a text"]
+    batch = hand_batch(module.tokenizer, [1.0, 0], [0, 0])
+    with pytest.raises(TypeError, match="SDPOModule.teacher_contexts must return a TeacherContexts record, got list"):
+        run_step(module, batch)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"topk_support": "both"}, r"topk_support must be 'student' or 'teacher', got 'both'; set model.init_args.topk_support to student"),
+     ({"distill_temperature": 0.0}, r"distill_temperature must be > 0, got 0.0; set model.init_args.distill_temperature to a positive")],
+)
+def test_the_skeletons_checks_name_their_keys_and_the_fix(options, message):
+    with pytest.raises(ValueError, match=message):
+        SDPOModule("no-such-model", **options)

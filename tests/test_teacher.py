@@ -19,7 +19,8 @@ from lopd_lightning.adapters import (
     use_adapter,
 )
 from lopd_lightning import deprecation
-from lopd_lightning.lm import position_ids_from_mask, shifted_token_logps
+from lopd_lightning.lm import position_ids_from_mask
+from lopd_lightning.losses import shifted_token_logps
 from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, warm_start_loss
 from lopd_lightning.models import tiny_model, tiny_tokenizer
 from lopd_lightning.teacher import SelfTeacher
@@ -361,7 +362,7 @@ def test_insert_context_rejects_bad_input():
 # ------------------------------------------------------------------------------ moved and deprecated
 @pytest.mark.parametrize("name, target", [
     ("position_ids_from_mask", "lopd_lightning.lm"),
-    ("shifted_token_logps", "lopd_lightning.lm"),
+    ("shifted_token_logps", "lopd_lightning.losses"),
     ("warm_start_loss", "lopd_lightning.memory.composer"),
 ])
 def test_the_old_teacher_path_serves_the_moved_names_and_warns_once(name, target, monkeypatch):

@@ -28,8 +28,11 @@ class DualAscent:
     """beta, the weight of (m - Delta) in the composer objective, and its projected dual-ascent update.
 
     Args:
-        init: beta_0 >= 0 (paper: 0).
-        lr: eta_beta >= 0, the ascent's step size (paper: 0.5).
+        init: beta_0 >= 0 (paper: 0); LOPD's ``beta_init``.
+        lr: eta_beta >= 0, the ascent's step size (paper: 0.5); LOPD's ``dual_lr``.
+
+    Raises:
+        ValueError: ``init`` or ``lr`` negative or NaN (:meth:`check`).
 
     Attributes:
         value: the current beta (a float; >= 0 after the first update).
@@ -39,8 +42,26 @@ class DualAscent:
     """
 
     def __init__(self, init: float = 0.0, lr: float = 0.5) -> None:
+        self.check(init, lr)
         self.value = float(init)
         self.lr = float(lr)
+
+    @staticmethod
+    def check(init: float, lr: float) -> None:
+        """Refuse a negative (or NaN) beta_0 or eta_beta, naming LOPD's config keys.
+
+        beta is a Lagrange multiplier of an inequality constraint, so it lives in [0, inf) (the update
+        projects onto it); a negative step size would descend the dual and push beta the wrong way.
+
+        Raises:
+            ValueError: ``init < 0`` (``model.init_args.beta_init``) or ``lr < 0`` (``model.init_args.dual_lr``).
+        """
+        if not float(init) >= 0.0:
+            raise ValueError(f"model.init_args.beta_init must be >= 0 (beta_0, the dual variable's start: a "
+                             f"multiplier of the margin constraint is never negative), got {init}")
+        if not float(lr) >= 0.0:
+            raise ValueError(f"model.init_args.dual_lr must be >= 0 (eta_beta, the dual ascent's step size; 0 keeps "
+                             f"beta at beta_init), got {lr}")
 
     def update(self, delta: float | Tensor, margin: float, *, active: bool = True) -> float:
         """One step ``beta <- max(0, beta + lr (margin - delta))``; the new beta.

@@ -6,7 +6,7 @@ memory of a step. :func:`selected_logits` runs the decoder on the whole sequence
 the selected positions, returning packed (N, V) logits in the selected positions' row-major order;
 :func:`selected_hidden_states` returns the final hidden states there instead (the head then runs chunk by
 chunk: :mod:`lopd_lightning.lm_head`). Also the model-input helpers every pass shares:
-:func:`position_ids_from_mask` and :func:`shifted_token_logps`.
+:func:`position_ids_from_mask`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from lopd_lightning.deprecation import moved_names
-from lopd_lightning.losses import token_logps
 
 __all__ = [
     "base_model",
@@ -27,7 +26,6 @@ __all__ = [
     "position_ids_from_mask",
     "selected_hidden_states",
     "selected_logits",
-    "shifted_token_logps",
     "unpack",
 ]
 
@@ -52,22 +50,6 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """
     mask = attention_mask.long()
     return (mask.cumsum(dim=-1) - 1).clamp(min=0)
-
-
-def shifted_token_logps(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """Log-probs of ``input_ids[:, 1:]`` from causal-LM ``logits`` (index t predicts token t+1).
-
-    Args:
-        logits: (B, T, V) float, e.g. the student's or
-            :meth:`lopd_lightning.teacher.SelfTeacher.logits_on_student_positions`.
-        input_ids: (B, T) long.
-        temperature: divide the logits by it first.
-
-    Returns:
-        (B, T-1) float32: ``log p(input_ids[b, t+1] | input_ids[b, :t+1])``; pad positions hold the
-        log-prob of the pad token (mask them).
-    """
-    return token_logps(logits[:, :-1], input_ids[:, 1:], temperature=temperature)
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -10,8 +10,8 @@
   Face folder (:mod:`lopd_lightning.export`).
 
 The modules: ``training`` (fit/validate/test: the LightningCLI), ``commands`` (build-memory, tasks, export),
-``errors`` (the one-line errors), ``deprecated_keys`` (old config keys rewritten); this one holds the
-entry point :func:`main` (the ``lopd`` console script; ``python -m lopd_lightning.cli`` runs it too).
+``errors`` (the one-line errors); this one holds the entry point :func:`main` (the ``lopd`` console
+script; ``python -m lopd_lightning.cli`` runs it too).
 
 A mistake the user can fix (a bad key or value, a missing folder, an unknown task) ends the command with
 one line on stderr, ``error: <message>``, naming the config key and the fix, and a non-zero exit status
@@ -30,7 +30,6 @@ from lopd_lightning.cli.commands import (
     export_command,
     tasks_command,
 )
-from lopd_lightning.cli.deprecated_keys import rename_deprecated_keys
 from lopd_lightning.cli.errors import (
     CLIError,
     did_you_mean,
@@ -58,7 +57,6 @@ __all__ = [
     "lightning_cli",
     "main",
     "parse_error_message",
-    "rename_deprecated_keys",
     "tasks_command",
 ]
 

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lopd_lightning.deprecation import RENAMED_KEYS
+from lopd_lightning.deprecation import renamed_arguments
 
 __all__ = [
     "ArgumentParser",
@@ -68,8 +68,10 @@ def exception_chain(error: BaseException) -> list[BaseException]:
 
 
 def init_parameters(cls: type) -> list[str]:
-    """The keyword arguments a class accepts, following ``**kwargs`` up the base classes (as jsonargparse does)."""
-    names: list[str] = []
+    """The keyword arguments a class accepts, following ``**kwargs`` up the base classes (as jsonargparse does),
+    less the deprecated spellings of renamed ones (:func:`~lopd_lightning.deprecation.renamed_arguments`)."""
+    deprecated = renamed_arguments(cls)
+    names: list[str] = list(deprecated)  # skipped below, dropped at the end
     for klass in cls.__mro__:
         if klass is object or "__init__" not in vars(klass):
             continue
@@ -81,7 +83,7 @@ def init_parameters(cls: type) -> list[str]:
                   and p.name not in names]
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
-    return names
+    return names[len(deprecated):]
 
 
 def import_class(path: str) -> type | None:
@@ -149,7 +151,7 @@ def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str,
         bad = f"{key}.{m.group(1)}" if key else m.group(1)
         if owner is None:
             return f"unknown key {bad}{did_you_mean(bad, keys)}"
-        hint = _argument_hint(bad, key, init_parameters(owner))
+        hint = _argument_hint(bad, key, init_parameters(owner), renamed_arguments(owner))
         return f"unknown key {bad} ({owner.__name__} has no argument {m.group(1)!r}){hint}"
     m = re.fullmatch(r"Subcommand '([^']+)' does not accept option '([^']+)'", _plain(inner))
     if m:
@@ -170,14 +172,15 @@ def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str,
     return f"{key}: {_plain(inner)}" if key else _plain(inner)
 
 
-def _argument_hint(bad: str, key: str, params: list[str]) -> str:
-    """Did-you-mean for an unknown constructor argument ``bad`` (``<key>.<name>``): the closest of ``params``,
-    where a near miss of a renamed argument's old name (:data:`~lopd_lightning.deprecation.RENAMED_KEYS`)
-    suggests its new name."""
-    spelled = {f"{key}.{p}": f"{key}.{p}" for p in params}
-    spelled.update({f"{key}.{old}": f"{key}.{new}" for old, new in RENAMED_KEYS.items() if new in params})
-    match = difflib.get_close_matches(bad, list(spelled), n=1, cutoff=0.6)
-    return f"; did you mean {spelled[match[0]]}?" if match else ""
+def _argument_hint(bad: str, key: str, params: list[str], renamed: dict[str, str]) -> str:
+    """Did-you-mean for an unknown constructor argument ``bad`` (``<key>.<name>``): the closest of ``params``
+    (the current names) to its name, where a near miss of a deprecated old name of the class (``renamed``:
+    old -> new) suggests its new name, never the deprecated one."""
+    spelled = {p: p for p in params}
+    spelled.update({old: new for old, new in renamed.items() if new in params})
+    name = bad[len(key) + 1:] if key and bad.startswith(f"{key}.") else bad
+    match = difflib.get_close_matches(name, list(spelled), n=1, cutoff=0.6)
+    return f"; did you mean {key}.{spelled[match[0]]}?" if match else ""
 
 
 def _suggest_key(key: str, keys: list[str], *, prefix: str = "") -> str:

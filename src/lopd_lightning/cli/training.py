@@ -1,20 +1,19 @@
 """``lopd fit|validate|test``: the LightningCLI in subclass mode, and the checks it runs before building anything.
 
 A config names any module (``LOPDModule``, ``GRPOModule``, ...), DataModule, task or callback class.
-Before jsonargparse reads the command line, the deprecated spellings of renamed keys are rewritten
-(:func:`~lopd_lightning.cli.deprecated_keys.rename_deprecated_keys`); a parse error becomes one line
-naming the key (:func:`~lopd_lightning.cli.errors.parse_error_message`); an unknown task name is reported
-before the student loads (:func:`check_task_name`).
+A parse error becomes one line naming the key (:func:`~lopd_lightning.cli.errors.parse_error_message`);
+an unknown task name is reported before the student loads (:func:`check_task_name`). The deprecated
+spelling of a renamed argument (``model.init_args.rollouts_per_example``, ...) is a parameter of the
+module's constructor, so jsonargparse reads it wherever it reads a key (config files, the files they
+include, the command line); the constructor renames it with a FutureWarning, and both spellings with
+different values are its ValueError, one line with status 1 (:func:`~lopd_lightning.cli.errors.explain`).
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from lopd_lightning.cli.deprecated_keys import rename_deprecated_keys
 from lopd_lightning.cli.errors import CLIError, did_you_mean, parse_error_message
 
 __all__ = ["LIGHTNING_COMMANDS", "check_task_name", "lightning_cli"]
@@ -64,15 +63,8 @@ def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True
 
     Raises:
         CLIError: the command line or a config does not parse (unknown key, wrong type, missing file):
-            the message names the key and, for a misspelt one, the closest valid key; a deprecated key is
-            given together with its new spelling (status 1).
+            the message names the key and, for a misspelt one, the closest valid key.
     """
-    with tempfile.TemporaryDirectory(prefix="lopd-config-") as folder:  # config files with renamed keys
-        return _lopd_cli(rename_deprecated_keys(args, Path(folder)), run=run, instantiate=instantiate)
-
-
-def _lopd_cli(args: list[str], *, run: bool, instantiate: bool) -> Any:
-    """:func:`lightning_cli` on a command line whose deprecated keys are renamed."""
     from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
     import lopd_lightning.callbacks  # noqa: F401

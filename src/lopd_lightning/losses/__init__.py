@@ -45,7 +45,7 @@ from lopd_lightning.losses.divergences import (
     topk_tail_reverse_kl,
 )
 from lopd_lightning.losses.policy import GRPOLoss, grpo_loss, k3_kl, ppo_clip_fraction, ppo_clip_loss
-from lopd_lightning.losses.tokens import masked_mean, token_logps
+from lopd_lightning.losses.tokens import masked_mean, shifted_token_logps, token_logps
 
 __all__ = [
     "DIVERGENCES",
@@ -61,6 +61,7 @@ __all__ = [
     "ppo_clip_fraction",
     "ppo_clip_loss",
     "privileged_margin",
+    "shifted_token_logps",
     "token_logps",
     "topk_tail_logprobs",
     "topk_tail_reverse_kl",

@@ -161,3 +161,19 @@ def masked_mean(values: Tensor, mask: Tensor, *, num_tokens: int | Tensor | None
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         count = torch.tensor(float(num_tokens), dtype=values.dtype, device=values.device)
     return total / count.clamp(min=1)
+
+
+def shifted_token_logps(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Log-probs of ``input_ids[:, 1:]`` from causal-LM ``logits`` (index t predicts token t+1).
+
+    Args:
+        logits: (B, T, V) float, e.g. the student's or
+            :meth:`lopd_lightning.teacher.SelfTeacher.logits_on_student_positions`.
+        input_ids: (B, T) long.
+        temperature: divide the logits by it first.
+
+    Returns:
+        (B, T-1) float32: ``log p(input_ids[b, t+1] | input_ids[b, :t+1])``; pad positions hold the
+        log-prob of the pad token (mask them).
+    """
+    return token_logps(logits[:, :-1], input_ids[:, 1:], temperature=temperature)

@@ -19,15 +19,16 @@ k3 KL estimator to a reference); PPO, Schulman et al. 2017, Eq. 7 (the clipped s
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.advantages import group_advantages
-from lopd_lightning.deprecation import warn_once
+from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.lm import unpack
 from lopd_lightning.losses import GRPOLoss, grpo_loss, k3_kl, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
@@ -75,6 +76,25 @@ class GRPOStepInputs:
                   f"not inputs[{name!r}]")
         return getattr(self, name)
 
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> GRPOStepInputs:
+        """Deprecated: the dict a :meth:`GRPOModule.step_inputs` override of an earlier release returned, as
+        a record (its keys beyond this record's fields become attributes, read by ``inputs.<name>`` or
+        ``inputs[name]``).
+
+        Raises:
+            TypeError: a field without a default (``mask``, ``advantages``, ``num_tokens``) is missing.
+        """
+        names = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.name not in values and f.default is MISSING
+                   and f.default_factory is MISSING]
+        if missing:
+            raise TypeError(f"step_inputs returned a dict without {', '.join(missing)}; return a {cls.__name__}")
+        record = cls(**{k: v for k, v in values.items() if k in names})
+        for name in values.keys() - names:
+            setattr(record, name, values[name])
+        return record
+
     def __setitem__(self, name: str, value: Any) -> None:
         """Deprecated: step inputs were a dict; subclass the record (:meth:`extend`) instead."""
         warn_once("GRPOStepInputs[]=", f"step inputs are a {type(self).__name__} record: add {name!r} as a field "
@@ -87,8 +107,10 @@ __all__ = ["GRPOLoss", "GRPOModule", "GRPOStepInputs", "grpo_loss", "k3_kl"]
 class GRPOModule(OnPolicyModule):
     """GRPO: group-relative advantages, PPO-clip, optional k3 KL to the frozen base (docs/METHOD.md section 6).
 
-    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
-        group_size: the group size G, >= 2 (paper: 4; formerly ``rollouts_per_example``).
+    Besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s arguments (``--help`` lists both):
+
+    Args:
+        group_size: the group size G, >= 2 (paper: 4).
         clip_eps_low, clip_eps_high: PPO clip range below and above 1 (paper: 0.2 each; DAPO's
             clip-higher uses a larger ``clip_eps_high``).
         kl_coef: weight of the k3 KL to the reference (0: no reference, no extra forward). The reference
@@ -101,6 +123,8 @@ class GRPOModule(OnPolicyModule):
         advantage_eps: eps added to the group std.
         logps_temperature: temperature of the training log-probs (1.0: the raw policy; set it to the
             sampling temperature to score tokens under the sampling distribution).
+        rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
+            a FutureWarning; the two names with different values are an error).
 
     Raises:
         ValueError: ``group_size`` < 2 or another option out of range, before the model loads.
@@ -110,6 +134,8 @@ class GRPOModule(OnPolicyModule):
     (fraction of groups whose rewards are all equal: no signal), ``train/grad_norm``; loss values are
     those of the last pass. Timings ``time/reference`` and ``time/student_step``.
     """
+
+    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"rollouts_per_example": "group_size"}
 
     def __init__(
         self,
@@ -122,8 +148,11 @@ class GRPOModule(OnPolicyModule):
         ppo_epochs: int = 1,
         advantage_eps: float = 1e-4,
         logps_temperature: float = 1.0,
+        rollouts_per_example: int | None = None,
         **kwargs: Any,
     ):
+        group_size = fold_renamed(type(self).__name__, "rollouts_per_example", rollouts_per_example, "group_size",
+                                  group_size, 4)
         # checks that need no model run before the student is loaded
         if group_size < 2:
             raise ValueError(
@@ -230,6 +259,10 @@ class GRPOModule(OnPolicyModule):
         optimizer = self.optimizers()
         params = self.student_parameters()
         inputs = self.step_inputs(batch)
+        if isinstance(inputs, Mapping):  # an override written for an earlier release, when they were a dict
+            warn_once(f"{type(self).__name__}.step_inputs dict", f"{type(self).__name__}.step_inputs returned a dict, "
+                      "which is deprecated; return a GRPOStepInputs (a subclass of it for extra fields)", stacklevel=2)
+            inputs = GRPOStepInputs.from_mapping(inputs)
         epochs = int(self.hparams.ppo_epochs)
         old_logps: Tensor | None = None
         terms: dict[str, Tensor] = {}

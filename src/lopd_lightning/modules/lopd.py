@@ -27,14 +27,14 @@ import difflib
 import json
 import logging
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.adapters import add_composer_adapter, as_lora_config, check_lora_config, copy_adapter
-from lopd_lightning.deprecation import warn_once
+from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.dual import DualAscent
 from lopd_lightning.lm_head import LMHead, distillation_loss, margin_delta
 from lopd_lightning.losses import anchor_loss, composer_objective
@@ -120,15 +120,16 @@ class LOPDModule(OnPolicyModule):
     ``lm_head`` (:class:`~lopd_lightning.lm_head.LMHead`) applies the student's and the teacher's LM heads
     in full or in chunks (``distill_chunk_size``).
 
-    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
+    Besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s arguments (``--help`` lists both):
+
+    Args:
         num_latents: K, latent tokens per experience (paper: 32).
         num_experiences: J, experiences retrieved per task (paper: 3).
         composer_depth: Perceiver resampler depth, weights shared across depth (paper: 8).
         composer_lora: LoRA of the composer's encoder (paper: rank 8, alpha 16, dropout 0, all projections).
         composer_lr: AdamW learning rate of the composer (paper: 1e-5).
         composer_clip_resampler, composer_clip_lora: separate grad-clip norms (paper: 30 and 3).
-        distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20; formerly
-            ``top_m``, still accepted with a FutureWarning).
+        distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20).
         margin: m, the privileged margin (paper: 0.05); a MarginSchedule callback may vary it.
         anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
         dual_lr: eta_beta, step size of the dual ascent on beta (paper: 0.5).
@@ -163,7 +164,11 @@ class LOPDModule(OnPolicyModule):
             the composer's backward through it run on the rest only (benchmarks/results/step_cost.json
             against step_cost_no_prefix.json). False recomputes the whole sequence. Models whose cache
             is not a plain full-attention one (sliding window, linear attention) get False, with a warning.
+        top_m: deprecated spelling of ``distill_top_k`` (removed in the release after next; a FutureWarning;
+            the two names with different values are an error).
     """
+
+    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"top_m": "distill_top_k"}
 
     def __init__(
         self,
@@ -194,13 +199,16 @@ class LOPDModule(OnPolicyModule):
         distill_temperature: float = 1.0,
         distill_chunk_size: int | None = None,
         teacher_prefix_cache: bool = True,
+        top_m: int | None = None,
         **kwargs: Any,
     ):
+        distill_top_k = fold_renamed(type(self).__name__, "top_m", top_m, "distill_top_k", distill_top_k, 20)
         composer_cfg = dict(DEFAULT_COMPOSER_LORA) if composer_lora is None else composer_lora
         self._check_options(  # the checks that need no model, before the student is loaded
             num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,
             bank_path=bank_path, bank_capacity=bank_capacity, distill_chunk_size=distill_chunk_size,
             composer_lora=composer_cfg, gradient_checkpointing=bool(kwargs.get("gradient_checkpointing")),
+            beta_init=beta_init, dual_lr=dual_lr,
         )
         super().__init__(model, **kwargs)
         self.save_hyperparameters()
@@ -240,13 +248,15 @@ class LOPDModule(OnPolicyModule):
         distill_chunk_size: Any,
         composer_lora: Any,
         gradient_checkpointing: bool,
+        beta_init: float,
+        dual_lr: float,
     ) -> None:
         """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
 
         Raises:
-            ValueError: K < 1, J < 0, M < 1, an unknown embedder, a missing or too small bank,
-                gradient checkpointing, a ``distill_chunk_size`` that is not null or an int >= 1, or a
-                composer LoRA that the shared backbone cannot honour.
+            ValueError: K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``, an unknown embedder, a
+                missing or too small bank, gradient checkpointing, a ``distill_chunk_size`` that is not null
+                or an int >= 1, or a composer LoRA that the shared backbone cannot honour.
             FileNotFoundError: ``bank_path`` holds no bank.
         """
         if num_latents < 1:
@@ -255,6 +265,7 @@ class LOPDModule(OnPolicyModule):
             raise ValueError(f"model.init_args.num_experiences must be >= 0 (experiences per task), got {num_experiences}")
         if distill_top_k < 1:
             raise ValueError(f"model.init_args.distill_top_k must be >= 1, got {distill_top_k}")
+        DualAscent.check(beta_init, dual_lr)
         if str(embedder).lower().strip() not in EMBEDDERS:
             close = difflib.get_close_matches(str(embedder).lower(), EMBEDDERS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""

@@ -23,12 +23,14 @@ context (:meth:`OPSDModule.teacher_contexts`) and no token weights.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
@@ -45,19 +47,37 @@ OPSD_REFERENCE_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class OPSDContexts(TeacherContexts):
+    """OPSD's teacher contexts: :class:`~lopd_lightning.modules.self_distillation.TeacherContexts` plus the
+    reference texts before framing.
+
+    Attributes:
+        references: B entries, :meth:`OPSDModule.reference_texts` (None: no reference); the teacher reads
+            :meth:`OPSDModule.teacher_context_ids` of them.
+    """
+
+    references: list[str | None] | None = None
+
+
 class OPSDModule(SelfDistillationModule):
     """OPSD: the student distilled towards the frozen initial model that sees the reference solution.
 
-    Args (besides :class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`'s, whose
-    ``divergence``, ``distill_top_k``, ``jsd_beta`` and ``distill_temperature`` it takes):
+    Besides :class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`'s arguments, whose
+    ``divergence``, ``distill_top_k``, ``jsd_beta`` and ``distill_temperature`` it takes (``--help`` lists both):
+
+    Args:
         divergence: ``"jsd"`` (generalized JSD, full vocabulary, ``jsd_beta``; OPSD's scripts),
             ``"forward_kl"`` (full-vocabulary KL(T || S): the generalized JSD at beta 0; the LOPD
             paper's runs of OPSD) or ``"topk_reverse_kl"`` (top-k + tail KL(p~_S || p~_T)).
         jsd_beta: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
             0 forward KL(T || S), 1 reverse KL(S || T)); 0.5 in OPSD's scripts.
-        distill_top_k: k of ``"topk_reverse_kl"`` (formerly ``top_k_distill``).
+        distill_top_k: k of ``"topk_reverse_kl"``.
         max_reference_chars: truncation of the reference text.
         distill_temperature: temperature of both distributions in the divergence (1.0).
+        rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
+            a FutureWarning; the two names with different values are an error).
+        top_k_distill: deprecated spelling of ``distill_top_k`` (likewise).
 
     ``group_size`` defaults to 1 (OPSD needs no groups).
 
@@ -72,6 +92,7 @@ class OPSDModule(SelfDistillationModule):
     """
 
     divergences = ("jsd", "forward_kl", "topk_reverse_kl")
+    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"rollouts_per_example": "group_size", "top_k_distill": "distill_top_k"}
 
     def __init__(
         self,
@@ -83,8 +104,13 @@ class OPSDModule(SelfDistillationModule):
         distill_top_k: int = 20,
         max_reference_chars: int = 4000,
         distill_temperature: float = 1.0,
+        rollouts_per_example: int | None = None,
+        top_k_distill: int | None = None,
         **kwargs: Any,
     ):
+        name = type(self).__name__
+        group_size = fold_renamed(name, "rollouts_per_example", rollouts_per_example, "group_size", group_size, 1)
+        distill_top_k = fold_renamed(name, "top_k_distill", top_k_distill, "distill_top_k", distill_top_k, 20)
         super().__init__(
             model, group_size=group_size, divergence=divergence, jsd_beta=jsd_beta, distill_top_k=distill_top_k,
             distill_temperature=distill_temperature, **kwargs,
@@ -124,8 +150,9 @@ class OPSDModule(SelfDistillationModule):
         return out
 
     def teacher_context_ids(self, texts: list[str | None]) -> list[list[int]]:
-        """Token ids of ``OPSD_REFERENCE_TEMPLATE`` per row ([] for None): what the teacher reads for
-        reference texts (the texts of :meth:`teacher_contexts`, tokenised)."""
+        """Token ids of ``OPSD_REFERENCE_TEMPLATE`` per row ([] for None): what the teacher reads for the
+        reference texts ``texts`` (:meth:`reference_texts`). Override it to change what the teacher reads;
+        :meth:`context_ids` calls it."""
         return self.teacher.encode_text_context(self.framed(texts), prefix="", suffix="")
 
     @staticmethod
@@ -134,12 +161,19 @@ class OPSDModule(SelfDistillationModule):
         return [OPSD_REFERENCE_TEMPLATE.format(reference=t) if t is not None else None for t in texts]
 
     @override
-    def teacher_contexts(self, batch: RolloutBatch) -> TeacherContexts:
-        """Per row, :meth:`reference_texts` framed in ``OPSD_REFERENCE_TEMPLATE``; the rows with a
-        reference are kept (the others get no context)."""
+    def teacher_contexts(self, batch: RolloutBatch) -> OPSDContexts:
+        """Per row, :meth:`reference_texts` (``references``) and them framed in ``OPSD_REFERENCE_TEMPLATE``
+        (``texts``); the rows with a reference are kept (the others get no context)."""
         texts = self.reference_texts(batch)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=batch.input_ids.device)
-        return TeacherContexts(texts=self.framed(texts), kept=kept)
+        return OPSDContexts(texts=self.framed(texts), kept=kept, references=texts)
+
+    @override
+    def context_ids(self, contexts: TeacherContexts) -> list[list[int]]:
+        """:meth:`teacher_context_ids` of the reference texts (contexts of another kind: the base's)."""
+        if isinstance(contexts, OPSDContexts) and contexts.references is not None:
+            return self.teacher_context_ids(contexts.references)
+        return super().context_ids(contexts)
 
     @override
     def distillation_metrics(self, batch: RolloutBatch, contexts: TeacherContexts) -> dict[str, Tensor | float]:

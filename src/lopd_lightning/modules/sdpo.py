@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.deprecation import warn_once
+from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses import token_logps
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
@@ -113,18 +113,21 @@ class SDPOContexts(TeacherContexts):
 class SDPOModule(SelfDistillationModule):
     """SDPO: the student distilled towards its EMA teacher reprompted with a successful sibling.
 
-    Args (besides :class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`'s, whose
-    ``divergence``, ``distill_top_k``, ``jsd_beta``, ``distill_temperature`` and ``topk_support`` it takes):
+    Besides :class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`'s arguments, whose
+    ``divergence``, ``distill_top_k``, ``jsd_beta``, ``distill_temperature`` and ``topk_support`` it takes
+    (``--help`` lists both):
+
+    Args:
         group_size: G, rollouts per example (a group), >= 2 (SDPO needs siblings); default 4.
         teacher_ema_rate: EMA rate of the teacher, ``ema <- (1 - r) ema + r student`` after each
             student step (SDPO: 0.05).
         divergence: ``"topk_reverse_kl"`` (KL(p~_S || p~_T) on a top-k + a tail bucket; SDPO's default)
             or ``"jsd"`` (the generalized JSD with ``jsd_beta``, full vocabulary).
-        distill_top_k: k of ``"topk_reverse_kl"`` (SDPO: 20; formerly ``top_k_distill``).
+        distill_top_k: k of ``"topk_reverse_kl"`` (SDPO: 20).
         topk_support: whose top-k is the support of ``"topk_reverse_kl"``: ``"student"`` (SDPO's
             implementation, default) or ``"teacher"`` (LOPD's).
         jsd_beta: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
-            0 forward KL(T || S), 1 reverse KL(S || T); formerly ``jsd_alpha``).
+            0 forward KL(T || S), 1 reverse KL(S || T)).
         is_clip: clip of the per-token importance weight ``min(pi_S / pi_old, is_clip)`` (detached);
             None disables the weight. ``pi_old`` is :meth:`behaviour_logps`: the current student's
             log-probs at ``distill_temperature``, detached. With one update per batch (this module),
@@ -139,6 +142,10 @@ class SDPOModule(SelfDistillationModule):
             Default False: rows without a successful sibling are dropped, whatever their feedback.
         max_demo_chars, max_feedback_chars: truncation of the demonstration and the feedback text.
         distill_temperature: temperature of both distributions in the divergence (1.0).
+        rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
+            a FutureWarning; the two names with different values are an error).
+        top_k_distill: deprecated spelling of ``distill_top_k`` (likewise).
+        jsd_alpha: deprecated spelling of ``jsd_beta`` (likewise).
 
     Raises:
         ValueError: ``group_size < 2``, an unknown divergence, ``distill_top_k < 1``, ``jsd_beta``
@@ -152,6 +159,9 @@ class SDPOModule(SelfDistillationModule):
     """
 
     divergences = ("topk_reverse_kl", "jsd")
+    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {
+        "rollouts_per_example": "group_size", "top_k_distill": "distill_top_k", "jsd_alpha": "jsd_beta",
+    }
 
     def __init__(
         self,
@@ -170,8 +180,15 @@ class SDPOModule(SelfDistillationModule):
         max_demo_chars: int = 4000,
         max_feedback_chars: int = 1000,
         distill_temperature: float = 1.0,
+        rollouts_per_example: int | None = None,
+        top_k_distill: int | None = None,
+        jsd_alpha: float | None = None,
         **kwargs: Any,
     ):
+        name = type(self).__name__
+        group_size = fold_renamed(name, "rollouts_per_example", rollouts_per_example, "group_size", group_size, 4)
+        distill_top_k = fold_renamed(name, "top_k_distill", top_k_distill, "distill_top_k", distill_top_k, 20)
+        jsd_beta = fold_renamed(name, "jsd_alpha", jsd_alpha, "jsd_beta", jsd_beta, 0.5)
         # checks that need no model run before the student is loaded (the divergence's: the base's)
         if group_size < 2:
             raise ValueError(
@@ -249,6 +266,18 @@ class SDPOModule(SelfDistillationModule):
         has_demo = torch.tensor([s is not None for s in siblings], dtype=torch.bool, device=device)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=device)
         return SDPOContexts(texts=texts, kept=kept, has_demo=has_demo)
+
+    @override
+    def _contexts_from_tuple(self, value: Any) -> SDPOContexts:
+        """An override of :meth:`teacher_contexts` written for an earlier release returned the tuple
+        ``(texts, has_demo, kept)``: the same as an :class:`SDPOContexts`, with one FutureWarning."""
+        if not (isinstance(value, tuple) and len(value) == 3):
+            return super()._contexts_from_tuple(value)
+        warn_once(f"{type(self).__name__}.teacher_contexts tuple", f"{type(self).__name__}.teacher_contexts returned a "
+                  "(texts, has_demo, kept) tuple, which is deprecated; return SDPOContexts(texts=..., kept=..., "
+                  "has_demo=...)", stacklevel=2)
+        texts, has_demo, kept = value
+        return SDPOContexts(texts=list(texts), kept=kept, has_demo=has_demo)
 
     # ------------------------------------------------------------------ the loss
     def behaviour_logps(self, batch: RolloutBatch, current_logps: Tensor) -> Tensor:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning import losses
+from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.teacher import SelfTeacher
@@ -65,15 +66,19 @@ class SelfDistillationModule(OnPolicyModule):
     :meth:`distillation_metrics` and :meth:`after_update`. :attr:`divergences` lists the divergence
     names it accepts.
 
-    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
+    Besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s arguments (``--help`` lists both):
+
+    Args:
         divergence: a name of :data:`lopd_lightning.losses.DIVERGENCES` among :attr:`divergences`:
             ``"topk_reverse_kl"`` (top-k + tail KL(p~_S || p~_T)), ``"jsd"`` (generalized JSD, GKD
             convention, ``jsd_beta``) or ``"forward_kl"`` (full-vocabulary KL(T || S)).
-        distill_top_k: k of ``"topk_reverse_kl"`` (formerly ``top_k_distill``).
+        distill_top_k: k of ``"topk_reverse_kl"``.
         jsd_beta: beta of ``"jsd"`` in [0, 1] (0 forward KL(T || S), 1 reverse KL(S || T)).
         distill_temperature: temperature of both distributions in the divergence, > 0.
         topk_support: whose top-k is the support of ``"topk_reverse_kl"``: ``"teacher"`` (LOPD's) or
             ``"student"`` (SDPO's implementation).
+        top_k_distill: deprecated spelling of ``distill_top_k`` (removed in the release after next; a
+            FutureWarning; the two names with different values are an error).
 
     Raises:
         ValueError: a divergence not in :attr:`divergences`, ``distill_top_k < 1``, ``jsd_beta`` outside
@@ -85,6 +90,7 @@ class SelfDistillationModule(OnPolicyModule):
     divergences: tuple[str, ...] = tuple(losses.DIVERGENCES)
     #: the self-teacher (set by the subclass).
     teacher: SelfTeacher
+    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"top_k_distill": "distill_top_k"}
 
     def __init__(
         self,
@@ -95,19 +101,23 @@ class SelfDistillationModule(OnPolicyModule):
         jsd_beta: float = 0.5,
         distill_temperature: float = 1.0,
         topk_support: str = "teacher",
+        top_k_distill: int | None = None,
         **kwargs: Any,
     ):
+        distill_top_k = fold_renamed(type(self).__name__, "top_k_distill", top_k_distill, "distill_top_k", distill_top_k, 20)
         if divergence not in self.divergences:
             choices = ", ".join(repr(d) for d in self.divergences)
             raise ValueError(f"divergence must be one of {choices}, got {divergence!r}; set model.init_args.divergence")
         if distill_top_k < 1:
             raise ValueError(f"distill_top_k must be >= 1, got {distill_top_k}; set model.init_args.distill_top_k")
         if topk_support not in ("student", "teacher"):
-            raise ValueError(f"topk_support must be 'student' or 'teacher', got {topk_support!r}")
+            raise ValueError(f"topk_support must be 'student' or 'teacher', got {topk_support!r}; set "
+                             "model.init_args.topk_support to student (SDPO's implementation) or teacher (LOPD's)")
         if not 0.0 <= jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}; set model.init_args.jsd_beta")
         if distill_temperature <= 0:
-            raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
+            raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}; set "
+                             "model.init_args.distill_temperature to a positive value (1.0: the raw distributions)")
         super().__init__(model, **kwargs)
         self.save_hyperparameters()
         if divergence == "topk_reverse_kl":
@@ -142,6 +152,11 @@ class SelfDistillationModule(OnPolicyModule):
     def after_update(self) -> None:
         """Called after the student's update of every step (default: nothing; SDPO moves its EMA teacher)."""
 
+    def context_ids(self, contexts: TeacherContexts) -> list[list[int]]:
+        """B lists of token ids, the teacher's context of each row ([] for None): default ``contexts.texts``
+        tokenised as they are (OPSD: through its :meth:`~lopd_lightning.modules.opsd.OPSDModule.teacher_context_ids`)."""
+        return self.teacher.encode_text_context(contexts.texts, prefix="", suffix="")
+
     def divergence(self, student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
         """Per-token divergence (..., V) x 2 -> (...) of the ``divergence`` setting at ``distill_temperature``
         (:func:`lopd_lightning.losses.divergence` with ``distill_top_k``, ``jsd_beta``, ``topk_support``)."""
@@ -162,12 +177,11 @@ class SelfDistillationModule(OnPolicyModule):
         gradient; None when no row is kept on this rank (and the strategy is not sharded)."""
         if not (bool(contexts.kept.any()) or self.sharded):  # sharded: every rank runs the pass
             return None
-        context_ids = self.teacher.encode_text_context(contexts.texts, prefix="", suffix="")
         return self.teacher.logits_on_student_positions(
             batch.input_ids,
             batch.attention_mask,
             batch.context_position,
-            context_ids=context_ids,
+            context_ids=self.context_ids(contexts),
             positions=self.unshift(kept_mask),
         ).detach()
 
@@ -198,6 +212,8 @@ class SelfDistillationModule(OnPolicyModule):
         optimizer = self.optimizers()
         _, mask = self.shifted(batch)  # [B, T-1]
         contexts = self.teacher_contexts(batch)
+        if not isinstance(contexts, TeacherContexts):
+            contexts = self._contexts_from_tuple(contexts)  # an override of an earlier release
         kept_mask = mask & contexts.kept[:, None]  # [B, T-1]
         num_tokens = self.num_loss_tokens(batch, kept_mask)
         with self.timed("teacher"):
@@ -214,6 +230,16 @@ class SelfDistillationModule(OnPolicyModule):
         metrics["train/grad_norm"] = norm
         self.log_rollout_metrics(batch, metrics)
         return loss.detach()
+
+    def _contexts_from_tuple(self, value: Any) -> TeacherContexts:
+        """The record a :meth:`teacher_contexts` override written for an earlier release returned as a tuple
+        stands for (SDPO's ``(texts, has_demo, kept)``, converted by SDPO's override; warned once).
+
+        Raises:
+            TypeError: this method had no tuple form (the base: none), or ``value`` is not one.
+        """
+        raise TypeError(f"{type(self).__name__}.teacher_contexts must return a TeacherContexts record, got "
+                        f"{type(value).__name__}")
 
     def row_fraction(self, rows: Tensor | int, batch: RolloutBatch) -> float:
         """``rows`` (a count, or a (B,) bool) over all ranks / the batch's rows over all ranks."""

@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 class SFTModule(OnPolicyModule):
     """Supervised fine-tuning on reference solutions: L = -sum omega log pi(y* | s) / sum omega.
 
-    Args (besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s):
+    Besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s arguments (``--help`` lists both):
+
+    Args:
         save_dir: when set, the student (LoRA merged into the weights) and tokenizer are saved there
             as a Hugging Face folder at the end of fit, ready to be the ``model`` of the next stage.
     """

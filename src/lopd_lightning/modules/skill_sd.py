@@ -169,7 +169,9 @@ class SkillSDStepInputs(GRPOStepInputs):
 class SkillSDModule(GRPOModule):
     """Skill-SD: GRPO plus a self-distillation term towards the self-teacher that reads a UCB1-chosen skill.
 
-    Args (besides :class:`~lopd_lightning.modules.grpo.GRPOModule`'s):
+    Besides :class:`~lopd_lightning.modules.grpo.GRPOModule`'s arguments (``--help`` lists both):
+
+    Args:
         sdl_coef: weight of the self-distillation term (paper: 0.001).
         teacher_mode: ``"base"`` (default: the frozen initial weights, so the skill is the only thing the
             teacher adds over where the student started), ``"live"`` (the current student) or ``"ema"``.

@@ -18,7 +18,8 @@ from peft import PeftModel
 from torch import Tensor
 
 from lopd_lightning.deprecation import warn_once
-from lopd_lightning.lm import selected_hidden_states, selected_logits, shifted_token_logps
+from lopd_lightning.lm import selected_hidden_states, selected_logits
+from lopd_lightning.losses import shifted_token_logps
 from lopd_lightning.teacher.prefix_cache import TeacherPrefix, after_prefix, check_prefix_read, prefix_from_model
 from lopd_lightning.teacher.splice import (
     DEFAULT_FRAMING_PREFIX,
@@ -341,11 +342,11 @@ class SelfTeacher(TeacherWeights):
     ) -> Tensor:
         """Deprecated: ``shifted_token_logps(self.logits_on_student_positions(...), input_ids)``.
 
-        log pi_T(input_ids[:, t+1] | s_<=t, context): (B, T-1) float32 (:func:`lopd_lightning.lm.shifted_token_logps`).
+        log pi_T(input_ids[:, t+1] | s_<=t, context): (B, T-1) float32 (:func:`lopd_lightning.losses.shifted_token_logps`).
         """
         warn_once(
             "SelfTeacher.teacher_logps",
-            "SelfTeacher.teacher_logps is deprecated and will be removed; use lopd_lightning.lm.shifted_token_logps("
+            "SelfTeacher.teacher_logps is deprecated and will be removed; use lopd_lightning.losses.shifted_token_logps("
             "teacher.logits_on_student_positions(...), input_ids)",
         )
         logits = self.logits_on_student_positions(
