@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from lopd_lightning.models import load_student
-    from lopd_lightning.rollout.backends import make_backend
+    from lopd_lightning.rollout.registry import make_backend
     from lopd_lightning.tasks import get_task
 
     torch.set_num_threads(args.threads)

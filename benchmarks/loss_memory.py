@@ -51,7 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` next to this file, when imported too
 from common import run_metadata, write_json_atomic  # noqa: E402
 
-from lopd_lightning.lm_head import chunked_topk_tail_reverse_kl  # noqa: E402
+from lopd_lightning.losses.lm_head import chunked_topk_tail_reverse_kl  # noqa: E402
 from lopd_lightning.losses import topk_tail_reverse_kl  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "loss_memory.json"

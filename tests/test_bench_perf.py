@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lopd_lightning.lm_head import chunked_topk_tail_reverse_kl
+from lopd_lightning.losses.lm_head import chunked_topk_tail_reverse_kl
 from lopd_lightning.losses import topk_tail_reverse_kl
 from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.bank import build_ivf

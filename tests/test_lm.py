@@ -76,7 +76,7 @@ def test_shifted_token_logps_score_the_next_token():
 @pytest.mark.parametrize("name", ["Head", "chunked_head_kl", "chunked_token_logps", "constant_head", "lm_head_parameters"])
 def test_the_lm_head_names_moved_and_the_old_path_warns_once(name, monkeypatch):
     import lopd_lightning.lm as lm
-    import lopd_lightning.lm_head as lm_head
+    import lopd_lightning.losses.lm_head as lm_head
 
     monkeypatch.setattr(deprecation, "_warned", set())
     with pytest.warns(FutureWarning, match=rf"lopd_lightning\.lm\.{name} moved to lopd_lightning\.lm_head\.{name}"):

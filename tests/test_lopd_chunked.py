@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lopd_lightning.adapters import adapter_parameters, base_parameters, prepare_backbone
 from lopd_lightning.lm import lm_head_logits, selected_hidden_states, selected_logits, unpack
-from lopd_lightning.lm_head import (
+from lopd_lightning.losses.lm_head import (
     LMHead,
     chunked_head_kl,
     chunked_token_logps,

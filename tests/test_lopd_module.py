@@ -502,7 +502,7 @@ def test_a_misspelt_embedder_is_refused_before_the_model_loads():
 
 # ------------------------------------------------------------------- the dual variable's controller
 def test_dual_ascent_follows_the_hand_computed_sequence_and_clamps_at_zero():
-    from lopd_lightning.dual import DualAscent
+    from lopd_lightning.losses.dual import DualAscent
 
     dual = DualAscent(0.25, lr=0.5)
     # beta <- max(0, beta + 0.5 (m - Delta))
@@ -516,7 +516,7 @@ def test_dual_ascent_follows_the_hand_computed_sequence_and_clamps_at_zero():
 
 
 def test_dual_ascent_skips_without_signal_and_on_a_non_finite_margin():
-    from lopd_lightning.dual import DualAscent
+    from lopd_lightning.losses.dual import DualAscent
 
     dual = DualAscent(0.3, lr=0.5)
     assert dual.update(-1.0, 0.05, active=False) == 0.3  # no teacher saw latents, or the step was skipped
@@ -527,7 +527,7 @@ def test_dual_ascent_skips_without_signal_and_on_a_non_finite_margin():
 
 
 def test_dual_ascent_state_dict_round_trip_and_an_old_checkpoints_state():
-    from lopd_lightning.dual import DualAscent
+    from lopd_lightning.losses.dual import DualAscent
 
     dual = DualAscent(0.0, lr=0.5)
     dual.update(-0.4, 0.1)
@@ -543,7 +543,7 @@ def test_dual_ascent_state_dict_round_trip_and_an_old_checkpoints_state():
 
 
 def test_dual_ascent_refuses_a_negative_start_or_step_size():
-    from lopd_lightning.dual import DualAscent
+    from lopd_lightning.losses.dual import DualAscent
 
     for init, lr, key in ((-0.1, 0.5, "beta_init"), (0.0, -1.0, "dual_lr")):
         with pytest.raises(ValueError, match=f"model.init_args.{key} must be >= 0"):

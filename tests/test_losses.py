@@ -777,7 +777,7 @@ def test_the_old_keyword_k_still_works_and_warns_once(monkeypatch):
 def test_the_chunked_kl_moved_to_lm_head_and_the_old_path_warns_once(monkeypatch):
     import warnings
 
-    import lopd_lightning.lm_head as lm_head
+    import lopd_lightning.losses.lm_head as lm_head
     import lopd_lightning.losses as losses
 
     monkeypatch.setattr(deprecation, "_warned", set())

@@ -18,7 +18,8 @@ import torch
 from lopd_lightning.adapters import STUDENT, prepare_backbone, use_adapter
 from lopd_lightning.models import tiny_tokenizer
 from lopd_lightning.rollout import SamplingSettings, generate_rollouts
-from lopd_lightning.rollout.backends import HFGenerateBackend, make_backend
+from lopd_lightning.rollout.backends import HFGenerateBackend
+from lopd_lightning.rollout.registry import make_backend
 from lopd_lightning.rollout.vllm_backend import merged_weights
 from lopd_lightning.tasks.toy import ToyTask
 

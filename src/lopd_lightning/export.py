@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lopd_lightning.cli.errors import exception_chain, init_parameters
+from lopd_lightning.introspect import exception_chain, init_parameters
 from lopd_lightning.deprecation import RENAMED_KEYS
 from lopd_lightning.models import (
     EXPORT_INFO,

@@ -5,7 +5,7 @@ SmolLM2: ~44 of ~450), while the LM head (d x V, V = 49,152) and the (B, T, V) l
 memory of a step. :func:`selected_logits` runs the decoder on the whole sequence and the head only on
 the selected positions, returning packed (N, V) logits in the selected positions' row-major order;
 :func:`selected_hidden_states` returns the final hidden states there instead (the head then runs chunk by
-chunk: :mod:`lopd_lightning.lm_head`). Also the model-input helpers every pass shares:
+chunk: :mod:`lopd_lightning.losses.lm_head`). Also the model-input helpers every pass shares:
 :func:`position_ids_from_mask`.
 """
 
@@ -29,9 +29,9 @@ __all__ = [
     "unpack",
 ]
 
-#: names that moved to :mod:`lopd_lightning.lm_head` (served with a FutureWarning for one release).
+#: names that moved to :mod:`lopd_lightning.losses.lm_head` (served with a FutureWarning for one release).
 __getattr__ = moved_names(__name__, {
-    name: f"lopd_lightning.lm_head:{name}"
+    name: f"lopd_lightning.losses.lm_head:{name}"
     for name in ("Head", "chunked_head_kl", "chunked_token_logps", "constant_head", "lm_head_parameters")
 })
 
@@ -141,14 +141,14 @@ def unpack(values: Tensor, mask: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# hidden states instead of logits: the LM head is left to the caller (lopd_lightning.lm_head)
+# hidden states instead of logits: the LM head is left to the caller (lopd_lightning.losses.lm_head)
 # --------------------------------------------------------------------------------------------------
 def selected_hidden_states(model: nn.Module, positions: Tensor, *, return_cache: bool = False, **model_kwargs: Any) -> Any:
     """Packed (N, d) final hidden states (after the final norm: what the LM head reads) at ``positions``.
 
     ``lm_head_logits(model, selected_hidden_states(model, positions, **kw))`` equals
     ``selected_logits(model, positions, **kw)``; the caller can instead apply the head chunk by chunk
-    (:class:`lopd_lightning.lm_head.LMHead`) so that no (N, V) tensor is alive.
+    (:class:`lopd_lightning.losses.lm_head.LMHead`) so that no (N, V) tensor is alive.
 
     Args:
         model: a Hugging Face causal LM (or a PeftModel around one).

@@ -1,9 +1,9 @@
 """Pure tensor losses of LOPD and its baselines: log-probabilities, divergences, margin, PPO-clip, reduction.
 
-Every function here takes tensors and keyword-only options and returns tensors; nothing holds a model,
-logs, or reduces behind the caller's back. Divergences return one value per token, (B, T); reduce them
+Every function here takes tensors and keyword-only options and returns tensors; nothing logs or reduces
+behind the caller's back (:class:`LMHead` holds references to the two LM heads, :class:`DualAscent` beta). Divergences return one value per token, (B, T); reduce them
 with :func:`masked_mean` (a global token mean, docs/METHOD.md section 5). The LM head applied to final
-hidden states, in full or chunk by chunk, is :mod:`lopd_lightning.lm_head`.
+hidden states, in full or chunk by chunk, is :mod:`lopd_lightning.losses.lm_head`.
 
 Conventions shared by every function below:
 
@@ -30,11 +30,13 @@ One concern per module, every public name re-exported here:
 * ``policy``: :func:`ppo_clip_loss` / :func:`ppo_clip_fraction` (section 6, the GRPO policy loss),
   :func:`k3_kl` (section 6, the k3 KL estimator: GRPO's KL to the reference, Skill-SD's self-distillation
   term), :func:`grpo_loss` / :class:`GRPOLoss` (section 6, GRPO's objective).
+* ``lm_head``: :class:`LMHead`, the LM head applied to (N, V) logits or to (N, d) hidden states chunk by
+  chunk (``distill_chunk_size``), behind :func:`distillation_loss` and :func:`margin_delta` (section 5).
+* ``dual``: :class:`DualAscent`, the dual variable beta and its update (section 5).
 """
 
 from __future__ import annotations
 
-from lopd_lightning.deprecation import moved_names
 from lopd_lightning.losses.composer import anchor_loss, composer_objective, privileged_margin
 from lopd_lightning.losses.divergences import (
     DIVERGENCES,
@@ -45,10 +47,17 @@ from lopd_lightning.losses.divergences import (
     topk_tail_reverse_kl,
 )
 from lopd_lightning.losses.policy import GRPOLoss, grpo_loss, k3_kl, ppo_clip_fraction, ppo_clip_loss
+from lopd_lightning.losses.dual import DualAscent
+from lopd_lightning.losses.lm_head import LMHead, chunked_topk_tail_reverse_kl, distillation_loss, margin_delta
 from lopd_lightning.losses.tokens import masked_mean, shifted_token_logps, token_logps
 
 __all__ = [
     "DIVERGENCES",
+    "DualAscent",
+    "LMHead",
+    "chunked_topk_tail_reverse_kl",
+    "distillation_loss",
+    "margin_delta",
     "DivergenceName",
     "GRPOLoss",
     "anchor_loss",
@@ -67,5 +76,3 @@ __all__ = [
     "topk_tail_reverse_kl",
 ]
 
-#: names that moved to another module (served with a FutureWarning for one release).
-__getattr__ = moved_names(__name__, {"chunked_topk_tail_reverse_kl": "lopd_lightning.lm_head:chunked_topk_tail_reverse_kl"})

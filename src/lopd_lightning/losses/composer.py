@@ -91,7 +91,7 @@ def composer_objective(
         distill: () float, L_distill with the student detached (gradient to the teacher's latents).
         delta: () float, the margin Delta(phi) (:func:`privileged_margin`).
         anchor: () float, :func:`anchor_loss`.
-        beta: the dual variable, >= 0 (:class:`lopd_lightning.dual.DualAscent`).
+        beta: the dual variable, >= 0 (:class:`lopd_lightning.losses.dual.DualAscent`).
         margin: m.
         anchor_weight: lambda.
 

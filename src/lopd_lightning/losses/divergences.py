@@ -4,7 +4,7 @@ Map to the method (docs/METHOD.md):
 
 * :func:`topk_tail_logprobs`: section 5, the top-M support with a tail bucket p~.
 * :func:`topk_tail_reverse_kl`: section 5, the top-M + tail reverse KL of LOPD (also SDPO, section 6).
-  (The same KL from final hidden states, the LM head applied chunk by chunk: :mod:`lopd_lightning.lm_head`.)
+  (The same KL from final hidden states, the LM head applied chunk by chunk: :mod:`lopd_lightning.losses.lm_head`.)
 * :func:`generalized_jsd`: section 6, OPSD's generalized JSD (the GKD convention).
 * :data:`DIVERGENCES`, :func:`divergence`: the divergences by name (SDPO, OPSD and Skill-SD pick one).
 """

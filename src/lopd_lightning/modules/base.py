@@ -47,7 +47,8 @@ from lopd_lightning.modules.hooked_task import ModuleHookedTask
 from lopd_lightning.modules.observability import ObservabilityMixin
 from lopd_lightning.modules.optimization import OptimizationMixin
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
-from lopd_lightning.rollout.backends import BACKENDS, GenerationBackend, make_backend
+from lopd_lightning.rollout.backends import GenerationBackend
+from lopd_lightning.rollout.registry import BACKENDS, make_backend
 from lopd_lightning.tasks import Example, Message, Task, episode_reward
 
 log = logging.getLogger(__name__)
@@ -301,17 +302,15 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
     def make_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
         """Generate this step's on-policy rollouts for ``examples``: the
         :class:`~lopd_lightning.data.RolloutSource` interface, which the DataModule calls once per
-        training step (retrieval, then generation under the student adapter through
-        :class:`~lopd_lightning.modules.hooked_task.ModuleHookedTask`, then the trajectory count).
+        training step (generation under the student adapter through
+        :class:`~lopd_lightning.modules.hooked_task.ModuleHookedTask`, then retrieval of the experiences the
+        teacher will see, then the trajectory count).
 
         Returns:
             A RolloutBatch with ``group_size`` trajectories per example (contiguous groups) and,
             for methods with a bank, ``experiences`` (one list per trajectory).
         """
         self.step_timings = {}
-        start = time.perf_counter()
-        experiences = self.retrieve(task, examples)
-        self.step_timings["retrieval"] = time.perf_counter() - start
         start = time.perf_counter()
         with self.student_context():
             batch = generate_rollouts(
@@ -326,6 +325,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
                 **self.sampling_options(),
             )
         self.step_timings["generation"] = time.perf_counter() - start
+        start = time.perf_counter()
+        experiences = self.retrieve(task, examples)  # for the teacher's context; the rollouts never see them
+        self.step_timings["retrieval"] = time.perf_counter() - start
         self.annotate(batch, examples)
         if experiences is not None:
             g = self.hparams.group_size

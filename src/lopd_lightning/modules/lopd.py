@@ -4,21 +4,21 @@ One training step (manual optimisation, two optimisers):
 
 1. the DataModule's batch: the student's rollouts with the top-J experiences retrieved per example;
 2. the student's forward at its assistant tokens (logits, or final hidden states with
-   ``distill_chunk_size``: :class:`~lopd_lightning.lm_head.LMHead` holds that choice) and, in ``live`` mode
+   ``distill_chunk_size``: :class:`~lopd_lightning.losses.lm_head.LMHead` holds that choice) and, in ``live`` mode
    without dropout, its key/value cache of the prompt before the context, which the teacher's pass
    starts from (``teacher_prefix_cache``; other modes compute that prefix with one no-grad teacher pass);
 3. the composer turns each example's experiences into J*K latent tokens c_phi, and the self-teacher
    (the shared backbone, composer LoRA off) scores every student token with the latents in its first
    user message: the teacher's outputs on the student's positions;
 4. student loss: L_distill = global token mean of KL(p~_S || p~_T) on the teacher's top-M + tail
-   support, the teacher constant (:func:`~lopd_lightning.lm_head.distillation_loss`);
+   support, the teacher constant (:func:`~lopd_lightning.losses.lm_head.distillation_loss`);
 5. composer loss: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor
    (:func:`~lopd_lightning.losses.composer_objective`), where Delta is the privileged margin
-   (:func:`~lopd_lightning.lm_head.margin_delta`) and the anchor ties c_phi to the warm-started
+   (:func:`~lopd_lightning.losses.lm_head.margin_delta`) and the anchor ties c_phi to the warm-started
    composer's latents (:func:`~lopd_lightning.losses.anchor_loss`);
 6. one backward pass of the sum (disjoint parameters), then the student step and the composer step;
 7. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks
-   (:class:`~lopd_lightning.dual.DualAscent`).
+   (:class:`~lopd_lightning.losses.dual.DualAscent`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing_extensions import override
 
 from lopd_lightning.adapters import add_composer_adapter, as_lora_config, check_lora_config, copy_adapter
 from lopd_lightning.deprecation import fold_renamed, warn_once
-from lopd_lightning.dual import DualAscent
-from lopd_lightning.lm_head import LMHead, distillation_loss, margin_delta
+from lopd_lightning.losses.dual import DualAscent
+from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
 from lopd_lightning.losses import anchor_loss, composer_objective
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, clip_composer_grads, warm_start_loss
@@ -116,8 +116,8 @@ class LOPDLosses(NamedTuple):
 class LOPDModule(OnPolicyModule):
     """LOPD: a student distilled towards its latent-conditioned self-teacher; the composer trained with a margin.
 
-    ``beta`` (a property) is the dual variable of :attr:`dual` (:class:`~lopd_lightning.dual.DualAscent`);
-    ``lm_head`` (:class:`~lopd_lightning.lm_head.LMHead`) applies the student's and the teacher's LM heads
+    ``beta`` (a property) is the dual variable of :attr:`dual` (:class:`~lopd_lightning.losses.dual.DualAscent`);
+    ``lm_head`` (:class:`~lopd_lightning.losses.lm_head.LMHead`) applies the student's and the teacher's LM heads
     in full or in chunks (``distill_chunk_size``).
 
     Besides :class:`~lopd_lightning.modules.base.OnPolicyModule`'s arguments (``--help`` lists both):
@@ -148,7 +148,7 @@ class LOPDModule(OnPolicyModule):
         distill_temperature: temperature of both distributions in the KL (1.0 in the paper).
         distill_chunk_size: None (default) computes the student's and the teacher's logits packed (N, V)
             at the N assistant positions. An int c >= 1 keeps only their final hidden states (N, d) and
-            applies the LM head c rows at a time (:class:`~lopd_lightning.lm_head.LMHead`), in the
+            applies the LM head c rows at a time (:class:`~lopd_lightning.losses.lm_head.LMHead`), in the
             distillation KL of both losses and in the sampled-token log-probs of the margin Delta: same
             values and gradients up to float rounding, and the extra peak memory of the losses is
             O(c x V) instead of O(N x V), flat in the sequence length (benchmarks/results/loss_memory.json).

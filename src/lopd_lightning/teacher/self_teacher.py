@@ -211,7 +211,7 @@ class SelfTeacher(TeacherWeights):
             positions: (B, T) bool on student positions.
             output: ``"logits"`` (N, V) (the LM head runs on the N positions only) or ``"hidden"``, the
                 final hidden states (N, d) after the final norm (the caller applies the head:
-                :class:`lopd_lightning.lm_head.LMHead`).
+                :class:`lopd_lightning.losses.lm_head.LMHead`).
             prefix: keys and values of the first ``prefix.length`` tokens (:class:`TeacherPrefix`, made
                 with the teacher's weights): the pass then runs on the rest of the sequence only, forward
                 and backward (same values up to float rounding). None of ``positions`` may fall in it,

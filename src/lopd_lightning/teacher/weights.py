@@ -30,7 +30,7 @@ from peft import PeftModel
 from torch import nn
 
 from lopd_lightning.adapters import STUDENT, TEACHER_EMA, adapter_parameters, base_parameters, is_lora_student, use_adapter
-from lopd_lightning.lm_head import Head, lm_head_parameters
+from lopd_lightning.losses.lm_head import Head, lm_head_parameters
 from lopd_lightning.teacher.prefix_cache import has_dropout
 
 log = logging.getLogger(__name__)
@@ -183,11 +183,11 @@ class TeacherWeights(nn.Module):
             yield model
 
     def head_parameters(self) -> Head:
-        """(weight, bias) of the teacher model's output head, see :func:`lopd_lightning.lm_head.lm_head_parameters`.
+        """(weight, bias) of the teacher model's output head, see :func:`lopd_lightning.losses.lm_head.lm_head_parameters`.
 
         The shared backbone's head for a LoRA student or ``live`` mode, else the frozen copy's. For a
         full-parameter student in ``live`` mode the weight requires grad outside :meth:`teacher_scope`:
-        hold it constant with :func:`lopd_lightning.lm_head.constant_head` (:class:`~lopd_lightning.lm_head.LMHead`
+        hold it constant with :func:`lopd_lightning.losses.lm_head.constant_head` (:class:`~lopd_lightning.losses.lm_head.LMHead`
         does).
         """
         return lm_head_parameters(self.model)

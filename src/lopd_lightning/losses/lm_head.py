@@ -34,7 +34,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lopd_lightning.lm import base_model, unpack
-from lopd_lightning.losses import privileged_margin, token_logps, topk_tail_reverse_kl
+from lopd_lightning.losses.composer import privileged_margin
+from lopd_lightning.losses.divergences import topk_tail_reverse_kl
+from lopd_lightning.losses.tokens import token_logps
 from lopd_lightning.losses._common import _check_temperature, _compute_dtype, _top_k_renamed
 
 __all__ = [
