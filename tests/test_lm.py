@@ -79,7 +79,7 @@ def test_the_lm_head_names_moved_and_the_old_path_warns_once(name, monkeypatch):
     import lopd_lightning.losses.lm_head as lm_head
 
     monkeypatch.setattr(deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.lm\.{name} moved to lopd_lightning\.lm_head\.{name}"):
+    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.lm\.{name} moved to lopd_lightning\.losses\.lm_head\.{name}"):
         old = getattr(lm, name)
     assert old is getattr(lm_head, name)
     with warnings.catch_warnings():

@@ -774,19 +774,16 @@ def test_the_old_keyword_k_still_works_and_warns_once(monkeypatch):
         topk_tail_reverse_kl(student, teacher, k=3, top_k=3)
 
 
-def test_the_chunked_kl_moved_to_lm_head_and_the_old_path_warns_once(monkeypatch):
+def test_the_chunked_kl_is_still_served_by_losses_without_a_warning():
     import warnings
 
-    import lopd_lightning.losses.lm_head as lm_head
     import lopd_lightning.losses as losses
+    import lopd_lightning.losses.lm_head as lm_head
 
-    monkeypatch.setattr(deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match=r"lopd_lightning\.losses\.chunked_topk_tail_reverse_kl moved to lopd_lightning\.lm_head"):
-        old = losses.chunked_topk_tail_reverse_kl
-    assert old is lm_head.chunked_topk_tail_reverse_kl
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        from lopd_lightning.losses import chunked_topk_tail_reverse_kl  # noqa: F401  (no second warning)
+        from lopd_lightning.losses import chunked_topk_tail_reverse_kl
+    assert chunked_topk_tail_reverse_kl is lm_head.chunked_topk_tail_reverse_kl
     with pytest.raises(AttributeError):
         losses.no_such_loss  # noqa: B018
 
