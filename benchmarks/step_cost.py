@@ -30,7 +30,8 @@ Run::
 
     python benchmarks/step_cost.py [--model smollm2-135m-instruct|tiny|FOLDER] [--task bfcl_live_simple]
                                    [--trajectories 8] [--steps 3] [--warmup 1] [--threads 1]
-                                   [--device cpu|cuda] [--max-new-tokens 96] [--out benchmarks/results/step_cost.json]
+                                   [--device cpu|cuda] [--max-new-tokens 96] [--generation-backend hf|vllm]
+                                   [--out benchmarks/results/step_cost.json]
 
 The JSON is ``{"benchmark": "step_cost", "model", "task", "settings", "methods": {"lopd", "grpo"},
 "ratio_lopd_over_grpo", "ratio_excluding_generation", "floor", "distance_to_floor", "target"}`` plus
@@ -96,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distill-chunk-size", type=int, default=None, help="LOPD: chunked distillation loss")
     p.add_argument("--no-teacher-prefix-cache", dest="teacher_prefix_cache", action="store_false",
                    help="LOPD: the teacher recomputes the whole sequence (teacher_prefix_cache=False)")
+    p.add_argument("--generation-backend", default="hf", choices=["hf", "vllm"],
+                   help="how rollouts are generated (vllm: run in the environment of make test-vllm)")
     p.add_argument("--quick", action="store_true", help="tests: tiny model, toy task, 4 trajectories, 1+1 steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -198,7 +201,8 @@ def reference_bank(module: LOPDModule, dm: OnPolicyDataModule, limit: int | None
 def build(method: str, args: argparse.Namespace) -> tuple[Any, OnPolicyDataModule, list[Callback], dict[str, Any]]:
     common = dict(dtype=args.dtype, lora=LORA if args.lora else None, learning_rate=1e-4, grad_clip=1.0,
                   temperature=0.7, top_p=0.95, top_k=20, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                  gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False)))
+                  gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", False)),
+                  generation_backend=getattr(args, "generation_backend", "hf"))
     info: dict[str, Any] = {}
     if method == "lopd":
         group = args.lopd_group
@@ -397,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "settings": {"trajectories": args.trajectories, "lopd_layout": f"{lopd['tasks_per_step']}x{lopd['rollouts_per_task']}",
                      "grpo_layout": f"{grpo['tasks_per_step']}x{grpo['rollouts_per_task']}", "steps": args.steps,
                      "warmup": args.warmup, "threads": args.threads, "device": args.device, "dtype": args.dtype,
+                     "generation_backend": args.generation_backend,
                      "lora": LORA if args.lora else None, "max_new_tokens": args.max_new_tokens,
                      "embedder": args.embedder, "lopd": LOPD_SETTINGS, "grpo": GRPO_SETTINGS,
                      "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20}, "quick": args.quick,
