@@ -289,3 +289,23 @@ def test_a_step_inputs_override_returning_a_dict_trains_with_one_warning(monkeyp
     assert {"train/loss", "train/advantage_abs_mean", "train/zero_std_groups"} <= set(logged)
     with pytest.raises(TypeError, match="step_inputs returned a dict without advantages, num_tokens"):
         GRPOStepInputs.from_mapping({"mask": batch.assistant_mask})
+
+
+def test_generation_batch_size_changes_the_calls_not_the_rollouts():
+    """Episodes in calls of at most 2 rows (longest contexts first) sample the same tokens as all at once."""
+    task = ParityToy()
+    examples = task.examples("train")[:3]
+    batches = []
+    for size in (None, 2):
+        module = GRPOModule("tiny", group_size=2, max_new_tokens=6, generation_batch_size=size)
+        module._trainer = None
+        batches.append(module.make_batch(task, examples))
+    assert torch.equal(batches[0].input_ids, batches[1].input_ids)
+    assert batches[0].messages == batches[1].messages
+    assert batches[0].stats.generate_calls == 1 and batches[1].stats.generate_calls == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, True])
+def test_bad_generation_batch_size_names_the_key(no_model_loading, bad):
+    with pytest.raises(ValueError, match="model.init_args.generation_batch_size must be null or an int >= 1"):
+        GRPOModule("tiny", generation_batch_size=bad)

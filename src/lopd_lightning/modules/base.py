@@ -112,6 +112,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         max_prompt_tokens: an episode whose context grows past this many tokens ends before its next turn
             (recorded as ``truncation="context"``).
         val_max_new_tokens: token limit per turn of validation episodes (None: ``max_new_tokens``).
+        generation_batch_size: most episodes per generation call (None: all of a step's, or all of a
+            validation batch's, at once); with a number the longest contexts go first, so similar lengths
+            share a call and pad less. Tokens do not depend on it (per-rollout seeds).
         success_threshold: a trajectory with reward >= this counts as a success (``*/success_rate``).
         gradient_checkpointing: trade compute for activation memory in the student's backward.
         validate_before_training: run the val split once before the first step, logged at step 0.
@@ -165,6 +168,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         max_turns: int | None = None,
         max_prompt_tokens: int | None = None,
         val_max_new_tokens: int | None = None,
+        generation_batch_size: int | None = None,
         success_threshold: float = 1.0,
         gradient_checkpointing: bool = False,
         validate_before_training: bool = False,
@@ -190,6 +194,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
                            ("sample_prompt_chars", sample_prompt_chars), ("progress_every_n_steps", progress_every_n_steps)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0 (0 = off), got {value}; set model.init_args.{key}")
+        if generation_batch_size is not None and (isinstance(generation_batch_size, bool) or generation_batch_size < 1):
+            raise ValueError(f"model.init_args.generation_batch_size must be null or an int >= 1, got {generation_batch_size!r}")
         if generation_backend not in BACKENDS:
             raise ValueError(f"model.init_args.generation_backend must be one of {', '.join(BACKENDS)}, "
                              f"got {generation_backend!r}")
@@ -271,6 +277,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             options["max_turns"] = hp.max_turns
         if greedy and hp.val_max_new_tokens is not None:
             options["max_new_tokens"] = hp.val_max_new_tokens
+        if hp.get("generation_batch_size") is not None:
+            options["generation_batch_size"] = hp.generation_batch_size
         return options
 
     def generation_backend(self) -> GenerationBackend:
