@@ -1,53 +1,138 @@
 """Side-by-side comparison of the methods on one task at one budget of generated trajectories.
 
-One command:
-
-    python benchmarks/compare.py                        # every method, seeds 0 and 1, CPU settings
+    python benchmarks/compare.py                        # the five methods, seeds 0 and 1, 32 trajectories a run
     python benchmarks/compare.py --methods lopd grpo --seeds 0 1 2 --budget 64
+    python benchmarks/compare.py --plan evidence --sweep-lr 1e-5,3e-5,1e-4   # issue 17: the learning rates
+    python benchmarks/compare.py --plan evidence         # issue 17: the grid, in its order, resumable
+    python benchmarks/compare.py --plan evidence --generation-backend vllm --lopd .venv-vllm/bin/lopd
+    python benchmarks/compare.py --aggregate-only        # compare.{json,png,md} from the run files there are
     python benchmarks/compare.py --config-dir configs/compare_tiny --budget 8 --in-process   # smoke test
 
-For each method and seed it merges ``<config-dir>/common.yaml`` with ``<config-dir>/<method>.yaml`` and
-the run's own settings (seed, number of steps = budget / trajectories per step, log folder), saves the
-result as ``<root>/<method>/seed_<s>/run.yaml`` and runs ``lopd fit -c`` on it (a subprocess by
-default, so that each run's peak memory is its own). Every run logs to TensorBoard under ``<root>``, so
+Each run merges ``<config-dir>/common.yaml`` with ``<config-dir>/<method>.yaml`` and its own settings
+(seed, steps = budget / trajectories per step, learning rate, evaluations, checkpoints, log folder), saves
+it as ``<root>/<method>/seed_<s>/run.yaml`` and runs ``lopd fit -c`` on it (a subprocess by default, so
+that each run's peak memory is its own). Every run logs to TensorBoard under ``<root>``, so
+``tensorboard --logdir runs/compare`` overlays every method and seed.
 
-    tensorboard --logdir runs/compare
+- **Held-out curve**: every run evaluates the student greedily on all the held-out questions of the
+  config (``val_examples``) before its first step and at least ``--evaluations`` times evenly after it,
+  the last at its end (:func:`evaluation_interval`); per question from ``<log_dir>/generations/val_step_<k>.jsonl``.
+- **Resume**: a ``last.ckpt`` is saved every ``--checkpoint-every`` steps in the run folder; a run with
+  no result file whose folder holds a checkpoint of the same config continues from it
+  (``lopd fit ... --ckpt_path``). A finished run with the same config is read back, never run again.
+- **Provenance**: each finished run writes ``<runs-dir>/<method>/seed_<s>.json`` (default
+  ``benchmarks/results/compare_runs``, to be committed at once) with the hash of the ``src/`` tree it ran
+  on, its generation backend, its config, its curves and its per-question held-out results. The
+  aggregation reads every run file there and refuses to mix src trees, backends, budgets or held-out
+  sets unless ``--src-tree`` / ``--backend`` / ``--budget`` choose (compare_runs.py).
+- **Plans**: ``grid`` (``--methods`` x ``--seeds``, seed-major) or ``evidence`` (:func:`evidence_plan`:
+  LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD; 192 trajectories a
+  run; the start student of ``benchmarks/start_student.py``; learning rates from the sweep).
+- **Learning-rate sweep** (``--sweep-lr``, compare_sweep.py): LOPD and GRPO at each rate, 64
+  trajectories, seed 0, judged on a dev slice of the train split (``data.init_args.dev_slice``), never on
+  the held-out questions; writes ``compare_lr_sweep.json``; the other methods take GRPO's rate.
 
-overlays all methods and seeds (``by_rollouts/reward_mean``: training reward against trajectories
-consumed). The first run also evaluates the start student on the held-out questions (``val_before``):
-every method starts from the same student and validation is greedy, so it is the same for all.
-
-Outputs (fixed paths, compared across versions): ``benchmarks/results/compare.json`` (keys documented
-in :func:`summarise`), ``compare.png`` (reward against trajectories, mean and a band of one standard
-deviation across seeds) and ``compare.md`` (a table).
-
-The efficiency number (docs/METHOD.md section 7: LOPD passes GRPO's final reward after 20% of its budget):
-each method's seed-mean reward curve is smoothed with a trailing mean over ``--smooth`` steps; GRPO's
-final reward is its smoothed curve's last value; ``lopd_budget_fraction_to_grpo_final`` is the first
-trajectory count at which LOPD's smoothed curve (from its first full window on) reaches it, divided by
-GRPO's total, or null.
+Outputs (``--out-dir``, default benchmarks/results): ``compare.json`` (keys: compare_stats.summarise),
+``compare.png`` (training reward and held-out success against trajectories, bands over seeds) and
+``compare.md`` (a table).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import importlib.util
+import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_runs  # noqa: E402,F401  (the helpers, reachable as compare.compare_runs...)
+import compare_stats  # noqa: E402,F401
+import compare_sweep  # noqa: E402,F401
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
+from compare_report import plot, table  # noqa: E402,F401  (plot and table: part of this script's interface)
+from compare_runs import (  # noqa: E402
+    MixedRuns,
+    checkpoint_step,
+    generation_backend,
+    heldout_evaluations,
+    read_config,
+    read_run_files,
+    resume_step,
+    reward_curve,
+    run_file,
+    select_runs,
+    src_provenance,
+)
+from compare_stats import budget_fraction, smooth, summarise  # noqa: E402,F401  (re-exported for the tests)
+from compare_sweep import (  # noqa: E402
+    DEV_QUESTIONS,
+    SWEEP_BUDGET,
+    SWEEP_METHODS,
+    learning_rates_for,
+    parse_rates,
+    rate_folder,
+    sweep_document,
+)
 
 from lopd_lightning.deprecation import rename_keys  # noqa: E402
 
 METHODS = ("lopd", "grpo", "sdpo", "opsd", "skill_sd")
+#: every method with a config, in the order compare.json lists them.
+ALL_METHODS = ("lopd", "grpo", "sdpo", "lopd_m0", "opsd", "skill_sd")
+#: seeds per method of the evidence plan (issue 17): LOPD and GRPO >= 3, SDPO and lopd_m0 >= 2, the rest >= 1.
+EVIDENCE_SEEDS = {"lopd": 3, "grpo": 3, "sdpo": 2, "lopd_m0": 2, "opsd": 1, "skill_sd": 1}
+EVIDENCE_BUDGET = 192
+EVIDENCE_STUDENT = "runs/evidence/sft_student"  # benchmarks/start_student.py's output
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-REWARD_TAG = "by_rollouts/reward_mean"
 VAL_METRIC = "val/success_rate"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: a method, a seed and what this run sets on top of the method's config.
+
+    ``folder`` names the run folder under ``<root>/<method>`` (default ``seed_<seed>``); ``evaluations``
+    counts the held-out evaluations after the start (the last at the final step); ``dev_slice``, when
+    set, validates on that many train questions instead of the held-out split (the sweep).
+    """
+
+    method: str
+    seed: int
+    budget: int
+    learning_rate: float | None = None
+    folder: str = ""
+    dev_slice: int | None = None
+    evaluations: int = 3
+    validate_before: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.folder or f"seed_{self.seed}"
+
+
+# ---------------------------------------------------------------------- plans
+def evidence_plan(seeds: dict[str, int] | None = None) -> list[tuple[str, int]]:
+    """``(method, seed)`` in the evidence order of issue 17: LOPD and GRPO seed 0, then their further
+    seeds (LOPD 1, GRPO 1, LOPD 2, ...), then SDPO, lopd_m0, OPSD and Skill-SD with their seeds, so that a
+    plan stopped part-way has already answered the main question (LOPD against GRPO)."""
+    seeds = dict(EVIDENCE_SEEDS if seeds is None else seeds)
+    head = ("lopd", "grpo")
+    plan = [(m, s) for s in range(max(seeds[m] for m in head)) for m in head if s < seeds[m]]
+    return plan + [(m, s) for m in ALL_METHODS if m not in head for s in range(seeds.get(m, 0))]
+
+
+def grid_plan(methods: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """``(method, seed)`` seed-major: a stopped grid still has every method at the first seed."""
+    return [(m, s) for s in seeds for m in methods]
 
 
 # ---------------------------------------------------------------------- configs
@@ -79,41 +164,71 @@ def trajectories_per_step(config: dict[str, Any]) -> int:
     return int(data["examples_per_step"]) * int(model["group_size"])
 
 
-def run_config(
-    config: dict[str, Any], *, method: str, seed: int, budget: int, root: Path, student: str | None, validate_before: bool
-) -> dict[str, Any]:
-    """The full config of one run: the method's config with the seed, steps, logger and summary set.
+def evaluation_interval(steps: int, evaluations: int) -> int:
+    """Steps between held-out evaluations: the largest divisor of ``steps`` that is at most
+    ``steps // evaluations``, so that at least ``evaluations`` fall evenly, the last at ``steps``
+    (Lightning validates every N steps; 48 steps and 3 give every 16, 8 steps give every 2).
 
     Raises:
-        ValueError: the budget is smaller than one step's trajectories.
+        ValueError: that spacing would make more than twice ``evaluations`` (e.g. a prime number of steps).
     """
-    import copy
+    if steps <= evaluations:
+        return 1
+    interval = max(d for d in range(1, steps // evaluations + 1) if steps % d == 0)
+    if steps // interval > 2 * evaluations:
+        raise ValueError(f"{steps} steps cannot hold {evaluations} evenly spaced held-out evaluations ending at the last "
+                         f"step (every {interval} steps would make {steps // interval}): choose a budget whose steps are "
+                         f"a multiple of {evaluations} (or change --evaluations)")
+    return interval
 
+
+def _path(path: Path) -> str:
+    """``path`` relative to the repository when inside it (runs read it from there), else absolute."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def run_config(config: dict[str, Any], spec: RunSpec, *, root: Path, student: str | None = None,
+               backend: str | None = None, checkpoint_every: int = 4, dev_seed: int = 0) -> dict[str, Any]:
+    """The full config of one run: the method's config with the seed, steps, evaluations, checkpoints,
+    logger, summary, learning rate, student and backend set.
+
+    Raises:
+        ValueError: the budget is smaller than one step's trajectories, or its steps do not hold the
+            evaluations evenly (:func:`evaluation_interval`).
+    """
     config = copy.deepcopy(config)
     per_step = trajectories_per_step(config)
-    if budget < per_step:
-        raise ValueError(f"--budget {budget} is smaller than one {method} step ({per_step} trajectories); raise --budget")
-    steps = budget // per_step
-    run_dir = root / method / f"seed_{seed}"
-    config["seed_everything"] = seed
+    if spec.budget < per_step:
+        raise ValueError(f"--budget {spec.budget} is smaller than one {spec.method} step ({per_step} trajectories); "
+                         "raise --budget")
+    steps = spec.budget // per_step
+    run_dir = Path(root) / spec.method / spec.name
+    config["seed_everything"] = spec.seed
     trainer = config.setdefault("trainer", {})
-    trainer["max_steps"] = steps
-    trainer["val_check_interval"] = steps  # validation once, after the last step
-    trainer["logger"] = {
-        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": str(root), "name": method, "version": f"seed_{seed}"},
-    }
-    summary = {
-        "class_path": "lopd_lightning.callbacks.RunSummary",
-        "init_args": {"metric": VAL_METRIC, "json_path": str(run_dir / "summary.json")},
-    }
-    trainer["callbacks"] = [c for c in trainer.get("callbacks", []) or [] if "RunSummary" not in c["class_path"]] + [summary]
+    trainer.update(max_steps=steps, val_check_interval=evaluation_interval(steps, spec.evaluations),
+                   check_val_every_n_epoch=None, limit_val_batches=1.0, num_sanity_val_steps=0,
+                   enable_checkpointing=True)
+    trainer["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                         "init_args": {"save_dir": _path(root), "name": spec.method, "version": spec.name}}
+    summary = {"class_path": "lopd_lightning.callbacks.RunSummary",
+               "init_args": {"metric": VAL_METRIC, "json_path": _path(run_dir / "summary.json")}}
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": _path(run_dir / "checkpoints"), "save_last": True, "save_top_k": 0,
+                                "every_n_train_steps": checkpoint_every, "enable_version_counter": False}}
+    kept = [c for c in trainer.get("callbacks") or [] if not c["class_path"].endswith(("RunSummary", "ModelCheckpoint"))]
+    trainer["callbacks"] = kept + [summary, checkpoint]
     init_args = config.setdefault("model", {}).setdefault("init_args", {})
-    init_args["seed"] = seed
-    init_args["validate_before_training"] = validate_before
-    if student:
-        init_args["model"] = student
-    config.setdefault("data", {}).setdefault("init_args", {})["seed"] = seed
+    init_args.update(seed=spec.seed, validate_before_training=spec.validate_before, save_generations=True)
+    for key, value in (("model", student), ("generation_backend", backend), ("learning_rate", spec.learning_rate)):
+        if value is not None:
+            init_args[key] = value
+    data = config.setdefault("data", {}).setdefault("init_args", {})
+    data["seed"] = spec.seed
+    if spec.dev_slice is not None:  # validate on train questions kept out of training; the bank without them
+        data.update(dev_slice=spec.dev_slice, dev_slice_seed=dev_seed, val_examples=None)
+        if init_args.get("bank_path"):
+            init_args["bank_path"] = _path(Path(root) / "bank")
     return config
 
 
@@ -126,26 +241,40 @@ def write_config(config: dict[str, Any], path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------- running
+#: the ``lopd`` executable of the runs when ``--lopd`` names one (e.g. ``.venv-vllm/bin/lopd``).
+LOPD_EXECUTABLE: str | None = None
+
+
 def lopd_command() -> list[str]:
-    """The ``lopd`` console script of this interpreter's environment (``python -m`` as a fallback)."""
+    """``--lopd``, else the ``lopd`` console script of this interpreter's environment (``python -m`` as a
+    fallback)."""
+    if LOPD_EXECUTABLE:
+        return [LOPD_EXECUTABLE]
     script = Path(sys.executable).parent / "lopd"
     return [str(script)] if script.exists() else [sys.executable, "-m", "lopd_lightning.cli"]
 
 
 def run_lopd(args: list[str], *, in_process: bool, threads: int | None, log_path: Path | None = None) -> float:
-    """Run ``lopd <args>``; returns the wall seconds. A failed subprocess raises with its log's tail."""
+    """Run ``lopd <args>`` from the repository root; returns the wall seconds.
+
+    Raises:
+        RuntimeError: the command failed (a subprocess: with its log's tail).
+    """
     start = time.perf_counter()
     if in_process:
         from lopd_lightning.cli import main
 
-        main(args)
+        with contextlib.chdir(REPO_ROOT):  # the configs' relative paths, as for the subprocess
+            code = main(args)
+        if code:
+            raise RuntimeError(f"`lopd {' '.join(args)}` returned {code}")
         return time.perf_counter() - start
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path or os.devnull, "w") as out:
+    with open(log_path or os.devnull, "a") as out:  # appended: a resumed run's log follows the interrupted one
         proc = subprocess.run([*lopd_command(), *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     if proc.returncode != 0:
         tail = log_path.read_text()[-3000:] if log_path else ""
@@ -154,7 +283,7 @@ def run_lopd(args: list[str], *, in_process: bool, threads: int | None, log_path
 
 
 def prepare_bank(config: dict[str, Any], config_path: Path, *, in_process: bool, threads: int | None, log_dir: Path) -> None:
-    """Build the LOPD bank from reference solutions when the configured folder holds none."""
+    """Build the LOPD bank from the train split's reference solutions when the configured folder holds none."""
     bank_path = config.get("model", {}).get("init_args", {}).get("bank_path")
     if not bank_path or (REPO_ROOT / bank_path / "meta.json").exists() or Path(bank_path, "meta.json").exists():
         return
@@ -163,248 +292,146 @@ def prepare_bank(config: dict[str, Any], config_path: Path, *, in_process: bool,
              log_path=log_dir / "build_memory.log")
 
 
-def reward_curve(log_dir: Path) -> list[tuple[int, float]]:
-    """``(trajectories consumed, training reward)`` points of one run's TensorBoard events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def finished_result(spec: RunSpec, config: dict[str, Any], run_dir: Path, attempts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result file's content of a finished run (:mod:`compare_runs` reads it back).
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    if REWARD_TAG not in acc.Tags().get("scalars", []):
-        return []
-    return [(int(e.step), float(e.value)) for e in acc.Scalars(REWARD_TAG)]
-
-
-def finished_run(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
-    """The saved result of a finished run with exactly this config (None: not run, or a different config)."""
-    import json
-
-    from omegaconf import OmegaConf
-
-    done, saved = run_dir / "result.json", run_dir / "run.yaml"
-    if not (done.exists() and saved.exists()):
-        return None
-    if OmegaConf.to_container(OmegaConf.load(saved), resolve=True) != config:
-        return None
-    return json.loads(done.read_text())
-
-
-def run_one(method: str, seed: int, config: dict[str, Any], *, root: Path, in_process: bool, threads: int | None,
-            reuse: bool = False) -> dict[str, Any]:
-    """Run one method and seed; returns its curve, summary and wall time (also saved as ``result.json``).
-
-    With ``reuse``, a finished run with the same config is read back instead of run again (a stopped
-    comparison resumes where it stopped).
+    Raises:
+        RuntimeError: the run has no held-out evaluation at its last step.
     """
-    import json
-
-    run_dir = root / method / f"seed_{seed}"
-    if reuse and (previous := finished_run(run_dir, config)) is not None:
-        print(f"== {method} seed {seed}: reusing the finished run in {run_dir}", flush=True)
-        return previous
-    for stale in ("result.json", "summary.json"):
-        (run_dir / stale).unlink(missing_ok=True)
-    for events in run_dir.glob("events.out.tfevents.*"):  # a rerun must not mix in an earlier run's curve
-        events.unlink()
-    path = write_config(config, run_dir / "run.yaml")  # (LightningCLI saves its resolved config.yaml there)
-    prepare_bank(config, path, in_process=in_process, threads=threads, log_dir=run_dir)
-    print(f"== {method} seed {seed}: {config['trainer']['max_steps']} steps -> {run_dir}", flush=True)
-    wall = run_lopd(["fit", "-c", str(path)], in_process=in_process, threads=threads, log_path=run_dir / "fit.log")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    curve = reward_curve(run_dir)
-    print(f"   {wall:.0f} s, final reward {curve[-1][1] if curve else float('nan'):.3f}, "
-          f"{VAL_METRIC} after {summary.get('after')}", flush=True)
-    result = {"seed": seed, "curve": curve, "summary": summary, "wall_s": wall}
-    write_json_atomic(result, run_dir / "result.json")
-    return result
-
-
-# ---------------------------------------------------------------------- results
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` points (fewer at the start)."""
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-
-
-def budget_fraction(lopd: dict[str, Any], grpo: dict[str, Any], window: int) -> float | None:
-    """First trajectory count where LOPD's smoothed mean reward reaches GRPO's final smoothed reward,
-    as a fraction of GRPO's total trajectories (None: never reached, or a method has no curve)."""
-    if not lopd["rollouts"] or not grpo["rollouts"]:
-        return None
-    target = smooth(grpo["reward"], window)[-1]
-    for i, (x, y) in enumerate(zip(lopd["rollouts"], smooth(lopd["reward"], window))):
-        # only where a full window exists: one lucky early batch is not "reaching" GRPO's final reward
-        if i >= min(window, len(lopd["reward"])) - 1 and y >= target - 1e-9:
-            return x / grpo["rollouts"][-1]
-    return None
-
-
-def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, budget: int, smooth_window: int,
-              val_before: float | None) -> dict[str, Any]:
-    """The results JSON.
-
-    Keys: ``methods`` -> name -> ``rollouts`` and ``reward`` (seed means at each logged step),
-    ``reward_std`` (across seeds), ``val_before``, ``val_after`` (mean over seeds; ``val_after_std``,
-    ``val_after_per_seed``), ``wall_s`` (mean fit wall seconds per run), ``peak_mem_mb`` (max over
-    seeds of the run's peak RSS), ``seeds``, ``seconds_per_step`` (median by phase, first seed),
-    ``final_reward`` / ``final_reward_std`` (smoothed last value); top level:
-    ``lopd_budget_fraction_to_grpo_final``, ``grpo_final_reward`` (the smoothed target it refers to), ``task``, ``model``, ``budget_trajectories``, ``smooth_window``,
-    ``val_metric`` and the run metadata (``git_sha``, ``versions``, ``hardware``...).
-    """
-    methods: dict[str, Any] = {}
-    for name, seed_runs in runs.items():
-        length = min(len(r["curve"]) for r in seed_runs)
-        xs = [x for x, _ in seed_runs[0]["curve"][:length]]
-        per_seed = [[y for _, y in r["curve"][:length]] for r in seed_runs]
-        stats = [_mean_std([s[i] for s in per_seed]) for i in range(length)]
-        finals = [smooth(s, smooth_window)[-1] for s in per_seed if s]
-        afters = [r["summary"].get("after") for r in seed_runs]
-        afters_known = [a for a in afters if a is not None]
-        methods[name] = {
-            "rollouts": xs,
-            "reward": [m for m, _ in stats],
-            "reward_std": [s for _, s in stats],
-            "final_reward": _mean_std(finals)[0] if finals else None,
-            "final_reward_std": _mean_std(finals)[1] if finals else None,
-            "val_before": val_before,
-            "val_after": _mean_std(afters_known)[0] if afters_known else None,
-            "val_after_std": _mean_std(afters_known)[1] if afters_known else None,
-            "val_after_per_seed": afters,
-            "wall_s": statistics.fmean(r["wall_s"] for r in seed_runs),
-            "peak_mem_mb": max(float(r["summary"].get("peak_rss_mb") or 0.0) for r in seed_runs),
-            "seeds": [r["seed"] for r in seed_runs],
-            "seconds_per_step": seed_runs[0]["summary"].get("seconds_per_step_median", {}),
-        }
-    fraction = grpo_final = None
-    if "lopd" in methods and "grpo" in methods:
-        fraction = budget_fraction(methods["lopd"], methods["grpo"], smooth_window)
-        grpo_final = smooth(methods["grpo"]["reward"], smooth_window)[-1] if methods["grpo"]["reward"] else None
+    per_step, steps = trajectories_per_step(config), int(config["trainer"]["max_steps"])
+    evaluations = heldout_evaluations(run_dir, per_step)
+    if not evaluations or evaluations[-1]["step"] != steps:
+        last = evaluations[-1]["step"] if evaluations else None
+        raise RuntimeError(f"{run_dir}: the last held-out evaluation is at step {last}, not at the run's last step "
+                           f"{steps} (generations/val_step_{steps}.jsonl); run it again with --rerun")
+    init_args = config["model"]["init_args"]
     return {
-        "methods": methods,
-        "lopd_budget_fraction_to_grpo_final": fraction,
-        "grpo_final_reward": grpo_final,
-        "task": task,
-        "model": model,
-        "budget_trajectories": budget,
-        "smooth_window": smooth_window,
-        "val_metric": VAL_METRIC,
-        **run_metadata(seed=min((r["seed"] for rs in runs.values() for r in rs), default=0)),
-        "seeds": sorted({r["seed"] for rs in runs.values() for r in rs}),
+        "method": spec.method, "seed": spec.seed, "run": spec.name,
+        "budget_trajectories": spec.budget, "trajectories_per_step": per_step, "steps": steps,
+        "learning_rate": init_args.get("learning_rate"),
+        "src": attempts[0]["src"], "generation_backend": generation_backend(config),
+        "task": config["data"]["init_args"].get("task"), "model": init_args.get("model"),
+        "curve": reward_curve(run_dir), "evaluations": evaluations,
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+        # the attempts' seconds (an interrupted one's up to the checkpoint it was resumed from)
+        "wall_s": sum(a.get("wall_s") or a.get("wall_s_to_checkpoint") or 0.0 for a in attempts), "attempts": attempts,
+        "config": config,
+        **run_metadata(seed=spec.seed),
     }
 
 
-def plot(results: dict[str, Any], path: Path) -> Path:
-    """Training reward against trajectories consumed: seed mean and a +-1 std band per method."""
-    import matplotlib
+def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: Path, in_process: bool,
+            threads: int | None, rerun: bool = False) -> dict[str, Any]:
+    """Run (or resume, or read back) one run; returns its result, also written to ``result_path``.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for name, m in results["methods"].items():
-        if not m["rollouts"]:
-            continue
-        lo = [a - b for a, b in zip(m["reward"], m["reward_std"])]
-        hi = [a + b for a, b in zip(m["reward"], m["reward_std"])]
-        (line,) = ax.plot(m["rollouts"], m["reward"], marker="o", ms=3, label=f"{name} (n={len(m['seeds'])})")
-        ax.fill_between(m["rollouts"], lo, hi, color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("trajectories consumed")
-    ax.set_ylabel("training reward (mean over seeds)")
-    ax.set_title(f"{results['task']}, {Path(str(results['model'])).name}: band = 1 std across seeds", fontsize=9)
-    ax.set_ylim(-0.05, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def table(results: dict[str, Any]) -> str:
-    """The Markdown table of the results."""
-
-    def fmt(mean: float | None, std: float | None = None) -> str:
-        if mean is None:
-            return "n/a"
-        return f"{mean:.3f}" if std is None else f"{mean:.3f} ± {std:.3f}"
-
-    lines = [
-        f"Task `{results['task']}`, student `{results['model']}`, budget {results['budget_trajectories']} "
-        f"trajectories per run, git {results.get('git_sha')}. Mean ± std across seeds; final reward = trailing "
-        f"mean over {results['smooth_window']} steps; held-out = `{results['val_metric']}` (greedy).",
-        "",
-        "| method | seeds | trajectories | final train reward | held-out before | held-out after | wall s / run | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, m in results["methods"].items():
-        lines.append(
-            f"| {name} | {','.join(map(str, m['seeds']))} | {m['rollouts'][-1] if m['rollouts'] else 0} | "
-            f"{fmt(m['final_reward'], m['final_reward_std'])} | {fmt(m['val_before'])} | "
-            f"{fmt(m['val_after'], m['val_after_std'])} | {m['wall_s']:.0f} | {m['peak_mem_mb']:.0f} |"
-        )
-    fraction, target = results["lopd_budget_fraction_to_grpo_final"], results.get("grpo_final_reward")
-    if target is not None:
-        lines += [
-            "",
-            f"LOPD's budget to reach GRPO's final training reward ({target:.3f}): "
-            + ("not reached within the budget" if fraction is None else f"{fraction:.0%} of GRPO's budget")
-            + " (paper: 20%)."
-            + (" GRPO ended at reward 0, so this says nothing." if target <= 0 else ""),
-        ]
-    return "\n".join(lines) + "\n"
+    Raises:
+        SystemExit: ``result_path`` holds a finished run of another config (``rerun`` replaces it).
+    """
+    run_dir = Path(root) / spec.method / spec.name
+    if result_path.exists() and not rerun:
+        previous = json.loads(result_path.read_text())
+        if previous.get("config") == config:
+            print(f"== {spec.method} {spec.name}: finished, read back from {result_path}", flush=True)
+            return previous
+        raise SystemExit(f"error: {result_path} holds a finished {spec.method} {spec.name} run of another config; "
+                         "pass --rerun to replace it, or --runs-dir to keep both")
+    src = src_provenance()
+    start = None if rerun else resume_step(run_dir, config, src)
+    if start is None and run_dir.exists():
+        shutil.rmtree(run_dir)  # a rerun must not mix in an earlier run's curve, evaluations or checkpoint
+    saved, last_ckpt = run_dir / "attempts.json", run_dir / "checkpoints" / "last.ckpt"
+    attempts = json.loads(saved.read_text()) if start is not None and saved.exists() else []
+    if attempts and attempts[-1]["wall_s"] is None:  # the interrupted attempt: its time up to the checkpoint
+        attempts[-1]["wall_s_to_checkpoint"] = last_ckpt.stat().st_mtime - attempts[-1]["started_unix"]
+    attempts.append({"start_step": start or 0, "src": src, "wall_s": None, "started_unix": time.time(),
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    path = write_config(config, run_dir / "run.yaml")  # (LightningCLI saves its resolved config.yaml there)
+    write_json_atomic(attempts, run_dir / "attempts.json")
+    prepare_bank(config, path, in_process=in_process, threads=threads, log_dir=run_dir)
+    steps = config["trainer"]["max_steps"]
+    args = ["fit", "-c", str(path)]
+    if start is not None:
+        args += ["--ckpt_path", str(last_ckpt)]
+    print(f"== {spec.method} {spec.name}: " + (f"resuming at step {start} of {steps}" if start is not None
+                                               else f"{steps} steps") + f" -> {run_dir}", flush=True)
+    attempts[-1]["wall_s"] = run_lopd(args, in_process=in_process, threads=threads, log_path=run_dir / "fit.log")
+    write_json_atomic(attempts, run_dir / "attempts.json")
+    result = finished_result(spec, config, run_dir, attempts)
+    write_json_atomic(result, result_path)
+    last = result["evaluations"][-1]
+    print(f"   {attempts[-1]['wall_s']:.0f} s, final reward {result['curve'][-1][1] if result['curve'] else float('nan'):.3f}, "
+          f"held-out {last['solved']}/{last['questions']} -> {result_path}", flush=True)
+    return result
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"methods to run (default: {' '.join(METHODS)})")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--budget", type=int, default=32, help="generated trajectories per run (default 32)")
-    parser.add_argument("--config-dir", type=Path, default=REPO_ROOT / "configs" / "compare")
-    parser.add_argument("--root", type=Path, default=REPO_ROOT / "runs" / "compare", help="TensorBoard root")
-    parser.add_argument("--student", default=None, help="the start student for every method (default: the configs')")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where compare.{json,png,md} go")
-    parser.add_argument("--smooth", type=int, default=3, help="trailing-mean window (steps) of the final reward")
-    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run")
-    parser.add_argument("--reuse", action="store_true", help="read back finished runs with the same config")
-    parser.add_argument("--in-process", action="store_true", help="run fits in this process (tests; shared peak RSS)")
-    args = parser.parse_args(argv)
+# ---------------------------------------------------------------------- the sweep, the plan, the aggregation
+def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], student: str | None) -> dict[str, Any]:
+    """LOPD and GRPO at every ``--sweep-lr`` rate on the dev slice; writes ``<out-dir>/compare_lr_sweep.json``."""
+    rates = parse_rates(args.sweep_lr)
+    root = args.root.parent / f"{args.root.name}_lr_sweep"
+    seed = args.seeds[0] if args.seeds else 0
+    specs = [RunSpec(m, seed, args.sweep_budget, learning_rate=rate, folder=rate_folder(rate), dev_slice=args.dev_questions,
+                     evaluations=1, validate_before=(i == 0))  # the start's dev success is the same at every rate
+             for m in SWEEP_METHODS for i, rate in enumerate(rates)]
+    full = [run_config(configs[s.method], s, root=root, student=student, backend=args.generation_backend,
+                       checkpoint_every=args.checkpoint_every, dev_seed=args.dev_seed) for s in specs]  # all checked first
+    if args.dry_run:
+        return dry_run(specs, full, root, [root / s.method / f"{s.name}.json" for s in specs])
+    results: dict[str, dict[float, dict[str, Any]]] = {}
+    for spec, config in zip(specs, full):
+        result = run_one(spec, config, root=root, result_path=root / spec.method / f"{spec.name}.json",
+                         in_process=args.in_process, threads=args.threads, rerun=args.rerun)
+        results.setdefault(spec.method, {})[spec.learning_rate] = result
+    first = next(iter(results.values()))[rates[0]]
+    document = sweep_document(
+        results, smooth_window=args.smooth, learning_rates=rates, budget_trajectories=args.sweep_budget,
+        dev_questions=args.dev_questions, dev_seed=args.dev_seed, task=first["task"], model=first["model"],
+        src=first["src"], generation_backend=first["generation_backend"], **run_metadata(seed=seed, argv=args.argv))
+    path = write_json_atomic(document, args.out_dir / "compare_lr_sweep.json")
+    for method, entry in document["methods"].items():
+        line = ", ".join(f"{rate}: dev {r['dev_solved']}/{r['dev_questions']}" for rate, r in entry["runs"].items())
+        print(f"{method}: {line} -> chosen {entry['chosen']:g}", flush=True)
+    print(f"sweep: {path}; tensorboard --logdir {root}", flush=True)
+    return document
 
-    unknown = [m for m in args.methods if not (args.config_dir / f"{m}.yaml").exists()]
-    if unknown:
-        raise SystemExit(f"error: no config for {unknown} in {args.config_dir}")
-    configs = {m: method_config(args.config_dir, m) for m in args.methods}
-    for method, config in configs.items():  # every budget check before any run starts
-        run_config(config, method=method, seed=0, budget=args.budget, root=args.root, student=args.student, validate_before=False)
-    per_step = {m: trajectories_per_step(c) for m, c in configs.items()}
-    if len({args.budget // n * n for n in per_step.values()}) > 1:
-        print(f"warning: trajectories per step differ ({per_step}); runs use floor(budget / per step) steps", flush=True)
 
-    runs: dict[str, list[dict[str, Any]]] = {}
-    val_before = None
-    first = True
-    for seed in args.seeds:  # seed-major: a stopped comparison still has every method at the first seed
-        for method in args.methods:
-            config = run_config(configs[method], method=method, seed=seed, budget=args.budget, root=args.root,
-                                student=args.student, validate_before=first)
-            result = run_one(method, seed, config, root=args.root, in_process=args.in_process, threads=args.threads,
-                             reuse=args.reuse)
-            if first:
-                val_before = result["summary"].get("before")
-                first = False
-            runs.setdefault(method, []).append(result)
+def plan_specs(args: argparse.Namespace, configs: dict[str, dict[str, Any]]) -> list[RunSpec]:
+    """The runs of ``--plan`` in order, with the learning rates of ``--lr-file`` (none: the configs')."""
+    plan = evidence_plan() if args.plan == "evidence" else grid_plan(args.methods, args.seeds)
+    rates: dict[str, float] = {}
+    if args.lr_file is not None:
+        try:
+            rates = learning_rates_for(args.lr_file, sorted({m for m, _ in plan}))
+        except (FileNotFoundError, KeyError) as error:
+            raise SystemExit(f"error: {error.args[0]}") from None
+    return [RunSpec(m, s, args.budget, learning_rate=rates.get(m), evaluations=args.evaluations) for m, s in plan]
 
-    any_config = next(iter(configs.values()))
-    results = summarise(
-        runs,
-        task=str(any_config["data"]["init_args"]["task"]),
-        model=str(args.student or any_config["model"]["init_args"].get("model")),
-        budget=args.budget,
-        smooth_window=args.smooth,
-        val_before=val_before,
-    )
+
+def aggregate(args: argparse.Namespace) -> dict[str, Any]:
+    """compare.{json,png,md} from every run file in ``--runs-dir`` (those of ``--src-tree``, ``--backend``
+    and ``--budget`` when given).
+
+    Raises:
+        SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
+    """
+    try:
+        runs = select_runs(read_run_files(args.runs_dir), src_tree=args.src_tree, backend=args.backend,
+                           budget=args.budget if args.aggregate_only else None)
+    except MixedRuns as error:
+        raise SystemExit(f"error: {error}") from None
+    if not runs:
+        raise SystemExit(f"error: no run files in {args.runs_dir}: run a plan first")
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    order = {m: i for i, m in enumerate(ALL_METHODS)}
+    for run in sorted(runs, key=lambda r: (order.get(r["method"], len(order)), r["method"], r["seed"])):
+        by_method.setdefault(run["method"], []).append(run)
+    first = runs[0]
+    results = summarise(by_method, task=str(first["task"]), model=str(first["model"]),
+                        budget=int(first["budget_trajectories"]), smooth_window=args.smooth, n_boot=args.bootstrap)
+    results.update(val_metric=VAL_METRIC, generation_backend=first["generation_backend"], **first["src"],
+                   learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
+                   run_files=[r["path"] for r in runs])
+    results.update(run_metadata(seed=min(results["seeds"]), argv=args.argv), seeds=results["seeds"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(results, args.out_dir / "compare.json")
     plot(results, args.out_dir / "compare.png")
@@ -412,6 +439,119 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(results), flush=True)
     print(f"results: {args.out_dir / 'compare.json'}, compare.png, compare.md; tensorboard --logdir {args.root}", flush=True)
     return results
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--plan", choices=("grid", "evidence"), default="grid",
+                   help="grid: --methods x --seeds; evidence: issue 17's runs in order (see evidence_plan)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), help=f"grid methods (default: {' '.join(METHODS)})")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="grid seeds (the sweep uses the first)")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"trajectories per run (default: {EVIDENCE_BUDGET} for the evidence plan, 32 for a grid)")
+    p.add_argument("--config-dir", type=Path, default=REPO_ROOT / "configs" / "compare")
+    p.add_argument("--root", type=Path, default=REPO_ROOT / "runs" / "compare", help="TensorBoard root and run folders")
+    p.add_argument("--student", default=None, help=f"the start student (default: the configs'; evidence: {EVIDENCE_STUDENT})")
+    p.add_argument("--generation-backend", choices=("hf", "vllm"), default=None,
+                   help="model.init_args.generation_backend of every run (default: the configs', hf)")
+    p.add_argument("--lopd", default=None, help="the lopd executable the runs use (e.g. .venv-vllm/bin/lopd for vllm)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where compare.{json,png,md} and the sweep go")
+    p.add_argument("--runs-dir", type=Path, default=None, help="the run files (default: <out-dir>/compare_runs)")
+    p.add_argument("--evaluations", type=int, default=3, help="held-out evaluations after the start (the last at the end)")
+    p.add_argument("--checkpoint-every", type=int, default=4, help="steps between saves of last.ckpt")
+    p.add_argument("--lr-file", default=None, help="the sweep's choices (evidence default: <out-dir>/compare_lr_sweep.json; "
+                                                    "'none': the configs' rates)")
+    p.add_argument("--sweep-lr", default=None, help="run the learning-rate sweep at these rates (e.g. 1e-5,3e-5,1e-4) and stop")
+    p.add_argument("--sweep-budget", type=int, default=SWEEP_BUDGET, help="trajectories per sweep run")
+    p.add_argument("--dev-questions", type=int, default=DEV_QUESTIONS, help="the sweep's dev slice of the train split")
+    p.add_argument("--dev-seed", type=int, default=0, help="seed of the dev slice (0: start_student.py's)")
+    p.add_argument("--aggregate-only", action="store_true", help="only aggregate the run files there are")
+    p.add_argument("--src-tree", default=None, help="aggregate only runs of this src hash (or tree hash) prefix")
+    p.add_argument("--backend", default=None, help="aggregate only runs of this generation backend")
+    p.add_argument("--smooth", type=int, default=3, help="trailing-mean window (steps) of the final reward")
+    p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--rerun", action="store_true", help="run again even when a finished or interrupted run exists")
+    p.add_argument("--reuse", action="store_true", help="(the default now: finished runs are read back)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs of the plan and their state; run nothing")
+    p.add_argument("--in-process", action="store_true", help="run fits in this process (tests; shared peak RSS)")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    for name in ("config_dir", "root", "out_dir"):  # absolute: runs start from the repository root
+        setattr(args, name, getattr(args, name).resolve())
+    args.runs_dir = (args.runs_dir or args.out_dir / "compare_runs").resolve()
+    if args.lr_file is None and args.plan == "evidence":
+        args.lr_file = args.out_dir / "compare_lr_sweep.json"
+    args.lr_file = None if str(args.lr_file).lower() == "none" else args.lr_file and Path(args.lr_file).resolve()
+    return args
+
+
+def _student(args: argparse.Namespace) -> str | None:
+    """``--student``, or the evidence plan's start student (which must exist)."""
+    if args.student is not None or args.plan != "evidence":
+        return args.student
+    if not (REPO_ROOT / EVIDENCE_STUDENT).exists() and not args.dry_run:
+        raise SystemExit(f"error: the evidence plan starts from {EVIDENCE_STUDENT}, which does not exist: run "
+                         "`python benchmarks/start_student.py` first (or pass --student)")
+    return EVIDENCE_STUDENT
+
+
+def dry_run(specs: list[RunSpec], configs: list[dict[str, Any]], root: Path, results: list[Path]) -> dict[str, Any]:
+    """Print each run of a plan and its state (``finished``, ``resumable at step k``, ``new``); run nothing."""
+    rows = []
+    for spec, config, result_path in zip(specs, configs, results):
+        run_dir = Path(root) / spec.method / spec.name
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if result_path.exists():
+            same = json.loads(result_path.read_text()).get("config") == config
+            state = "finished" if same else "another config finished (--rerun replaces it)"
+        elif last.exists() and read_config(run_dir / "run.yaml") == config:
+            state = f"resumable at step {checkpoint_step(last)}"
+        else:
+            state = "new"
+        rows.append({"method": spec.method, "run": spec.name, "budget": spec.budget,
+                     "steps": config["trainer"]["max_steps"],
+                     "learning_rate": config["model"]["init_args"].get("learning_rate"), "state": state})
+        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    return {"plan": rows}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the sweep, or the plan then the aggregation, or only the aggregation (see the module docstring).
+
+    Returns the compare.json document (the sweep's document with ``--sweep-lr``; ``{"plan": [...]}``
+    with ``--dry-run``).
+    """
+    global LOPD_EXECUTABLE
+    args = parse_args(argv)
+    if args.aggregate_only:
+        return aggregate(args)
+    LOPD_EXECUTABLE = args.lopd and str(Path(args.lopd).resolve())
+    if args.generation_backend == "vllm" and not args.lopd and importlib.util.find_spec("vllm") is None:
+        raise SystemExit("error: --generation-backend vllm needs vLLM, which this environment lacks: pass "
+                         "--lopd .venv-vllm/bin/lopd (`make test-vllm` makes that environment)")
+    methods = sorted({m for m, _ in (evidence_plan() if args.plan == "evidence" else grid_plan(args.methods, [0]))})
+    needed = list(SWEEP_METHODS) if args.sweep_lr else methods
+    unknown = [m for m in needed if not (args.config_dir / f"{m}.yaml").exists()]
+    if unknown:
+        raise SystemExit(f"error: no config for {unknown} in {args.config_dir}")
+    configs = {m: method_config(args.config_dir, m) for m in needed}
+    student = _student(args)
+    if args.sweep_lr:
+        return run_sweep(args, configs, student)
+    args.budget = args.budget or (EVIDENCE_BUDGET if args.plan == "evidence" else 32)
+    specs = plan_specs(args, configs)
+    full = [run_config(configs[s.method], s, root=args.root, student=student, backend=args.generation_backend,
+                       checkpoint_every=args.checkpoint_every) for s in specs]  # every check before any run starts
+    per_step = {m: trajectories_per_step(c) for m, c in configs.items()}
+    if len({args.budget // n * n for n in per_step.values()}) > 1:
+        print(f"warning: trajectories per step differ ({per_step}); runs use floor(budget / per step) steps", flush=True)
+    if args.dry_run:
+        return dry_run(specs, full, args.root, [run_file(args.runs_dir, s.method, s.seed) for s in specs])
+    for spec, config in zip(specs, full):
+        run_one(spec, config, root=args.root, result_path=run_file(args.runs_dir, spec.method, spec.seed),
+                in_process=args.in_process, threads=args.threads, rerun=args.rerun)
+    return aggregate(args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     .venv-vllm/bin/python benchmarks/generation_backends.py            # -> results/generation_backends.json
     .venv-vllm/bin/python benchmarks/generation_backends.py --repeats 5 --eval-questions 65
+    python benchmarks/generation_backends.py --backends hf --repeats 0 --eval-batch-sizes none,8,16 \
+        --out benchmarks/results/heldout_eval.json     # the held-out evaluation alone, by batch size
 
 Runs in the environment of ``make test-vllm`` (vLLM installed), both backends in the same process and
 software. The student is the evidence runs' SFT student (``benchmarks/start_student.py``; the packaged
@@ -36,7 +38,8 @@ LAYOUTS = {"grpo": (1, 4), "lopd": (4, 1)}  # (questions, trajectories per quest
 
 
 def timed_rollouts(backend_name: str, backend: Any, model: Any, tokenizer: Any, task: Any, examples: list, *,
-                   group_size: int, seed: int, greedy: bool = False, sync: bool = False) -> tuple[float, Any]:
+                   group_size: int, seed: int, greedy: bool = False, sync: bool = False,
+                   generation_batch_size: int | None = None) -> tuple[float, Any]:
     """(seconds, RolloutBatch) of one ``generate_rollouts`` call; vLLM's weight sync counted when ``sync``."""
     from lopd_lightning.rollout import generate_rollouts
 
@@ -47,7 +50,7 @@ def timed_rollouts(backend_name: str, backend: Any, model: Any, tokenizer: Any, 
     if greedy:
         options.update(greedy=True)
     batch = generate_rollouts(model, tokenizer, task, examples, group_size=group_size, seed=seed, backend=backend,
-                              **options)
+                              generation_batch_size=generation_batch_size, **options)
     return time.perf_counter() - start, batch
 
 
@@ -56,6 +59,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--student", default=str(REPO_ROOT / "runs" / "evidence" / "sft_student"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eval-questions", type=int, default=65, help="held-out questions answered greedily (0: none)")
+    parser.add_argument("--eval-batch-sizes", default="none",
+                        help="comma list of generation_batch_size values for the held-out evaluation (none: all at once)")
+    parser.add_argument("--backends", default="hf,vllm", help="comma list of backends to measure")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "generation_backends.json")
@@ -76,13 +82,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     task = get_task("bfcl_live_simple")
     train, held_out = task.examples("train"), task.examples("val")[: args.eval_questions]
 
+    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    backends = {"hf": make_backend("hf", model, tokenizer)} if "hf" in names else {}
     start = time.perf_counter()
-    backends = {"hf": make_backend("hf", model, tokenizer)}
-    backends["vllm"] = make_backend("vllm", model, tokenizer, options={"max_model_len": 2048, "kv_cache_gib": 2})
-    vllm_start_s = time.perf_counter() - start
+    if "vllm" in names:
+        backends["vllm"] = make_backend("vllm", model, tokenizer, options={"max_model_len": 2048, "kv_cache_gib": 2})
+    vllm_start_s = time.perf_counter() - start if "vllm" in names else None
+    eval_sizes = [None if x.strip() == "none" else int(x) for x in args.eval_batch_sizes.split(",")]
 
     layouts: dict[str, dict[str, Any]] = {}
-    for name, (questions, group) in LAYOUTS.items():
+    for name, (questions, group) in (LAYOUTS.items() if args.repeats else ()):
         rows: dict[str, list[float]] = {b: [] for b in backends}
         for repeat in range(args.repeats + 1):  # repeat 0 warms both backends up and is not counted
             examples = train[repeat * questions:(repeat + 1) * questions]
@@ -92,21 +101,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if repeat:
                     rows[backend_name].append(len(batch) / seconds)
                 print(f"{name} repeat {repeat} {backend_name}: {len(batch)} trajectories in {seconds:.1f} s", flush=True)
+        if args.repeats == 0:
+            break
         median = {b: statistics.median(v) for b, v in rows.items()}
         layouts[name] = {"trajectories_per_s": rows, "median_trajectories_per_s": median,
-                         "speedup_vllm_over_hf": median["vllm"] / median["hf"]}
+                         "speedup_vllm_over_hf": median["vllm"] / median["hf"] if len(median) == 2 else None}
 
     heldout: dict[str, Any] = {}
-    if held_out:
+    for size in eval_sizes if held_out else ():
         for backend_name, backend in backends.items():
             seconds, batch = timed_rollouts(backend_name, backend, model, tokenizer, task, held_out, group_size=1,
-                                            seed=args.seed, greedy=True, sync=True)
-            heldout[backend_name] = {"seconds": seconds, "success": float((batch.rewards >= 1.0).float().mean())}
-            print(f"held-out {backend_name}: {len(held_out)} questions in {seconds:.1f} s, "
-                  f"success {heldout[backend_name]['success']:.3f}", flush=True)
+                                            seed=args.seed, greedy=True, sync=True, generation_batch_size=size)
+            key = backend_name if size is None else f"{backend_name}_batch_{size}"
+            heldout[key] = {"seconds": seconds, "success": float((batch.rewards >= 1.0).float().mean()),
+                            "generate_calls": batch.stats.generate_calls}
+            print(f"held-out {key}: {len(held_out)} questions in {seconds:.1f} s, "
+                  f"success {heldout[key]['success']:.3f}", flush=True)
 
-    import vllm
+    try:
+        import vllm
 
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = None
     result = {
         "benchmark": "generation_backends",
         "student": args.student,
@@ -115,13 +132,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "layouts": {k: {"questions": q, "group_size": g} for k, (q, g) in LAYOUTS.items()},
         "repeats": args.repeats,
         "threads": args.threads,
-        "speedup_vllm_over_hf": {k: v["speedup_vllm_over_hf"] for k, v in layouts.items()},
+        "speedup_vllm_over_hf": {k: v["speedup_vllm_over_hf"] for k, v in layouts.items()} or None,
         "by_layout": layouts,
         "vllm_engine_start_s": vllm_start_s,
         "heldout_questions": len(held_out),
         "heldout_eval_s": {k: v["seconds"] for k, v in heldout.items()},
         "heldout_success": {k: v["success"] for k, v in heldout.items()},
-        "vllm_version": vllm.__version__,
+        "eval_batch_sizes": eval_sizes,
+        "vllm_version": vllm_version,
         **run_metadata(seed=args.seed, argv=argv),
     }
     write_json_atomic(result, args.out)

@@ -27,7 +27,24 @@ from typing_extensions import override
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task, get_task
 
-__all__ = ["OnPolicyDataModule", "RolloutSource"]
+__all__ = ["OnPolicyDataModule", "RolloutSource", "dev_slice_indices"]
+
+
+def dev_slice_indices(n_train: int, size: int, seed: int = 0) -> list[int]:
+    """The dev slice of a train split of ``n_train`` examples: ``size`` positions (ints in
+    ``[0, n_train)``, sorted) drawn by ``random.Random(seed).sample``, the draw of
+    ``benchmarks/start_student.py --dev``.
+
+    A dev slice is what choices made before training (a recipe, a learning rate) are judged on, so
+    that the held-out (val) split is only ever reported.
+
+    Raises:
+        ValueError: ``size`` is not in ``[1, n_train - 1]`` (training needs the rest of the split).
+    """
+    if not 0 < size < n_train:
+        raise ValueError(f"data.init_args.dev_slice must be in [1, {n_train - 1}] (the train split has {n_train} "
+                         f"examples), got {size}")
+    return sorted(random.Random(seed).sample(range(n_train), size))
 
 
 @runtime_checkable
@@ -70,6 +87,11 @@ class OnPolicyDataModule(LightningDataModule):
         val_batch_size: examples per validation batch (greedy episodes run batched).
         train_limit: use only the first N train examples (None: all); for quick runs.
         seed: seed of the per-epoch permutation of the train examples.
+        dev_slice: validate on a dev slice of the train split instead of the val split (None: the val
+            split): that many train examples (:func:`dev_slice_indices`, seeded by ``dev_slice_seed``)
+            are taken out of training and served, in train-split order, as the validation examples
+            (``val_examples`` then limits those). ``train_limit`` applies to what training keeps.
+        dev_slice_seed: seed of the dev slice's draw (0: the slice ``benchmarks/start_student.py`` sets aside).
 
     The number of rollouts per example, sampling settings and turn limits belong to the method
     (the LightningModule), because they are part of the method's budget (GRPO's group size).
@@ -89,6 +111,8 @@ class OnPolicyDataModule(LightningDataModule):
         val_batch_size: int = 8,
         train_limit: int | None = None,
         seed: int = 0,
+        dev_slice: int | None = None,
+        dev_slice_seed: int = 0,
     ):
         super().__init__()
         if examples_per_step < 1:
@@ -103,6 +127,8 @@ class OnPolicyDataModule(LightningDataModule):
         self.val_batch_size = val_batch_size
         self.train_limit = train_limit
         self.seed = seed
+        self.dev_slice = dev_slice
+        self.dev_slice_seed = dev_slice_seed
         self._train: list[Example] | None = None
         self._val: list[Example] | None = None
         self._by_id: dict[str, Example] | None = None
@@ -111,11 +137,18 @@ class OnPolicyDataModule(LightningDataModule):
         #: what makes the training batches (:meth:`setup` binds the Trainer's LightningModule).
         self.rollout_source: RolloutSource | None = None
 
+    def _dev_positions(self) -> set[int]:
+        """Positions in the task's train split of the dev slice (empty without ``dev_slice``)."""
+        if self.dev_slice is None:
+            return set()
+        return set(dev_slice_indices(len(self.task.examples("train")), self.dev_slice, self.dev_slice_seed))
+
     @property
     def train_examples(self) -> list[Example]:
-        """The train split (first ``train_limit`` of it when set)."""
+        """The train split without the dev slice (when set), its first ``train_limit`` examples (when set)."""
         if self._train is None:
-            examples = self.task.examples("train")
+            dev = self._dev_positions()
+            examples = [ex for i, ex in enumerate(self.task.examples("train")) if i not in dev]
             self._train = examples[: self.train_limit] if self.train_limit else examples
             if not self._train:
                 raise ValueError(f"task {self.task.name!r} has no train examples")
@@ -123,9 +156,11 @@ class OnPolicyDataModule(LightningDataModule):
 
     @property
     def val_examples_list(self) -> list[Example]:
-        """The val split (first ``val_examples`` of it when set)."""
+        """The val split, or the dev slice with ``dev_slice`` (first ``val_examples`` of it when set)."""
         if self._val is None:
-            examples = self.task.examples("val")
+            dev = self._dev_positions()
+            train = self.task.examples("train") if dev else []
+            examples = [train[i] for i in sorted(dev)] if dev else self.task.examples("val")
             self._val = examples[: self.val_examples] if self.val_examples else examples
         return self._val
 

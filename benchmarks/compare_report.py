@@ -1,0 +1,108 @@
+"""The figure and the table of ``benchmarks/compare.py``: ``compare.png`` and ``compare.md`` from compare.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _panel(ax, results: dict[str, Any], key: str) -> None:
+    """One panel: per method, the seed mean of a curve against trajectories and a +-1 std band."""
+    for name, m in results["methods"].items():
+        if key == "reward":
+            xs, mean, std = m["rollouts"], m["reward"], m["reward_std"]
+        elif m.get("val_curve"):
+            xs, mean, std = m["val_curve"]["trajectories"], m["val_curve"]["mean"], m["val_curve"]["std"]
+        else:
+            continue
+        if not xs:
+            continue
+        (line,) = ax.plot(xs, mean, marker="o", ms=3, label=f"{name} (n={len(m['seeds'])})")
+        ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
+                        color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("trajectories consumed")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """Two panels against trajectories consumed: training reward, and greedy held-out success (every
+    evaluation of the held-out curve); seed mean and a band of one standard deviation across seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    _panel(left, results, "reward")
+    left.set_ylabel("training reward (mean over seeds)")
+    left.set_title("training reward", fontsize=9)
+    _panel(right, results, "val")
+    right.set_ylabel("held-out success, greedy (mean over seeds)")
+    right.set_title(f"held-out success on {results.get('val_examples')} questions", fontsize=9)
+    fig.suptitle(f"{results['task']}, {Path(str(results['model'])).name}: band = 1 std across seeds", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _fmt(mean: float | None, std: float | None = None) -> str:
+    if mean is None:
+        return "n/a"
+    return f"{mean:.3f}" if std is None else f"{mean:.3f} ± {std:.3f}"
+
+
+def _interval(pair: list[float | None] | None) -> str:
+    if not pair:
+        return "n/a"
+    return "[" + ", ".join("n/a" if v is None else f"{v:.3f}" for v in pair) + "]"
+
+
+def _paired(m: dict[str, Any]) -> str:
+    p = m.get("paired_vs_grpo")
+    if not p:
+        return "-"
+    verdict = "real" if p["excludes_zero"] else "within noise"
+    return (f"{p['mean_difference']:+.3f} {_interval(p['ci'])} (+{p['won']} / -{p['lost']} of "
+            f"{p['n_questions']}; {verdict})")
+
+
+def _efficiency_line(results: dict[str, Any]) -> list[str]:
+    fraction, target = results["lopd_budget_fraction_to_grpo_final"], results.get("grpo_final_reward")
+    if target is None:
+        return []
+    reached = "not reached within the budget" if fraction is None else f"{fraction:.0%} of GRPO's budget"
+    ci = results.get("lopd_budget_fraction_to_grpo_final_ci")
+    reason = results.get("lopd_budget_fraction_to_grpo_final_ci_reason")
+    return ["", f"LOPD's budget to reach GRPO's final training reward ({target:.3f}): {reached} (paper: 20%); "
+            f"95% bootstrap interval over seeds {_interval(ci)}" + (f" ({reason})" if reason else "") + "."
+            + (" GRPO ended at reward 0, so this says nothing." if target <= 0 else "")]
+
+
+def table(results: dict[str, Any]) -> str:
+    """The Markdown table of the results: per method the seeds, the final training reward, held-out
+    success before and after (with its interval over seeds), the paired difference against GRPO, wall
+    time and peak memory; then the efficiency number."""
+    lines = [
+        f"Task `{results['task']}`, student `{results['model']}`, budget {results['budget_trajectories']} "
+        f"trajectories per run, {results.get('val_examples')} held-out questions (greedy, start "
+        f"{_fmt(results.get('start_val_success'))}), src {results.get('src_hash')}, backend "
+        f"{results.get('generation_backend')}. Mean ± std across seeds; final reward = trailing mean over "
+        f"{results['smooth_window']} steps; held-out interval: Student's t over seeds; vs GRPO: per-question "
+        "paired difference of final held-out success, 95% bootstrap over questions (real = excludes 0).",
+        "",
+        "| method | seeds | trajectories | final train reward | held-out before | held-out after [95% CI] "
+        "| vs GRPO (won / lost) | wall s / run | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in results["methods"].items():
+        lines.append(
+            f"| {name} | {','.join(map(str, m['seeds']))} | {m['rollouts'][-1] if m['rollouts'] else 0} | "
+            f"{_fmt(m['final_reward'], m['final_reward_std'])} | {_fmt(m['val_before'])} | "
+            f"{_fmt(m['val_after'], m['val_after_std'])} {_interval(m.get('val_after_ci'))} | {_paired(m)} | "
+            f"{m['wall_s']:.0f} | {m['peak_mem_mb']:.0f} |"
+        )
+    return "\n".join(lines + _efficiency_line(results)) + "\n"

@@ -1,0 +1,244 @@
+"""What one run of ``benchmarks/compare.py`` leaves behind, read back, and where it came from.
+
+- **Provenance** (:func:`src_provenance`, :func:`generation_backend`): the ``src/`` tree a run ran on
+  (``git rev-parse HEAD:src``, whether ``git status --porcelain src`` lists changes, and a content hash
+  of every file under ``src/`` that git tracks or would track) and the generation backend.
+- **The training curve** (:func:`reward_curve`): ``by_rollouts/reward_mean`` of the run's TensorBoard
+  events (x = trajectories consumed), the last value kept where a resumed run logged a step again.
+- **The held-out evaluations** (:func:`heldout_evaluations`): every ``<log_dir>/generations/val_step_<k>.jsonl``
+  (one JSON line per greedy episode, written by ``lopd_lightning.modules.observability``: ``example_id``,
+  ``reward``, ``success``...), as the success per question and the fraction solved after k steps.
+- **Run files** (:func:`run_file`, :func:`read_run_files`, :func:`select_runs`): each finished run's
+  result, ``<runs-dir>/<method>/seed_<s>.json`` (committed as it is written). The aggregation refuses
+  to mix runs of different ``src/`` trees, generation backends, budgets or held-out sets
+  (:class:`MixedRuns`) unless it is told which ones to use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from common import REPO_ROOT
+
+REWARD_TAG = "by_rollouts/reward_mean"
+
+
+class MixedRuns(ValueError):
+    """Run files that must not be aggregated together (different code, backend, budget or held-out set)."""
+
+
+# ---------------------------------------------------------------------- provenance
+def _git(args: list[str], root: Path) -> str | None:
+    """stdout of ``git <args>`` in ``root``; None when git or the repository is unavailable."""
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def src_provenance(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """Which ``src/`` a run ran on.
+
+    Returns:
+        ``{"src_tree": git's tree hash of src/ at HEAD (None without git), "src_dirty": True when
+        ``git status --porcelain src`` lists a change (None without git), "src_hash": the first 16 hex
+        digits of a SHA-256 over the path and bytes of every file under src/ that git tracks or would
+        track (without git: every file but caches)}``. ``src_hash`` identifies the code whether or not it
+        was committed, so the aggregation compares it.
+    """
+    tree = _git(["rev-parse", "HEAD:src"], root)
+    status = _git(["status", "--porcelain", "--", "src"], root)
+    listed = _git(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "src"], root)
+    if listed is not None:
+        paths = sorted({p for p in listed.split("\0") if p})
+    else:
+        paths = sorted(str(p.relative_to(root)) for p in (root / "src").rglob("*")
+                       if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc"))
+    digest = hashlib.sha256()
+    for rel in paths:
+        path = root / rel
+        if path.is_file():  # a tracked file deleted in the working tree is not part of the code that ran
+            digest.update(rel.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return {
+        "src_tree": tree.strip() if tree else None,
+        "src_dirty": None if status is None else bool(status.strip()),
+        "src_hash": digest.hexdigest()[:16],
+    }
+
+
+def describe_src(src: dict[str, Any]) -> str:
+    """``"<src_hash> (tree <first 10 of src_tree>[, uncommitted changes])"`` for messages."""
+    tree = (src.get("src_tree") or "unknown")[:10]
+    return f"{src.get('src_hash')} (tree {tree}{', uncommitted changes' if src.get('src_dirty') else ''})"
+
+
+def generation_backend(config: dict[str, Any]) -> str:
+    """``model.init_args.generation_backend`` of a run config (the module's default ``"hf"`` when unset)."""
+    return str(config.get("model", {}).get("init_args", {}).get("generation_backend") or "hf")
+
+
+# ---------------------------------------------------------------------- what a run logged
+def _event_time(path: Path) -> float:
+    """The creation time in a TensorBoard event file's name (``events.out.tfevents.<time>.<host>...``)."""
+    match = re.match(r"events\.out\.tfevents\.(\d+(?:\.\d+)?)", path.name)
+    return float(match.group(1)) if match else 0.0
+
+
+def reward_points(path: Path) -> list[tuple[int, float]]:
+    """``(trajectories consumed, training reward)`` points of one event file or folder, in logged order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    if REWARD_TAG not in acc.Tags().get("scalars", []):
+        return []
+    return [(int(e.step), float(e.value)) for e in acc.Scalars(REWARD_TAG)]
+
+
+def reward_curve(log_dir: Path) -> list[tuple[int, float]]:
+    """The run's ``(trajectories consumed, training reward)`` curve, sorted by x, one point per x.
+
+    A resumed run writes a new event file and logs again the steps after its checkpoint; the files are
+    read oldest first and a later value replaces an earlier one at the same x.
+    """
+    points: dict[int, float] = {}
+    for events in sorted(Path(log_dir).glob("events.out.tfevents.*"), key=_event_time):
+        points.update(reward_points(events))
+    return sorted(points.items())
+
+
+def heldout_evaluations(log_dir: Path, trajectories_per_step: int, split: str = "val") -> list[dict[str, Any]]:
+    """Every greedy evaluation the run wrote to ``<log_dir>/generations/<split>_step_<k>.jsonl``, by step.
+
+    Returns:
+        one dict per file: ``step`` (k, training steps done), ``trajectories`` (k x trajectories per
+        step), ``questions`` and ``solved`` (counts), ``success`` (their fraction) and ``per_question``
+        (example id -> solved, bool, from each record's ``success``).
+    """
+    folder = Path(log_dir) / "generations"
+    found = []
+    for path in folder.glob(f"{split}_step_*.jsonl"):
+        match = re.fullmatch(rf"{re.escape(split)}_step_(\d+)\.jsonl", path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    evaluations = []
+    for step, path in sorted(found):
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        per_question = {str(r["example_id"]): bool(r["success"]) for r in records}
+        solved = sum(per_question.values())
+        evaluations.append({
+            "step": step, "trajectories": step * trajectories_per_step, "questions": len(per_question),
+            "solved": solved, "success": solved / len(per_question) if per_question else None,
+            "per_question": per_question,
+        })
+    return evaluations
+
+
+# ---------------------------------------------------------------------- resuming
+def read_config(path: Path) -> dict[str, Any] | None:
+    """A saved run config as a dict (None when the file is missing)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True) if path.exists() else None  # type: ignore[return-value]
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The ``global_step`` a Lightning checkpoint was saved at (None: missing or unreadable)."""
+    import torch
+
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    except Exception as error:  # a checkpoint cut short by the interruption: start over, say so
+        if path.exists():
+            print(f"   cannot read {path} ({type(error).__name__}: {error}); starting the run over", flush=True)
+        return None
+
+
+def resume_step(run_dir: Path, config: dict[str, Any], src: dict[str, Any]) -> int | None:
+    """The step an interrupted run of exactly this config continues from (None: start over).
+
+    Raises:
+        SystemExit: the interrupted run started on another ``src/`` tree (a run must not mix code).
+    """
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return None
+    if read_config(run_dir / "run.yaml") != config:
+        print(f"   {run_dir} holds a run of another config: starting over", flush=True)
+        return None
+    attempts = json.loads((run_dir / "attempts.json").read_text()) if (run_dir / "attempts.json").exists() else []
+    if attempts and attempts[0]["src"]["src_hash"] != src["src_hash"]:
+        raise SystemExit(f"error: the interrupted run in {run_dir} started on src {attempts[0]['src']['src_hash']}, this "
+                         f"checkout's src is {src['src_hash']}: pass --rerun to start it again on this code")
+    return checkpoint_step(last)
+
+
+# ---------------------------------------------------------------------- run files
+def run_file(runs_dir: Path, method: str, seed: int) -> Path:
+    """Where a finished run's result goes: ``<runs_dir>/<method>/seed_<seed>.json``."""
+    return Path(runs_dir) / method / f"seed_{seed}.json"
+
+
+def read_run_files(runs_dir: Path) -> list[dict[str, Any]]:
+    """Every run file under ``runs_dir`` (``<method>/seed_<s>.json``), each with ``path`` added."""
+    runs = []
+    for path in sorted(Path(runs_dir).glob("*/seed_*.json")):
+        run = json.loads(path.read_text(encoding="utf-8"))
+        run["path"] = f"{path.parent.name}/{path.name}"
+        runs.append(run)
+    return runs
+
+
+def _heldout_set(run: dict[str, Any]) -> str:
+    """The held-out questions of a run's last evaluation, as a short fingerprint (``"none"`` without one)."""
+    evaluations = run.get("evaluations") or []
+    if not evaluations:
+        return "none"
+    ids = sorted(evaluations[-1]["per_question"])
+    return f"{len(ids)} questions {hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8]}"
+
+
+#: what must agree across aggregated runs: name, how to read it from a run, the flag that chooses one.
+UNIFORM = (
+    ("src trees", lambda r: r["src"]["src_hash"], "--src-tree HASH"),
+    ("generation backends", lambda r: r["generation_backend"], "--backend NAME"),
+    ("budgets (trajectories per run)", lambda r: str(r["budget_trajectories"]), "--budget N"),
+    ("held-out sets", _heldout_set, None),
+)
+
+
+def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, backend: str | None = None,
+                budget: int | None = None) -> list[dict[str, Any]]:
+    """The runs to aggregate: those of ``src_tree`` (a prefix of the run's ``src_hash`` or ``src_tree``),
+    ``backend`` and ``budget`` where given, checked to share one src tree, backend, budget and held-out set.
+
+    Raises:
+        MixedRuns: the selected runs differ in one of those (the message names the values, the runs of
+            each and the flag that picks one), or nothing is left after the filters.
+    """
+    chosen = [
+        r for r in runs
+        if (src_tree is None or r["src"]["src_hash"].startswith(src_tree) or (r["src"].get("src_tree") or "").startswith(src_tree))
+        and (backend is None or r["generation_backend"] == backend)
+        and (budget is None or int(r["budget_trajectories"]) == budget)
+    ]
+    if runs and not chosen:
+        given = " ".join(f"--{k} {v}" for k, v in (("src-tree", src_tree), ("backend", backend), ("budget", budget)) if v is not None)
+        raise MixedRuns(f"no run file matches {given}; the run files "
+                        f"have src trees {sorted({r['src']['src_hash'] for r in runs})}, backends "
+                        f"{sorted({r['generation_backend'] for r in runs})}, budgets {sorted({r['budget_trajectories'] for r in runs})}")
+    for what, value, flag in UNIFORM:
+        groups: dict[str, list[str]] = {}
+        for r in chosen:
+            groups.setdefault(value(r), []).append(r.get("path") or f"{r['method']}/seed_{r['seed']}")
+        if len(groups) > 1:
+            listed = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(groups.items()))
+            how = f"aggregate one with {flag}" if flag else "rerun the runs that differ"
+            raise MixedRuns(f"refusing to aggregate runs from {len(groups)} {what} ({listed}); {how}")
+    return chosen

@@ -1,0 +1,290 @@
+"""The statistics of ``benchmarks/compare.py``: curves over seeds, intervals, paired differences, compare.json.
+
+- :func:`t_interval`: the 95% interval of a mean over seeds (Student's t; a bootstrap over 2-3 seeds has
+  too few distinct resamples to mean anything).
+- :func:`bootstrap_ci`: a percentile bootstrap interval of a mean (used over questions).
+- :func:`paired_differences`: per-question held-out success of a method minus GRPO's on the same
+  questions, with a paired bootstrap over questions.
+- :func:`budget_fraction` / :func:`budget_fraction_ci`: the trajectories LOPD needs to reach GRPO's final
+  training reward, as a fraction of GRPO's budget, with a bootstrap over seeds.
+- :func:`summarise`: the ``compare.json`` document.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import numpy as np
+
+#: 0.975 quantiles of Student's t by degrees of freedom (two-sided 95%); 1.96 beyond 30.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+         29: 2.045, 30: 2.042}
+VAL_AFTER_CI = "Student's t over seeds (mean +- t(0.975, n-1) x sd / sqrt(n)), clipped to [0, 1]; null for one seed"
+PAIRED_CI = ("paired bootstrap over questions: per question, the method's final held-out success (mean over its "
+             "seeds) minus GRPO's; questions resampled with replacement; 95% percentile interval")
+FRACTION_CI = ("bootstrap over seeds: LOPD's and GRPO's seeds resampled with replacement, the fraction recomputed "
+               "on the resampled seed means; 95% percentile interval (a resample where LOPD never reaches the "
+               "target counts as infinite)")
+
+
+# ---------------------------------------------------------------------- intervals
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def t_interval(values: list[float], *, lower: float = 0.0, upper: float = 1.0) -> tuple[float, float] | None:
+    """The 95% Student's t interval of the mean of ``values``, clipped to ``[lower, upper]``.
+
+    Returns None for fewer than two values (no spread to estimate).
+    """
+    n = len(values)
+    if n < 2:
+        return None
+    mean, sd = mean_std(values)
+    half = T_975.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return max(lower, mean - half), min(upper, mean + half)
+
+
+def bootstrap_ci(values: list[float], *, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile bootstrap interval of the mean of ``values`` (resampled with replacement).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("bootstrap_ci needs at least one value")
+    data = np.asarray(values, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(data), size=(n_boot, len(data)))
+    means = data[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
+def paired_differences(method: dict[str, float], reference: dict[str, float], *, n_boot: int = 10_000,
+                       seed: int = 0) -> dict[str, Any]:
+    """Per-question differences ``method[q] - reference[q]`` over the questions both have.
+
+    Args:
+        method, reference: question id -> final held-out success (0/1, or a mean over seeds).
+
+    Returns:
+        ``n_questions``, ``mean_difference``, ``ci`` (:func:`bootstrap_ci` over questions, a pair),
+        ``won`` / ``lost`` / ``tied`` (questions where the difference is > 0, < 0, = 0) and
+        ``excludes_zero`` (the interval lies entirely above or below 0: a difference the 65 questions
+        resolve).
+
+    Raises:
+        ValueError: the two share no question.
+    """
+    common = sorted(set(method) & set(reference))
+    if not common:
+        raise ValueError("paired_differences: the method and the reference share no question")
+    diffs = [float(method[q]) - float(reference[q]) for q in common]
+    lo, hi = bootstrap_ci(diffs, n_boot=n_boot, seed=seed)
+    return {
+        "n_questions": len(common),
+        "mean_difference": statistics.fmean(diffs),
+        "ci": [lo, hi],
+        "won": sum(d > 0 for d in diffs),
+        "lost": sum(d < 0 for d in diffs),
+        "tied": sum(d == 0 for d in diffs),
+        "excludes_zero": bool(lo > 0 or hi < 0),
+    }
+
+
+# ---------------------------------------------------------------------- the budget fraction
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def budget_fraction(lopd: dict[str, Any], grpo: dict[str, Any], window: int) -> float | None:
+    """First trajectory count where LOPD's smoothed mean reward reaches GRPO's final smoothed reward,
+    as a fraction of GRPO's total trajectories (None: never reached, or a method has no curve).
+
+    Source: the efficiency claim of docs/METHOD.md section 7 (LOPD passes GRPO's final reward after 20%
+    of its budget). ``lopd`` and ``grpo`` hold ``rollouts`` (x) and ``reward`` (seed means)."""
+    if not lopd["rollouts"] or not grpo["rollouts"]:
+        return None
+    target = smooth(grpo["reward"], window)[-1]
+    for i, (x, y) in enumerate(zip(lopd["rollouts"], smooth(lopd["reward"], window))):
+        # only where a full window exists: one lucky early batch is not "reaching" GRPO's final reward
+        if i >= min(window, len(lopd["reward"])) - 1 and y >= target - 1e-9:
+            return x / grpo["rollouts"][-1]
+    return None
+
+
+def _seed_mean(curves: list[list[float]]) -> list[float]:
+    return [statistics.fmean(column) for column in zip(*curves)]
+
+
+def budget_fraction_ci(lopd: dict[str, Any], grpo: dict[str, Any], window: int, *, n_boot: int = 2000,
+                       seed: int = 0) -> dict[str, Any]:
+    """The 95% bootstrap interval over seeds of :func:`budget_fraction` (:data:`FRACTION_CI`).
+
+    Args:
+        lopd, grpo: ``rollouts`` (x) and ``per_seed`` (one reward curve per seed, over those x).
+
+    Returns:
+        ``{"ci": [lo, hi] or None, "reason": None or why the interval (or its upper end) is null,
+        "never_reached_share": the share of resamples where LOPD never reaches the target}``.
+    """
+    point = budget_fraction({"rollouts": lopd["rollouts"], "reward": _seed_mean(lopd["per_seed"])},
+                            {"rollouts": grpo["rollouts"], "reward": _seed_mean(grpo["per_seed"])}, window)
+    if point is None:
+        target = smooth(_seed_mean(grpo["per_seed"]), window)[-1] if grpo["rollouts"] else None
+        reached = "GRPO has no reward curve" if target is None else f"GRPO's final smoothed reward ({target:.3f})"
+        return {"ci": None, "never_reached_share": 1.0,
+                "reason": f"LOPD's smoothed mean training reward never reaches {reached} within "
+                          f"{lopd['rollouts'][-1] if lopd['rollouts'] else 0} trajectories"}
+    rng = np.random.default_rng(seed)
+    fractions = []
+    for _ in range(n_boot):
+        pick_l = rng.integers(0, len(lopd["per_seed"]), size=len(lopd["per_seed"]))
+        pick_g = rng.integers(0, len(grpo["per_seed"]), size=len(grpo["per_seed"]))
+        f = budget_fraction({"rollouts": lopd["rollouts"], "reward": _seed_mean([lopd["per_seed"][i] for i in pick_l])},
+                            {"rollouts": grpo["rollouts"], "reward": _seed_mean([grpo["per_seed"][i] for i in pick_g])},
+                            window)
+        fractions.append(math.inf if f is None else f)
+    lo, hi = (float(v) for v in np.quantile(fractions, [0.025, 0.975], method="inverted_cdf"))
+    never = sum(math.isinf(f) for f in fractions) / n_boot
+    reason = None
+    if math.isinf(hi):
+        reason = f"in {never:.0%} of the resamples over seeds LOPD never reaches GRPO's final reward: no upper end"
+    if math.isinf(lo):
+        return {"ci": None, "never_reached_share": never, "reason": reason}
+    return {"ci": [lo, None if math.isinf(hi) else hi], "never_reached_share": never, "reason": reason}
+
+
+# ---------------------------------------------------------------------- compare.json
+def aligned(curves: list[list[tuple[int, float]]]) -> tuple[list[int], list[list[float]]]:
+    """The x values every curve has (sorted) and each curve's y at them: ``(xs, per_curve)``."""
+    if not curves:
+        return [], []
+    maps = [dict((int(x), float(y)) for x, y in c) for c in curves]
+    xs = sorted(set.intersection(*(set(m) for m in maps)))
+    return xs, [[m[x] for x in xs] for m in maps]
+
+
+def _band(xs: list[int], per_seed: list[list[float]]) -> dict[str, Any]:
+    stats = [mean_std([s[i] for s in per_seed]) for i in range(len(xs))]
+    return {"trajectories": xs, "mean": [m for m, _ in stats], "std": [s for _, s in stats], "per_seed": per_seed}
+
+
+def heldout_summary(seed_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Held-out keys of one method from its runs' ``evaluations`` (:func:`compare_runs.heldout_evaluations`):
+    ``val_before`` (mean over seeds of the step-0 evaluation), ``val_after`` (of the last one), its std,
+    ``val_after_per_seed``, ``val_after_ci`` (:func:`t_interval`) with ``val_after_ci_reason`` when null,
+    ``val_curve`` (``trajectories``, ``mean``, ``std``, ``per_seed``) and ``val_after_per_question``
+    (question id -> success, mean over seeds)."""
+    evaluations = [r["evaluations"] for r in seed_runs]
+    afters = [e[-1]["success"] for e in evaluations]
+    befores = [e[0]["success"] for e in evaluations if e[0]["step"] == 0]
+    xs, per_seed = aligned([[(ev["trajectories"], ev["success"]) for ev in e] for e in evaluations])
+    questions = sorted(set.intersection(*(set(e[-1]["per_question"]) for e in evaluations)))
+    ci = t_interval(afters)
+    return {
+        "val_before": statistics.fmean(befores) if befores else None,
+        "val_after": statistics.fmean(afters),
+        "val_after_std": mean_std(afters)[1],
+        "val_after_per_seed": afters,
+        "val_after_ci": list(ci) if ci else None,
+        "val_after_ci_reason": None if ci else "one seed: no interval over seeds",
+        "val_curve": _band(xs, per_seed),
+        "val_after_per_question": {q: statistics.fmean(float(e[-1]["per_question"][q]) for e in evaluations)
+                                   for q in questions},
+    }
+
+
+def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_before: float | None) -> dict[str, Any]:
+    """One method's entry of compare.json (:func:`summarise` lists the keys)."""
+    xs, per_seed = aligned([r["curve"] for r in seed_runs])
+    band = _band(xs, per_seed)
+    finals = [smooth(s, smooth_window)[-1] for s in per_seed if s]
+    if all(r.get("evaluations") for r in seed_runs):
+        heldout = heldout_summary(seed_runs)
+    else:  # runs without generations files: the RunSummary's numbers
+        afters = [r["summary"].get("after") for r in seed_runs]
+        known = [a for a in afters if a is not None]
+        ci = t_interval(known)
+        heldout = {"val_before": val_before, "val_after": mean_std(known)[0] if known else None,
+                   "val_after_std": mean_std(known)[1] if known else None, "val_after_per_seed": afters,
+                   "val_after_ci": list(ci) if ci else None,
+                   "val_after_ci_reason": None if ci else "fewer than two seeds with a held-out result",
+                   "val_curve": None, "val_after_per_question": None}
+    return {
+        "rollouts": xs,
+        "reward": band["mean"],
+        "reward_std": band["std"],
+        "reward_per_seed": per_seed,
+        "final_reward": mean_std(finals)[0] if finals else None,
+        "final_reward_std": mean_std(finals)[1] if finals else None,
+        **heldout,
+        "wall_s": statistics.fmean(r["wall_s"] for r in seed_runs),
+        "peak_mem_mb": max(float(r["summary"].get("peak_rss_mb") or 0.0) for r in seed_runs),
+        "seeds": [r["seed"] for r in seed_runs],
+        "seconds_per_step": seed_runs[0]["summary"].get("seconds_per_step_median", {}),
+    }
+
+
+def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dict[str, Any]:
+    """``lopd_budget_fraction_to_grpo_final`` (+ ``_ci``, ``_ci_reason``, ``_ci_method``) and ``grpo_final_reward``."""
+    out: dict[str, Any] = {"lopd_budget_fraction_to_grpo_final": None, "lopd_budget_fraction_to_grpo_final_ci": None,
+                           "lopd_budget_fraction_to_grpo_final_ci_reason": "LOPD or GRPO has no run",
+                           "lopd_budget_fraction_to_grpo_final_ci_method": FRACTION_CI, "grpo_final_reward": None}
+    if "lopd" not in methods or "grpo" not in methods:
+        return out
+    lopd, grpo = methods["lopd"], methods["grpo"]
+    out["lopd_budget_fraction_to_grpo_final"] = budget_fraction(lopd, grpo, smooth_window)
+    out["grpo_final_reward"] = smooth(grpo["reward"], smooth_window)[-1] if grpo["reward"] else None
+    ci = budget_fraction_ci({"rollouts": lopd["rollouts"], "per_seed": lopd["reward_per_seed"]},
+                            {"rollouts": grpo["rollouts"], "per_seed": grpo["reward_per_seed"]}, smooth_window,
+                            n_boot=max(1, n_boot // 5))
+    out["lopd_budget_fraction_to_grpo_final_ci"] = ci["ci"]
+    out["lopd_budget_fraction_to_grpo_final_ci_reason"] = ci["reason"]
+    out["lopd_budget_fraction_never_reached_share"] = ci["never_reached_share"]
+    return out
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, budget: int, smooth_window: int,
+              val_before: float | None = None, n_boot: int = 10_000) -> dict[str, Any]:
+    """The compare.json document (without the run metadata, which compare.py adds).
+
+    Per method (``methods.<name>``): ``rollouts`` and ``reward`` (seed means at each logged step),
+    ``reward_std`` and ``reward_per_seed``, ``final_reward`` / ``final_reward_std`` (trailing mean over
+    ``smooth_window`` steps), ``val_before``, ``val_after`` (mean over seeds of the last held-out
+    evaluation) with ``val_after_std``, ``val_after_per_seed`` and ``val_after_ci`` (:data:`VAL_AFTER_CI`),
+    ``val_curve`` (held-out success against trajectories: ``trajectories``, ``mean``, ``std``,
+    ``per_seed``), ``val_after_per_question``, ``paired_vs_grpo`` (:func:`paired_differences`; not for
+    GRPO itself), ``wall_s`` (mean over seeds, every attempt), ``peak_mem_mb``, ``seeds``,
+    ``seconds_per_step``. Top level: ``val_examples``, ``start_val_success`` (mean over runs of the
+    step-0 evaluation), the efficiency keys of :func:`_efficiency`, ``task``, ``model``,
+    ``budget_trajectories``, ``smooth_window``, ``intervals`` (how each interval is made) and ``seeds``.
+    """
+    methods = {name: method_summary(seed_runs, smooth_window, val_before) for name, seed_runs in runs.items()}
+    grpo_q = methods.get("grpo", {}).get("val_after_per_question")
+    for name, m in methods.items():
+        m["paired_vs_grpo"] = (paired_differences(m["val_after_per_question"], grpo_q, n_boot=n_boot)
+                               if name != "grpo" and grpo_q and m["val_after_per_question"] else None)
+    all_runs = [r for rs in runs.values() for r in rs]
+    starts = [r["evaluations"][0]["success"] for r in all_runs if r.get("evaluations") and r["evaluations"][0]["step"] == 0]
+    finals = [r["evaluations"][-1]["questions"] for r in all_runs if r.get("evaluations")]
+    return {
+        "methods": methods,
+        "val_examples": max(finals) if finals else None,
+        "start_val_success": statistics.fmean(starts) if starts else val_before,
+        "start_val_success_range": [min(starts), max(starts)] if starts else None,
+        **_efficiency(methods, smooth_window, n_boot),
+        "task": task,
+        "model": model,
+        "budget_trajectories": budget,
+        "smooth_window": smooth_window,
+        "intervals": {"val_after_ci": VAL_AFTER_CI, "paired_vs_grpo.ci": PAIRED_CI,
+                      "lopd_budget_fraction_to_grpo_final_ci": FRACTION_CI, "bootstrap_resamples": n_boot},
+        "seeds": sorted({r["seed"] for r in all_runs}),
+    }
