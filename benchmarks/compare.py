@@ -61,10 +61,10 @@ from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
 from compare_report import plot, table  # noqa: E402,F401  (plot and table: part of this script's interface)
 from compare_runs import (  # noqa: E402
     MixedRuns,
-    checkpoint_step,
+    checkpoint_step,  # noqa: F401  (used by the tests as compare.checkpoint_step)
+    dry_run,
     generation_backend,
     heldout_evaluations,
-    read_config,
     read_run_files,
     resume_step,
     reward_curve,
@@ -409,14 +409,14 @@ def plan_specs(args: argparse.Namespace, configs: dict[str, dict[str, Any]]) -> 
 
 def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     """compare.{json,png,md} from every run file in ``--runs-dir`` (those of ``--src-tree``, ``--backend``
-    and ``--budget`` when given).
+    and ``--budget`` when given; after a plan, of the plan's budget).
 
     Raises:
         SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
     """
     try:
         runs = select_runs(read_run_files(args.runs_dir), src_tree=args.src_tree, backend=args.backend,
-                           budget=args.budget if args.aggregate_only else None)
+                           budget=args.budget)
     except MixedRuns as error:
         raise SystemExit(f"error: {error}") from None
     if not runs:
@@ -494,26 +494,6 @@ def _student(args: argparse.Namespace) -> str | None:
         raise SystemExit(f"error: the evidence plan starts from {EVIDENCE_STUDENT}, which does not exist: run "
                          "`python benchmarks/start_student.py` first (or pass --student)")
     return EVIDENCE_STUDENT
-
-
-def dry_run(specs: list[RunSpec], configs: list[dict[str, Any]], root: Path, results: list[Path]) -> dict[str, Any]:
-    """Print each run of a plan and its state (``finished``, ``resumable at step k``, ``new``); run nothing."""
-    rows = []
-    for spec, config, result_path in zip(specs, configs, results):
-        run_dir = Path(root) / spec.method / spec.name
-        last = run_dir / "checkpoints" / "last.ckpt"
-        if result_path.exists():
-            same = json.loads(result_path.read_text()).get("config") == config
-            state = "finished" if same else "another config finished (--rerun replaces it)"
-        elif last.exists() and read_config(run_dir / "run.yaml") == config:
-            state = f"resumable at step {checkpoint_step(last)}"
-        else:
-            state = "new"
-        rows.append({"method": spec.method, "run": spec.name, "budget": spec.budget,
-                     "steps": config["trainer"]["max_steps"],
-                     "learning_rate": config["model"]["init_args"].get("learning_rate"), "state": state})
-        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-    return {"plan": rows}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -8,6 +8,9 @@
 - **The held-out evaluations** (:func:`heldout_evaluations`): every ``<log_dir>/generations/val_step_<k>.jsonl``
   (one JSON line per greedy episode, written by ``lopd_lightning.modules.observability``: ``example_id``,
   ``reward``, ``success``...), as the success per question and the fraction solved after k steps.
+- **Resuming** (:func:`resume_step`, :func:`checkpoint_step`, :func:`dry_run`): the step an interrupted
+  run continues from (its ``last.ckpt``, when its ``run.yaml`` is the same config and its first attempt
+  ran on the same ``src/``), and the state of every run of a plan.
 - **Run files** (:func:`run_file`, :func:`read_run_files`, :func:`select_runs`): each finished run's
   result, ``<runs-dir>/<method>/seed_<s>.json`` (committed as it is written). The aggregation refuses
   to mix runs of different ``src/`` trees, generation backends, budgets or held-out sets
@@ -177,6 +180,27 @@ def resume_step(run_dir: Path, config: dict[str, Any], src: dict[str, Any]) -> i
         raise SystemExit(f"error: the interrupted run in {run_dir} started on src {attempts[0]['src']['src_hash']}, this "
                          f"checkout's src is {src['src_hash']}: pass --rerun to start it again on this code")
     return checkpoint_step(last)
+
+
+def dry_run(specs: list[Any], configs: list[dict[str, Any]], root: Path, results: list[Path]) -> dict[str, Any]:
+    """Print each run of a plan (``compare.RunSpec``, its config, its result file) and its state
+    (``finished``, ``resumable at step k``, ``new``); run nothing. Returns ``{"plan": [one dict a run]}``."""
+    rows = []
+    for spec, config, result_path in zip(specs, configs, results):
+        run_dir = Path(root) / spec.method / spec.name
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if result_path.exists():
+            same = json.loads(result_path.read_text()).get("config") == config
+            state = "finished" if same else "another config finished (--rerun replaces it)"
+        elif last.exists() and read_config(run_dir / "run.yaml") == config:
+            state = f"resumable at step {checkpoint_step(last)}"
+        else:
+            state = "new"
+        rows.append({"method": spec.method, "run": spec.name, "budget": spec.budget,
+                     "steps": config["trainer"]["max_steps"],
+                     "learning_rate": config["model"]["init_args"].get("learning_rate"), "state": state})
+        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    return {"plan": rows}
 
 
 # ---------------------------------------------------------------------- run files

@@ -3,6 +3,7 @@ the results JSON / PNG / table, the reuse of finished runs, and the efficiency n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -150,6 +151,15 @@ def test_the_evidence_plan_runs_lopd_and_grpo_first_then_the_rest(compare, tmp_p
     assert [(r["method"], r["run"], r["steps"], r["learning_rate"]) for r in sweep_plan] == [
         (m, f"lr_{lr:g}", 16, lr) for m in ("lopd", "grpo") for lr in (1e-5, 3e-5, 1e-4)]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "runs_lr_sweep").exists()
+    # vLLM rollouts: the fits run with an environment that has vLLM (--lopd), or the plan stops before any run
+    vllm = ["--plan", "evidence", "--dry-run", "--out-dir", str(tmp_path), "--root", str(tmp_path / "runs"),
+            "--generation-backend", "vllm"]
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(SystemExit, match="needs vLLM, which this environment lacks: pass --lopd .venv-vllm/bin/lopd"):
+            compare.main(vllm)
+    assert len(compare.main([*vllm, "--lopd", str(tmp_path / "lopd")])["plan"]) == 12
+    assert compare.lopd_command() == [str(tmp_path / "lopd")]
+    compare.LOPD_EXECUTABLE = None
     # without a sweep file, the evidence plan stops with one line naming the command that makes it
     with pytest.raises(SystemExit, match="no learning-rate sweep at .*--sweep-lr 1e-5,3e-5,1e-4"):
         compare.main(["--plan", "evidence", "--dry-run", "--out-dir", str(tmp_path / "elsewhere")])
@@ -256,6 +266,13 @@ def test_aggregation_refuses_to_mix_src_trees_or_backends_unless_told(compare, t
                                          "aggregate one with --backend NAME"):
         compare.main(base)
     assert compare.main([*base, "--backend", "vllm"])["generation_backend"] == "vllm"
+    write_runs(out / "compare_runs", fake_run("grpo", 1, final=final, budget=16))  # nor budgets, nor held-out sets
+    with pytest.raises(SystemExit, match=r"2 budgets \(trajectories per run\) \(16: grpo/seed_1\.json; 8: .*--budget N"):
+        compare.main(base)
+    assert compare.main([*base, "--budget", "8"])["methods"]["grpo"]["seeds"] == [0]
+    write_runs(out / "compare_runs", fake_run("grpo", 1, final={"other": True}))
+    with pytest.raises(SystemExit, match="2 held-out sets .*rerun the runs that differ"):
+        compare.main(base)
     with pytest.raises(SystemExit, match="no run file matches --src-tree cccc"):
         compare.main([*base, "--src-tree", "cccc"])
 
