@@ -65,7 +65,7 @@ def _paired(m: dict[str, Any]) -> str:
     p = m.get("paired_vs_grpo")
     if not p:
         return "-"
-    verdict = "real" if p["excludes_zero"] else "within noise"
+    verdict = "excludes 0" if p["excludes_zero"] else "within noise"
     return (f"{p['mean_difference']:+.3f} {_interval(p['ci'])} (+{p['won']} / -{p['lost']} of "
             f"{p['n_questions']}; {verdict})")
 
@@ -92,7 +92,7 @@ def table(results: dict[str, Any]) -> str:
         f"{_fmt(results.get('start_val_success'))}), src {results.get('src_hash')}, backend "
         f"{results.get('generation_backend')}. Mean ± std across seeds; final reward = trailing mean over "
         f"{results['smooth_window']} steps; held-out interval: Student's t over seeds; vs GRPO: per-question "
-        "paired difference of final held-out success, 95% bootstrap over questions (real = excludes 0).",
+        "paired difference of final held-out success, 95% bootstrap over questions (seed-to-seed variation not included).",
         "",
         "| method | seeds | trajectories | final train reward | held-out before | held-out after [95% CI] "
         "| vs GRPO (won / lost) | wall s / run | peak RSS MB |",

@@ -20,7 +20,7 @@ from lopd_lightning.models import tiny_tokenizer
 from lopd_lightning.rollout import SamplingSettings, generate_rollouts
 from lopd_lightning.rollout.backends import HFGenerateBackend
 from lopd_lightning.rollout.registry import make_backend
-from lopd_lightning.rollout.vllm_backend import merged_weights
+from lopd_lightning.rollout.vllm_backend import check_mergeable, merged_weights
 from lopd_lightning.tasks.toy import ToyTask
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -77,6 +77,21 @@ def test_merged_weights_for_vllm_equal_peft_merge_and_leave_the_model_unchanged(
     plain = dict(merged_weights(backbone, None))  # a full student: the base weights, no update merged
     assert torch.equal(plain["model.layers.0.self_attn.q_proj.weight"],
                        backbone.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight)
+
+
+@pytest.mark.parametrize("lora, message", [
+    ({**LORA, "use_dora": True}, "use_dora: a DoRA student cannot be synced into vLLM"),
+    ({**LORA, "target_modules": ["q_proj", "embed_tokens"]}, "a LoRA on the embeddings"),
+    ({**LORA, "target_modules": ["q_proj", "lm_head"]}, "a LoRA on lm_head of a model with tied embeddings"),
+])
+def test_a_student_lora_vllm_cannot_carry_is_refused_in_one_line(lora, message):
+    from lopd_lightning.models import tiny_model  # tied embeddings, as SmolLM2
+
+    tokenizer = tiny_tokenizer()
+    backbone = prepare_backbone(tiny_model(vocab_size=len(tokenizer)), student_lora=lora)
+    with pytest.raises(ValueError, match=message):
+        check_mergeable(backbone, STUDENT)
+    check_mergeable(prepare_backbone(tiny_model(vocab_size=len(tokenizer)), student_lora=LORA), STUDENT)  # fine
 
 
 def test_unknown_backend_and_options_name_the_config_key(peaked):
@@ -184,3 +199,35 @@ def test_vllm_module_syncs_the_lora_student_after_each_step(tmp_path, peaked):
                                  backend=HFGenerateBackend(module.backbone, module.tokenizer),
                                  **module.sampling_options(greedy=True))
     assert base.messages != vl.messages
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
+
+
+def test_generation_backend_vllm_fails_before_the_weights_load_with_one_line(no_model_loading):
+    from lopd_lightning.modules import GRPOModule
+
+    if HAS_VLLM:
+        with pytest.raises(ValueError, match=r"model.init_args.vllm_options has unknown keys \['kv_cache'\]"):
+            GRPOModule("tiny", generation_backend="vllm", vllm_options={"kv_cache": 1})
+    else:
+        with pytest.raises(ValueError, match="generation_backend: vllm needs vLLM, which this environment lacks"):
+            GRPOModule("tiny", generation_backend="vllm")
+
+
+def test_vllm_engine_resyncs_after_a_checkpoint_load_or_a_marked_change():
+    from lopd_lightning.modules import GRPOModule
+
+    module = GRPOModule("tiny", group_size=2, max_new_tokens=4, generation_backend="hf")
+    module._backend, module._backend_step = object(), 0  # a built backend at step 0
+    assert module.generation_backend() is module._backend  # no sync needed (would fail on object())
+    module.on_load_checkpoint({})
+    assert module._backend_step == -1  # the next rollouts sync first
+    module._backend_step = 0
+    module.mark_weights_changed()
+    assert module._backend_step == -1

@@ -48,7 +48,7 @@ from lopd_lightning.modules.observability import ObservabilityMixin
 from lopd_lightning.modules.optimization import OptimizationMixin
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
 from lopd_lightning.rollout.backends import GenerationBackend
-from lopd_lightning.rollout.registry import BACKENDS, make_backend
+from lopd_lightning.rollout.registry import BACKENDS, check_vllm_options, make_backend
 from lopd_lightning.tasks import Example, Message, Task, episode_reward
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         if generation_backend not in BACKENDS:
             raise ValueError(f"model.init_args.generation_backend must be one of {', '.join(BACKENDS)}, "
                              f"got {generation_backend!r}")
+        if generation_backend == "vllm":
+            check_vllm_options(vllm_options)
         if vllm_options and generation_backend != "vllm":
             raise ValueError("model.init_args.vllm_options is set but generation_backend is "
                              f"{generation_backend!r}; set model.init_args.generation_backend: vllm or drop vllm_options")
@@ -284,9 +286,19 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
     def generation_backend(self) -> GenerationBackend:
         """The backend rollouts and evaluations generate with (``generation_backend``), sampling from the
         student's current weights: built on first use, and for an engine with weights of its own (vLLM)
-        synced after every optimiser step (``trainer.global_step`` moved since the last sync; a resumed run
-        too). The HF backend runs the live student and needs no sync."""
+        synced when they may have changed since the last sync: after an optimiser step (``global_step``
+        moved), after a checkpoint load, or after :meth:`mark_weights_changed`. The HF backend runs the live
+        student and needs no sync.
+
+        Raises:
+            ValueError: ``generation_backend: vllm`` under more than one process (each rank would start its
+                own engine on the same cores or GPU).
+        """
         if self._backend is None:
+            if self.hparams.get("generation_backend", "hf") == "vllm" and self._trainer is not None \
+                    and self.trainer.world_size > 1:
+                raise ValueError("model.init_args.generation_backend: vllm runs one engine in the training process "
+                                 "and is not supported with more than one process; use generation_backend: hf")
             adapter = STUDENT_ADAPTER if self.is_lora_student else None
             with self.student_context():
                 self._backend = make_backend(self.hparams.get("generation_backend", "hf"), self.backbone, self.tokenizer,
@@ -298,6 +310,11 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             self.step_timings["weight_sync"] = time.perf_counter() - start
             self._backend_step = int(self.global_step)
         return self._backend
+
+    def mark_weights_changed(self) -> None:
+        """Tell the generation backend that the student's weights changed outside an optimiser step (a
+        checkpoint load does it itself): the next rollouts sync them first."""
+        self._backend_step = -1
 
     def rollout_seed(self) -> int:
         """The sampling seed of this rank: ``seed + 7919 * rank`` (ranks sample different rollouts)."""
@@ -319,6 +336,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             for methods with a bank, ``experiences`` (one list per trajectory).
         """
         self.step_timings = {}
+        backend = self.generation_backend()  # syncs an engine's weights first (timed apart: ``weight_sync``)
         start = time.perf_counter()
         with self.student_context():
             batch = generate_rollouts(
@@ -329,7 +347,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
                 group_size=self.hparams.group_size,
                 seed=self.rollout_seed(),
                 step=int(self.global_step),
-                backend=self.generation_backend(),
+                backend=backend,
                 **self.sampling_options(),
             )
         self.step_timings["generation"] = time.perf_counter() - start
@@ -535,6 +553,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         drop_stale_composer_weights(self, checkpoint)
+        self.mark_weights_changed()  # an engine with its own weights (vLLM) syncs before its next rollouts
         state = checkpoint.get("lopd_state", {})
         self.rollouts_consumed = int(state.get("rollouts_consumed", 0))
         self.non_finite_steps = int(state.get("non_finite_steps", 0))

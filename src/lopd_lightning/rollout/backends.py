@@ -26,7 +26,9 @@ drives the loop with a scripted one):
 4. Log-probs. ``Completion.logps[j] = log_softmax(z_j / temperature)[token_ids[j]]`` in float32: at the
    sampling temperature, BEFORE top-k/top-p filtering (also when greedy), for every returned token
    (an engine that reports log-probs of other logits, raw or filtered, must convert or recompute).
-   They become :attr:`RolloutBatch.sampling_logps`, a record of the behaviour policy. The "old
+   They become :attr:`RolloutBatch.sampling_logps`, a record of the behaviour policy. (The vLLM
+   backend deviates, as its engine reports them: after top-k/top-p, renormalised, and at temperature 1
+   for greedy requests; see :mod:`lopd_lightning.rollout.vllm_backend`. No loss reads them.) The "old
    log-probs" of the PPO ratio (docs/METHOD.md section 6) are NOT these: the trainer recomputes them
    with its own forward pass of the student, so the backend's numerics (kernels, precision, weight-sync
    lag) never enter a loss.

