@@ -48,3 +48,15 @@ def eos_model():
         head.bias[m.config.eos_token_id] = 1.0
     m.lm_head = head
     return m
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails a test whose module loads the student: its config error must come first. (Some test files
+    keep their own, stricter variant of this fixture.)"""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the student was loaded before the config error was raised")
+
+    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
+

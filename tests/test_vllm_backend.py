@@ -201,14 +201,6 @@ def test_vllm_module_syncs_the_lora_student_after_each_step(tmp_path, peaked):
     assert base.messages != vl.messages
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the check")
-
-    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
-
-
 def test_generation_backend_vllm_fails_before_the_weights_load_with_one_line(no_model_loading):
     from lopd_lightning.modules import GRPOModule
 
