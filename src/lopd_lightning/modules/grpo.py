@@ -32,16 +32,11 @@ from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.lm import unpack
 from lopd_lightning.losses import GRPOLoss, grpo_loss, k3_kl, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
+from lopd_lightning.modules.optimization import clip_grads
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.teacher import SelfTeacher
 
 log = logging.getLogger(__name__)
-
-
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
-    """Clip the global grad norm of ``params`` (those with a gradient) to ``max_norm``; () the norm before."""
-    with_grad = [p for p in params if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.zeros(())
 
 
 @dataclass

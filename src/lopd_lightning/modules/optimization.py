@@ -30,6 +30,18 @@ log = logging.getLogger(__name__)
 __all__ = ["OptimizationMixin"]
 
 
+def clip_grads(params, max_norm: float) -> Tensor:
+    """Clip the global grad norm of the ``params`` that have a gradient to ``max_norm`` (<= 0: no clip).
+
+    Returns:
+        () float: the norm before clipping (0 when no parameter has a gradient).
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return torch.zeros(())
+    return torch.nn.utils.clip_grad_norm_(with_grad, max_norm if max_norm > 0 else float("inf"))
+
+
 class OptimizationMixin(LightningModule):
     """Guarded backward and optimiser steps (see the module docstring); no method steps a raw optimiser itself."""
 
@@ -123,7 +135,7 @@ class OptimizationMixin(LightningModule):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return torch.zeros(())
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        norm = clip_grads(params, max_norm)
         if not torch.isfinite(norm):
             self.non_finite_steps += 1
             log.warning("non-finite grad norm at step %d: update skipped (%d so far)", self.global_step, self.non_finite_steps)

@@ -9,21 +9,26 @@ import signal
 import time
 
 
-def _proc_table() -> list[tuple[int, str, int, int, int, int]]:
-    """Live processes as (pid, state, ppid, pgid, sid, real uid), read from /proc (one file each)."""
-    rows = []
+def _proc_statuses():
+    """``(pid as a string, the bytes of /proc/<pid>/status)`` of every live process (gone ones skipped)."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        return rows
+        return
     for name in names:
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status", "rb") as f:
-                status = f.read()
+                yield name, f.read()
         except OSError:
             continue
+
+
+def _proc_table() -> list[tuple[int, str, int, int, int, int]]:
+    """Live processes as (pid, state, ppid, pgid, sid, real uid), read from /proc (one file each)."""
+    rows = []
+    for name, status in _proc_statuses():
         info = {}
         for line in status.splitlines():
             key, _, value = line.partition(b":")
@@ -68,18 +73,7 @@ def _descendants(pid: int) -> list[int]:
 def _user_tasks(uid: int) -> int:
     """Processes and threads (what RLIMIT_NPROC counts) of real user ``uid`` visible in /proc."""
     total = 0
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return 0
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                status = f.read()
-        except OSError:
-            continue
+    for _name, status in _proc_statuses():
         real_uid, threads = -1, 1
         for line in status.splitlines():
             if line.startswith(b"Uid:"):
