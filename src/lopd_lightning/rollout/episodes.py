@@ -26,16 +26,15 @@ sample only at near-ties.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from lopd_lightning.deprecation import rename_keys
+from lopd_lightning.deprecation import renamed_kwargs
 from lopd_lightning.rollout.backends import (
     Completion,
     GenerationBackend,
@@ -58,7 +57,6 @@ log = logging.getLogger(__package__)  # "lopd_lightning.rollout": one logger nam
 
 __all__ = ["generate_rollouts", "warn_turn_limit"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 #: keywords of :func:`generate_rollouts` that were renamed (old -> new); the old spelling warns once.
 _RENAMED_ARGUMENTS = {"num_rollouts_per_example": "group_size"}
@@ -128,14 +126,8 @@ def warn_turn_limit(task: Task, rollouts: Sequence[Any], max_turns: int, limit_s
     return True
 
 
-def _accepts_renamed_arguments(func: F) -> F:
-    """Serve the old keywords of :data:`_RENAMED_ARGUMENTS` (each warns once with the new spelling)."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return func(*args, **rename_keys(kwargs, where=func.__name__, renames=_RENAMED_ARGUMENTS))
-
-    return wrapper  # type: ignore[return-value]
+#: serves the old keywords of :data:`_RENAMED_ARGUMENTS` (each warns once with the new spelling).
+_accepts_renamed_arguments = renamed_kwargs(_RENAMED_ARGUMENTS)
 
 
 @_accepts_renamed_arguments
