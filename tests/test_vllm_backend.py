@@ -147,6 +147,22 @@ def test_vllm_sampled_logps_equal_a_teacher_forced_recompute_and_seeds_reproduce
 
 
 @needs_vllm
+def test_vllm_seeded_prompts_beyond_one_scheduler_batch_complete_as_if_sent_alone(peaked):
+    """Prompts that do not fit one scheduler step (here 4 x 120 tokens against 256 batched tokens) once made
+    vLLM's CPU runner chunk a prefill and fail on the seeded generator; now they run whole, in turn."""
+    model, tokenizer = peaked
+    backend = make_backend("vllm", model, tokenizer, options={
+        "max_model_len": 256, "kv_cache_gib": 1, "engine_options": {"max_num_batched_tokens": 256}})
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, len(tokenizer), (120,), generator=generator).tolist() for _ in range(4)]
+    settings = SamplingSettings(temperature=0.7, max_new_tokens=8)
+    together = backend.generate(prompts, settings, [21, 22, 23, 24])
+    alone = [backend.generate([p], settings, [s])[0] for p, s in zip(prompts, [21, 22, 23, 24], strict=True)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert all(len(c.token_ids) == 8 for c in together)
+
+
+@needs_vllm
 def test_vllm_samples_from_new_weights_after_sync_not_from_its_prefix_cache(peaked, engine):
     model, tokenizer = peaked
     model = copy.deepcopy(model)

@@ -62,6 +62,13 @@ def cpu_environment(*, kv_cache_gib: int = 2, threads: int | None = None) -> dic
     }
 
 
+def _on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def merged_weights(model: Any, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
     """The model's weights in Hugging Face checkpoint names, LoRA ``adapter`` merged into copies.
 
@@ -129,7 +136,8 @@ class VLLMBackend(GenerationBackend):
         enable_prefix_caching: share key/value blocks of common prefixes (the G rollouts of a task; the
             turns of an episode).
         kv_cache_gib: GiB of key/value cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``, unless set).
-        engine_options: extra keyword arguments of ``vllm.LLM``.
+        engine_options: extra keyword arguments of ``vllm.LLM`` (they win over the defaults here; on CPU
+            ``enable_chunked_prefill`` defaults to False: vLLM's CPU runner fails on a seeded, chunked prefill).
 
     Raises:
         ImportError: vLLM is not installed (the message names the extra to install).
@@ -155,6 +163,10 @@ class VLLMBackend(GenerationBackend):
             model=self._folder.name, tokenizer=self._folder.name, dtype=dtype, seed=0,
             enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, enforce_eager=True,
+            # vLLM's CPU runner rewinds a seeded request's generator after a partial (chunked) prefill, which a
+            # CPU generator cannot do ("CPU Generator does not use offset"): a call whose prompts exceed
+            # max_num_batched_tokens (4096) would fail. Whole prompts only; engine_options may override it.
+            enable_chunked_prefill=False if _on_cpu() else None,
         )
         options.update(engine_options or {})
         self.llm = vllm.LLM(**{k: v for k, v in options.items() if v is not None})
