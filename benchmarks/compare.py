@@ -26,8 +26,8 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
   aggregation reads every run file there and refuses to mix src trees, backends, budgets or held-out
   sets unless ``--src-tree`` / ``--backend`` / ``--budget`` choose (compare_runs.py).
 - **Plans**: ``grid`` (``--methods`` x ``--seeds``, seed-major) or ``evidence`` (:func:`evidence_plan`:
-  LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD; 192 trajectories a
-  run; the start student of ``benchmarks/start_student.py``; learning rates from the sweep).
+  LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD, lopd_balanced and
+  lopd_m0_balanced; 192 trajectories a run; the start student of ``benchmarks/start_student.py``; learning rates from the sweep).
 - **Learning-rate sweep** (``--sweep-lr``, compare_sweep.py): LOPD and GRPO at each rate, 64
   trajectories, seed 0, judged on a dev slice of the train split (``data.init_args.dev_slice``), never on
   the held-out questions; writes ``compare_lr_sweep.json``; the other methods take GRPO's rate.
@@ -87,9 +87,11 @@ from lopd_lightning.deprecation import rename_keys  # noqa: E402
 
 METHODS = ("lopd", "grpo", "sdpo", "opsd", "skill_sd")
 #: every method with a config, in the order compare.json lists them.
-ALL_METHODS = ("lopd", "grpo", "sdpo", "lopd_m0", "opsd", "skill_sd")
-#: seeds per method of the evidence plan (issue 17): LOPD and GRPO >= 3, SDPO and lopd_m0 >= 2, the rest >= 1.
-EVIDENCE_SEEDS = {"lopd": 3, "grpo": 3, "sdpo": 2, "lopd_m0": 2, "opsd": 1, "skill_sd": 1}
+ALL_METHODS = ("lopd", "grpo", "sdpo", "lopd_m0", "opsd", "skill_sd", "lopd_balanced", "lopd_m0_balanced")
+#: seeds per method of the evidence plan (issue 17): LOPD and GRPO >= 3, SDPO and lopd_m0 >= 2, the rest >= 1;
+#: last, the margin ablation again with the balanced weighting of Delta (lopd_balanced, lopd_m0_balanced).
+EVIDENCE_SEEDS = {"lopd": 3, "grpo": 3, "sdpo": 2, "lopd_m0": 2, "opsd": 1, "skill_sd": 1, "lopd_balanced": 2,
+                  "lopd_m0_balanced": 2}
 EVIDENCE_BUDGET = 192
 EVIDENCE_STUDENT = "runs/evidence/sft_student"  # benchmarks/start_student.py's output
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -122,8 +124,9 @@ class RunSpec:
 # ---------------------------------------------------------------------- plans
 def evidence_plan(seeds: dict[str, int] | None = None) -> list[tuple[str, int]]:
     """``(method, seed)`` in the evidence order of issue 17: LOPD and GRPO seed 0, then their further
-    seeds (LOPD 1, GRPO 1, LOPD 2, ...), then SDPO, lopd_m0, OPSD and Skill-SD with their seeds, so that a
-    plan stopped part-way has already answered the main question (LOPD against GRPO)."""
+    seeds (LOPD 1, GRPO 1, LOPD 2, ...), then SDPO, lopd_m0, OPSD and Skill-SD with their seeds, then the
+    margin ablation with the balanced weighting (lopd_balanced, lopd_m0_balanced), so that a plan stopped
+    part-way has already answered the main question (LOPD against GRPO)."""
     seeds = dict(EVIDENCE_SEEDS if seeds is None else seeds)
     head = ("lopd", "grpo")
     plan = [(m, s) for s in range(max(seeds[m] for m in head)) for m in head if s < seeds[m]]

@@ -6,8 +6,8 @@ the comparison's start student. Every run validates greedily on a **dev slice of
 with the same seed), which training never sees (LOPD's bank is built without them too); the held-out
 questions play no part. The rule (:func:`choose_learning_rate`): the highest dev success after the last
 step; ties go to the higher final training reward (trailing mean), then to the smaller rate. LOPD's
-choice sets LOPD's and lopd_m0's student rate (an ablation changes one thing); GRPO's choice sets every
-other method's (:func:`learning_rates_for`). The result is ``compare_lr_sweep.json``.
+choice sets the student rate of LOPD and of its ablations (lopd_m0, lopd_balanced, lopd_m0_balanced: an
+ablation changes one thing); GRPO's choice sets every other method's (:func:`learning_rates_for`). The result is ``compare_lr_sweep.json``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ SWEEP_BUDGET = 64
 DEV_QUESTIONS = 32  # benchmarks/start_student.py --dev
 RULE = ("highest greedy dev success after the last step (dev slice of the train split, never the held-out "
         "questions); ties: higher final training reward (trailing mean), then the smaller learning rate")
-OTHERS = ("lopd_m0 takes LOPD's rate (an ablation of LOPD changes one thing); SDPO, OPSD and Skill-SD take "
-          "GRPO's rate for the student")
+OTHERS = ("lopd_m0, lopd_balanced and lopd_m0_balanced take LOPD's rate (an ablation of LOPD changes one thing); "
+          "SDPO, OPSD and Skill-SD take GRPO's rate for the student")
 
 
 def parse_rates(text: str) -> list[float]:
@@ -96,8 +96,8 @@ def sweep_document(results: dict[str, dict[float, dict[str, Any]]], *, smooth_wi
 
 
 def learning_rates_for(path: Path, methods: list[str]) -> dict[str, float]:
-    """The student learning rate of each method from a sweep file: LOPD's choice for ``lopd`` and
-    ``lopd_m0``, GRPO's for every other method.
+    """The student learning rate of each method from a sweep file: LOPD's choice for ``lopd`` and its
+    ablations (every method named ``lopd*``), GRPO's for every other method.
 
     Raises:
         FileNotFoundError: no sweep file (the message gives the command that makes it).
@@ -109,7 +109,7 @@ def learning_rates_for(path: Path, methods: list[str]) -> dict[str, float]:
     chosen = json.loads(Path(path).read_text())["chosen"]
     rates = {}
     for method in methods:
-        source = "lopd" if method in ("lopd", "lopd_m0") else "grpo"
+        source = "lopd" if method.startswith("lopd") else "grpo"  # lopd, lopd_m0 and the balanced ablations
         if source not in chosen:
             raise KeyError(f"{path} chose no learning rate for {source} (needed by {method})")
         rates[method] = float(chosen[source])

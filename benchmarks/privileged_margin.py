@@ -34,6 +34,8 @@ Reported per context (``contexts.<name>``):
   unaffected by how many trajectories fail);
   (with binary rewards, the mean of delta_success and delta_failure, i.e. successes and failures weighed
   equally, is this separation measured per trajectory, halved);
+- ``delta_balanced`` and ``delta_balanced_ci``: Delta with ``margin_weighting: balanced`` (successes and
+  failures weighed equally: the mean of ``delta_success`` and ``delta_failure``), with its interval;
 - ``teacher_greedy_success``: the fraction of held-out questions the teacher solves when it answers
   greedily itself with that context;
 - ``latent_rms`` (latent contexts): the root-mean-square entry of the latents, against
@@ -85,6 +87,15 @@ def trajectory_stats(per_question: dict[str, list[Trajectory]], subset: str = "a
     return sum(values) / len(values) if values else None
 
 
+def balanced_stats(per_question: dict[str, list[Trajectory]]) -> float | None:
+    """Delta with ``margin_weighting: balanced`` (docs/METHOD.md 5): half the mean of A * delta over the
+    successful trajectories plus half that over the failed ones, a side without trajectories counting 0."""
+    sides = [trajectory_stats(per_question, "success"), trajectory_stats(per_question, "failure")]
+    if all(side is None for side in sides):
+        return None
+    return sum(0.5 * side for side in sides if side is not None)
+
+
 def separation(per_question: dict[str, list[Trajectory]]) -> float | None:
     """The per-token mean delta over every token of the successful trajectories minus that over every
     token of the failed ones (no outcome weight; None without both outcomes)."""
@@ -99,14 +110,15 @@ def separation(per_question: dict[str, list[Trajectory]]) -> float | None:
     return sums[True] / counts[True] - sums[False] / counts[False]
 
 
-def bootstrap_ci(per_question: dict[str, list[Trajectory]], *, resamples: int, seed: int) -> list[float] | None:
-    """A 95% percentile interval of Delta from ``resamples`` bootstrap draws of the questions."""
+def bootstrap_ci(per_question: dict[str, list[Trajectory]], *, resamples: int, seed: int,
+                 statistic=trajectory_stats) -> list[float] | None:
+    """A 95% percentile interval of ``statistic`` (Delta) from ``resamples`` bootstrap draws of the questions."""
     keys = sorted(per_question)
     rng = random.Random(seed)
     draws = []
     for _ in range(resamples):
         sample = {f"{i}": per_question[rng.choice(keys)] for i in range(len(keys))}
-        value = trajectory_stats(sample)
+        value = statistic(sample)
         if value is not None:
             draws.append(value)
     if not draws:
@@ -123,6 +135,8 @@ def summarise(per_question: dict[str, list[Trajectory]], *, resamples: int, seed
         "delta_failure": trajectory_stats(per_question, "failure"),
         "delta_mixed_groups": trajectory_stats(per_question, "mixed"),
         "separation": separation(per_question),
+        "delta_balanced": balanced_stats(per_question),
+        "delta_balanced_ci": bootstrap_ci(per_question, resamples=resamples, seed=seed, statistic=balanced_stats),
     }
 
 

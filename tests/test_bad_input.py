@@ -70,6 +70,16 @@ def test_lopd_refuses_gradient_checkpointing_with_the_reason():
         LOPDModule("tiny", **TINY_LOPD, gradient_checkpointing=True)
 
 
+def test_an_unknown_margin_weighting_names_the_field_and_the_choices(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("the model was built before the check")))
+    with pytest.raises(ValueError, match=r"model.init_args.margin_weighting 'balance' is not a weighting; did you mean "
+                                         r"'balanced'\? choose one of paper, balanced"):
+        LOPDModule("tiny", **TINY_LOPD, margin_weighting="balance")
+
+
 def test_more_experiences_than_the_bank_holds_names_the_field(tmp_path):
     task = ToyTask()
     bank = ExperienceBank(get_embedder("hashing"))

@@ -137,13 +137,14 @@ def test_the_evidence_plan_runs_lopd_and_grpo_first_then_the_rest(compare, tmp_p
     assert compare.evidence_plan() == [
         ("lopd", 0), ("grpo", 0), ("lopd", 1), ("grpo", 1), ("lopd", 2), ("grpo", 2),
         ("sdpo", 0), ("sdpo", 1), ("lopd_m0", 0), ("lopd_m0", 1), ("opsd", 0), ("skill_sd", 0),
+        ("lopd_balanced", 0), ("lopd_balanced", 1), ("lopd_m0_balanced", 0), ("lopd_m0_balanced", 1),
     ]
     sweep = tmp_path / "compare_lr_sweep.json"
     sweep.write_text(json.dumps({"chosen": {"lopd": 3e-5, "grpo": 1e-5}}))
     # the real configs: 192 trajectories = 48 steps of 4, evaluations every 16 steps; nothing runs
     plan = compare.main(["--plan", "evidence", "--dry-run", "--out-dir", str(tmp_path), "--root", str(tmp_path / "runs")])
     rows = [(r["method"], r["run"], r["budget"], r["steps"], r["learning_rate"], r["state"]) for r in plan["plan"]]
-    rates = {"lopd": 3e-5, "lopd_m0": 3e-5}  # the ablation takes LOPD's rate; every other method GRPO's
+    rates = {m: 3e-5 for m in ("lopd", "lopd_m0", "lopd_balanced", "lopd_m0_balanced")}  # LOPD's ablations: LOPD's rate
     assert rows == [(m, f"seed_{s}", 192, 48, rates.get(m, 1e-5), "new") for m, s in compare.evidence_plan()]
     # the sweep's plan: LOPD and GRPO at each rate, 64 trajectories = 16 steps, judged at the end only
     sweep_plan = compare.main(["--plan", "evidence", "--dry-run", "--sweep-lr", "1e-5,3e-5,1e-4", "--out-dir",
@@ -157,7 +158,7 @@ def test_the_evidence_plan_runs_lopd_and_grpo_first_then_the_rest(compare, tmp_p
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(SystemExit, match="needs vLLM, which this environment lacks: pass --lopd .venv-vllm/bin/lopd"):
             compare.main(vllm)
-    assert len(compare.main([*vllm, "--lopd", str(tmp_path / "lopd")])["plan"]) == 12
+    assert len(compare.main([*vllm, "--lopd", str(tmp_path / "lopd")])["plan"]) == 16
     assert compare.lopd_command() == [str(tmp_path / "lopd")]
     compare.LOPD_EXECUTABLE = None
     # without a sweep file, the evidence plan stops with one line naming the command that makes it
@@ -191,6 +192,14 @@ def test_lopd_m0_is_lopd_with_margin_zero(compare, folder):
     assert m0["model"]["init_args"].pop("margin") == 0.0
     lopd["model"]["init_args"].pop("margin", None)
     assert m0 == lopd
+
+
+@pytest.mark.parametrize("folder", ["compare", "compare_tiny"])
+@pytest.mark.parametrize("method", ["lopd", "lopd_m0"])
+def test_the_balanced_ablations_change_only_the_margin_weighting(compare, folder, method):
+    paper, balanced = (compare.method_config(ROOT / "configs" / folder, m) for m in (method, f"{method}_balanced"))
+    assert balanced["model"]["init_args"].pop("margin_weighting") == "balanced"
+    assert paper["model"]["init_args"].get("margin_weighting", "paper") == "paper" and balanced == paper
 
 
 def test_paired_differences_against_a_hand_computed_example(compare):
@@ -381,6 +390,6 @@ def test_the_sweep_chooses_on_the_dev_slice(compare, tmp_path):
             assert entry["dev_questions"] == 8 and set(entry["dev_per_question"]) <= train  # never a held-out question
             assert not set(entry["dev_per_question"]) & heldout
     assert (tmp_path / "runs_lr_sweep" / "lopd" / "lr_0.001" / "run.yaml").exists()
-    rates = sweep.learning_rates_for(out / "compare_lr_sweep.json", ["lopd", "lopd_m0", "grpo", "sdpo", "opsd"])
-    assert rates == {"lopd": doc["chosen"]["lopd"], "lopd_m0": doc["chosen"]["lopd"], "grpo": doc["chosen"]["grpo"],
-                     "sdpo": doc["chosen"]["grpo"], "opsd": doc["chosen"]["grpo"]}
+    rates = sweep.learning_rates_for(out / "compare_lr_sweep.json", ["lopd", "lopd_m0", "lopd_m0_balanced", "grpo", "sdpo", "opsd"])
+    assert rates == {"lopd": doc["chosen"]["lopd"], "lopd_m0": doc["chosen"]["lopd"], "lopd_m0_balanced": doc["chosen"]["lopd"],
+                     "grpo": doc["chosen"]["grpo"], "sdpo": doc["chosen"]["grpo"], "opsd": doc["chosen"]["grpo"]}

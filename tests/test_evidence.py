@@ -36,6 +36,10 @@ def test_margin_statistics_by_hand(margin):
     assert margin.separation(PER_QUESTION) == pytest.approx(0.4 - 0.2 / 8)
     assert margin.separation({"q": [(0.0, 0.1, 0.1, 1)]}) is None
     assert margin.trajectory_stats({"q": [(0.0, 0.1, 0.1, 1)]}, "success") is None
+    # balanced: successes 0.4 and failures (0.2 - 0.1 - 0.3) / 3 weighed equally; one side only: half of it
+    assert margin.balanced_stats(PER_QUESTION) == pytest.approx(0.4 / 2 + (0.2 - 0.1 - 0.3) / 3 / 2)
+    assert margin.balanced_stats({"q": PER_QUESTION["q2"]}) == pytest.approx((-0.1 - 0.3) / 2 / 2)
+    assert margin.balanced_stats({}) is None
 
 
 def test_bootstrap_interval_resamples_questions_and_covers_the_mean(margin):
@@ -79,4 +83,4 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     for name in ("text_nearest", "text_random", "latent_untrained", "latent_warm_start"):
         entry = data["contexts"][name]
         assert set(entry) >= {"delta_mean", "delta_ci", "delta_success", "delta_failure", "delta_mixed_groups",
-                              "separation", "teacher_greedy_success"}
+                              "separation", "teacher_greedy_success", "delta_balanced", "delta_balanced_ci"}

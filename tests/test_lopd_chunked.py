@@ -293,7 +293,8 @@ def _naive_token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tens
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
 
 
-def _three_ways(dtype: torch.dtype, shared: bool, student_trains: bool, chunk: int):
+def _three_ways(dtype: torch.dtype, shared: bool, student_trains: bool, chunk: int, weighting: str = "paper",
+                rows: torch.Tensor | None = None):
     """The student's and the composer's losses of one toy batch, in full mode, in chunked mode and from the
     naive float64 reference; each with the gradients of its leaves (hidden states and head weights)."""
     n, d, v, k, tau = 11, 6, 29, 4, 0.8
@@ -303,7 +304,8 @@ def _three_ways(dtype: torch.dtype, shared: bool, student_trains: bool, chunk: i
     tokens = torch.randint(0, v, (n,), generator=g)
     positions = torch.zeros(3, 6, dtype=torch.bool)
     positions.view(-1)[torch.randperm(18, generator=g)[:n]] = True
-    rewards, rows = torch.tensor([1.0, 0.0, 1.0], dtype=dtype), torch.tensor([True, True, False])
+    rewards = torch.tensor([1.0, 0.0, 1.0], dtype=dtype)
+    rows = torch.tensor([True, True, False]) if rows is None else rows
     student_model = _HeadModel(v, d, dtype, seed=1, trainable=student_trains)
     teacher_model = student_model if shared else _HeadModel(v, d, dtype, seed=2, trainable=False)
     results = {}
@@ -323,11 +325,11 @@ def _three_ways(dtype: torch.dtype, shared: bool, student_trains: bool, chunk: i
             loss_c = _naive_topk_tail_kl(s_in.detach(), t_in, k, tau).sum() / 20.0
             delta = privileged_margin(unpack(_naive_token_logps(t_in, tokens), positions),
                                       unpack(_naive_token_logps(s_in.detach(), tokens), positions),
-                                      rewards.double(), positions & rows[:, None])
+                                      rewards.double(), positions & rows[:, None], weighting=weighting)
         else:
             loss_s = distillation_loss(head, s_in, t_in.detach(), top_k=k, temperature=tau, num_tokens=20.0)
             loss_c = distillation_loss(head, s_in.detach(), t_in, top_k=k, temperature=tau, num_tokens=20.0)
-            delta = margin_delta(head, s_in, t_in, tokens, positions, rewards, rows=rows)
+            delta = margin_delta(head, s_in, t_in, tokens, positions, rewards, rows=rows, weighting=weighting)
         leaves = [hs, ht] + [p for p in (ws, bs) if p.requires_grad]
         student_grads = torch.autograd.grad(loss_s, leaves, allow_unused=True, retain_graph=True)
         composer_grads = torch.autograd.grad(loss_c + 0.3 * delta, leaves, allow_unused=True)
@@ -357,6 +359,22 @@ def test_lm_head_full_and_chunked_give_the_naive_losses_and_gradients(dtype, sha
     assert all(g is not None and g.abs().sum() > 0 for g in head_grads) and len(head_grads) == (2 if student_trains else 0)
     hs_grad, ht_grad, *head_grads = got["chunked"]["composer"]
     assert hs_grad is None and ht_grad.abs().sum() > 0 and all(g is None for g in head_grads)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_margin_delta_balanced_weighting_equals_the_naive_reference(chunk):
+    every_row = torch.tensor([True, True, True])  # two successes and one failure count
+    got = _three_ways(torch.float64, True, False, chunk, weighting="balanced", rows=every_row)
+    paper = _three_ways(torch.float64, True, False, chunk, rows=every_row)
+    for mode in ("full", "chunked"):
+        torch.testing.assert_close(got[mode]["values"][2], got["naive"]["values"][2], **TOLERANCE[torch.float64])
+        for a, b in zip(got[mode]["composer"], got["naive"]["composer"], strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, **TOLERANCE[torch.float64])
+    # 2 successes, 1 failure: paper = (D0 + D2 + D1) / 3, balanced = (D0 + D2) / 4 + D1 / 2, so
+    # they differ unless D1 = (D0 + D2) / 2 (checked: the weighting reaches margin_delta)
+    assert abs(got["naive"]["values"][2].item() - paper["naive"]["values"][2].item()) > 1e-3
 
 
 def test_lm_head_modes_and_errors():

@@ -607,7 +607,36 @@ class TestPrivilegedMargin:
         out.backward()
         assert out.item() == 0.0 and torch.equal(teacher.grad, torch.zeros(3, 3))
 
+    def test_balanced_weighs_successes_and_failures_equally(self):
+        # 1 success, 3 failures, 2 tokens each; the teacher lowers every sampled token by c = 0.4:
+        # paper: (1 * -0.4 + 3 * (-1) * -0.4) / 4 = 0.2 (positive only because failures outnumber successes);
+        # balanced: (-0.4) / 2 + (+0.4) / 2 = 0
+        student = torch.full((4, 2), -1.0)
+        rewards, mask = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.ones(4, 2)
+        assert privileged_margin(student - 0.4, student, rewards, mask).item() == pytest.approx(0.2)
+        assert privileged_margin(student - 0.4, student, rewards, mask, weighting="balanced").item() == pytest.approx(0.0)
+        # hand value with separation: success delta +0.3 (D = 0.3); failures -0.1, 0.2, 0.5 (D = 0.1, -0.2, -0.5)
+        teacher = student + torch.tensor([0.3, -0.1, 0.2, 0.5])[:, None]
+        teacher.requires_grad_()
+        out = privileged_margin(teacher, student, rewards, mask, weighting="balanced")
+        assert out.item() == pytest.approx(0.3 / 2 + (0.1 - 0.2 - 0.5) / 3 / 2)
+        out.backward()
+        # d/d teacher[b, t] = A_b / (tokens 2) / (rollouts on its side) / 2: success 1/4, failures -1/12
+        torch.testing.assert_close(teacher.grad, torch.tensor([[0.25] * 2] + [[-1 / 12] * 2] * 3))
+
+    def test_balanced_counts_a_missing_side_as_zero(self):
+        # only failures: half the paper's value; A = 0 (r = 0.5) counts on neither side; unchanged on the
+        # class's own tokens-less rollouts (excluded as in the paper)
+        teacher, student = self.teacher[1:2], self.student[1:2]
+        rewards, mask = torch.tensor([0.25]), self.mask[1:2]
+        paper = privileged_margin(teacher, student, rewards, mask)
+        assert privileged_margin(teacher, student, rewards, mask, weighting="balanced").item() == pytest.approx(paper.item() / 2)
+        out = privileged_margin(self.teacher, self.student, torch.tensor([1.0, 0.5, 1.0]), self.mask, weighting="balanced")
+        assert out.item() == pytest.approx(0.5 / 2)  # rollout 0 alone on the success side; rollout 1 has A = 0
+
     def test_errors(self):
+        with pytest.raises(ValueError, match="weighting must be one of paper, balanced"):
+            privileged_margin(self.teacher, self.student, self.rewards, self.mask, weighting="equal")
         with pytest.raises(ValueError, match="rewards"):
             privileged_margin(self.teacher, self.student, torch.ones(2), self.mask)
         with pytest.raises(ValueError, match="shape"):

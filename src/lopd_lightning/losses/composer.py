@@ -13,8 +13,12 @@ import torch
 from torch import Tensor
 
 
+#: how :func:`privileged_margin` weighs the rollouts: ``paper`` (the default, the paper's mean) or ``balanced``
+MARGIN_WEIGHTINGS = ("paper", "balanced")
+
+
 def privileged_margin(
-    teacher_logps: Tensor, student_logps: Tensor, rewards: Tensor, mask: Tensor
+    teacher_logps: Tensor, student_logps: Tensor, rewards: Tensor, mask: Tensor, *, weighting: str = "paper"
 ) -> Tensor:
     """The margin Delta: how much more (or less) the teacher believes the sampled tokens, weighted by outcome.
 
@@ -23,6 +27,12 @@ def privileged_margin(
     ``D_b = sum_t mask[b, t] A_b delta[b, t] / sum_t mask[b, t]``, then
     ``Delta = mean of D_b over the rollouts with at least one masked-in token`` (0 if there are none).
 
+    ``weighting="balanced"`` (not in the paper) weighs successes and failures equally:
+    ``Delta = (mean of D_b over A_b > 0) / 2 + (mean of D_b over A_b < 0) / 2``, a missing side counting 0
+    (a batch with one outcome gives half the paper's value; rollouts with ``A_b = 0`` count in neither).
+    With the paper's mean a teacher that lowers the probability of every sampled token earns a positive Delta
+    whenever most rollouts fail; the balanced mean gives it 0 on a batch with both outcomes.
+
     Gradient flows to ``teacher_logps`` only (the student log-probs and the rewards are detached).
 
     Args:
@@ -30,17 +40,20 @@ def privileged_margin(
         student_logps: (B, T) float, log pi_S(a | s) of the same tokens.
         rewards: (B,) float, trajectory rewards r(tau) in [0, 1].
         mask: (B, T) bool or {0, 1}, 1 on assistant tokens.
+        weighting: ``"paper"`` or ``"balanced"`` (:data:`MARGIN_WEIGHTINGS`).
 
     Returns:
         () float, Delta(phi).
 
     Raises:
-        ValueError: the (B, T) tensors differ in shape, or ``rewards`` is not (B,).
+        ValueError: the (B, T) tensors differ in shape, ``rewards`` is not (B,), or an unknown ``weighting``.
 
     Source: LOPD paper, docs/METHOD.md section 5: A(tau) = 2 r(tau) - 1,
     delta = log pi_T(a | s, c_phi) - sg[log pi_S(a | s)], Delta(phi) = mean over rollouts of
     [sum omega A delta / sum omega].
     """
+    if weighting not in MARGIN_WEIGHTINGS:
+        raise ValueError(f"margin weighting must be one of {', '.join(MARGIN_WEIGHTINGS)}, got {weighting!r}")
     if teacher_logps.shape != student_logps.shape or teacher_logps.shape != mask.shape:
         raise ValueError(
             f"teacher_logps {tuple(teacher_logps.shape)}, student_logps {tuple(student_logps.shape)} "
@@ -58,7 +71,10 @@ def privileged_margin(
     count = weights.sum(dim=-1)  # [B]
     per_rollout = per_token.sum(dim=-1) / count.clamp(min=1)  # [B]
     has_tokens = (count > 0).to(per_rollout.dtype)  # [B]
-    return (per_rollout * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+    if weighting == "paper":
+        return (per_rollout * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+    sides = [has_tokens * (outcome[:, 0] > 0).to(per_rollout.dtype), has_tokens * (outcome[:, 0] < 0).to(per_rollout.dtype)]
+    return sum(0.5 * (per_rollout * side).sum() / side.sum().clamp(min=1) for side in sides)
 
 
 def anchor_loss(latents: Tensor, anchor_latents: Tensor, latent_mask: Tensor) -> Tensor:

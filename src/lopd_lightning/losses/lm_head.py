@@ -438,6 +438,7 @@ def margin_delta(
     rewards: Tensor,
     *,
     rows: Tensor | None = None,
+    weighting: str = "paper",
 ) -> Tensor:
     """The privileged margin Delta(phi) of the sampled tokens, differentiable in the teacher's values only.
 
@@ -453,6 +454,7 @@ def margin_delta(
         rewards: (B,) trajectory rewards in [0, 1].
         rows: (B,) bool, the rollouts that count (LOPD: those whose teacher saw latents; without them
             delta is 0 by construction in ``live`` mode), or None for all.
+        weighting: ``"paper"`` (mean over rollouts) or ``"balanced"`` (successes and failures weighed equally).
 
     Returns:
         () float32, Delta(phi) (0 when no rollout counts).
@@ -463,4 +465,5 @@ def margin_delta(
     with torch.no_grad():
         student_logps = head.token_logps(student.detach(), tokens, side="student")
     mask = positions if rows is None else positions & rows[:, None]
-    return privileged_margin(unpack(teacher_logps, positions), unpack(student_logps, positions), rewards, mask)
+    return privileged_margin(unpack(teacher_logps, positions), unpack(student_logps, positions), rewards, mask,
+                             weighting=weighting)

@@ -38,6 +38,7 @@ from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
 from lopd_lightning.losses import anchor_loss, composer_objective
+from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, clip_composer_grads, warm_start_loss
 from lopd_lightning.memory.embed import get_embedder
@@ -132,6 +133,9 @@ class LOPDModule(OnPolicyModule):
         distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20).
         margin: m, the privileged margin (paper: 0.05); a MarginSchedule callback may vary it.
         anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
+        margin_weighting: how Delta weighs the rollouts: ``"paper"`` (the default: the mean of A D over
+            rollouts) or ``"balanced"`` (successes and failures weighed equally; not in the paper, see
+            :func:`lopd_lightning.losses.privileged_margin`).
         dual_lr: eta_beta, step size of the dual ascent on beta (paper: 0.5).
         beta_init: beta_0 (paper: 0).
         teacher_mode: "live" (current student weights: the design card's weight sharing), "base"
@@ -184,6 +188,7 @@ class LOPDModule(OnPolicyModule):
         distill_top_k: int = 20,
         margin: float = 0.05,
         anchor_weight: float = 0.2,
+        margin_weighting: str = "paper",
         dual_lr: float = 0.5,
         beta_init: float = 0.0,
         teacher_mode: str = "live",
@@ -208,7 +213,7 @@ class LOPDModule(OnPolicyModule):
             num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,
             bank_path=bank_path, bank_capacity=bank_capacity, distill_chunk_size=distill_chunk_size,
             composer_lora=composer_cfg, gradient_checkpointing=bool(kwargs.get("gradient_checkpointing")),
-            beta_init=beta_init, dual_lr=dual_lr,
+            beta_init=beta_init, dual_lr=dual_lr, margin_weighting=margin_weighting,
         )
         super().__init__(model, **kwargs)
         self.save_hyperparameters()
@@ -250,15 +255,21 @@ class LOPDModule(OnPolicyModule):
         gradient_checkpointing: bool,
         beta_init: float,
         dual_lr: float,
+        margin_weighting: str,
     ) -> None:
         """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
 
         Raises:
-            ValueError: K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``, an unknown embedder, a
+            ValueError: an unknown ``margin_weighting``, K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``, an unknown embedder, a
                 missing or too small bank, gradient checkpointing, a ``distill_chunk_size`` that is not null
                 or an int >= 1, or a composer LoRA that the shared backbone cannot honour.
             FileNotFoundError: ``bank_path`` holds no bank.
         """
+        if margin_weighting not in MARGIN_WEIGHTINGS:
+            close = difflib.get_close_matches(str(margin_weighting), MARGIN_WEIGHTINGS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; {hint}"
+                             f"choose one of {', '.join(MARGIN_WEIGHTINGS)}")
         if num_latents < 1:
             raise ValueError(f"model.init_args.num_latents must be >= 1 (latent tokens per experience), got {num_latents}")
         if num_experiences < 0:
@@ -376,7 +387,8 @@ class LOPDModule(OnPolicyModule):
             # Delta only over rollouts whose teacher saw latents: without them delta is 0 by construction
             # (live mode) and would pull Delta to 0 and wind beta up with no signal
             has_latents = composed.latent_mask.any(dim=-1)  # [B]
-            delta = margin_delta(head, student, teacher, targets[mask], mask, batch.rewards, rows=has_latents)
+            delta = margin_delta(head, student, teacher, targets[mask], mask, batch.rewards, rows=has_latents,
+                                 weighting=self.hparams.margin_weighting)
             anchor = anchor_loss(composed.latents, self.anchor_latents(batch), composed.latent_mask)
             loss_composer = composer_objective(
                 distill_c, delta, anchor, beta=self.beta, margin=self.margin, anchor_weight=self.hparams.anchor_weight
