@@ -45,6 +45,7 @@ Reported per context (``contexts.<name>``):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
@@ -293,6 +294,97 @@ def load_trained_composer(module, checkpoint: Path) -> int:
     return len(loaded)
 
 
+# ---------------------------------------------------------------------------------------- resume
+class Journal:
+    """Finished work of one measurement, appended line by line to ``<work-dir>/journal.jsonl``, so that a run
+    stopped part-way (a session's end) continues where it stopped: the scores of each batch of questions,
+    and each greedy answer (the student's and every teacher's), are kept once written.
+
+    The first line holds what decides the numbers (task, student, checkpoint, settings) and a fingerprint of
+    each composer; a journal written under other settings, or by a warm start that does not reproduce, is
+    refused (``--fresh`` starts over).
+    """
+
+    def __init__(self, folder: Path, key: dict[str, Any], *, fresh: bool):
+        self.path = Path(folder) / "journal.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and self.path.exists():
+            self.path.unlink()
+        self.lines: list[dict[str, Any]] = []
+        if self.path.exists():
+            self.lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        if self.lines and self.lines[0].get("key") != key:
+            raise SystemExit(f"error: {self.path} was written with other settings ({self.lines[0].get('key')}); "
+                             "pass --fresh to start over or --work-dir for a separate measurement")
+        if not self.lines:
+            self.append({"kind": "header", "key": key})
+
+    def append(self, line: dict[str, Any]) -> None:
+        self.lines.append(line)
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def check_fingerprints(self, fingerprints: dict[str, float]) -> None:
+        """Record the composers' fingerprints, or refuse to continue with composers that differ from them."""
+        saved = next((line["values"] for line in self.lines if line["kind"] == "fingerprints"), None)
+        if saved is None:
+            self.append({"kind": "fingerprints", "values": fingerprints})
+        elif any(not math.isclose(saved.get(k, float("nan")), v, rel_tol=1e-5, abs_tol=1e-6) for k, v in fingerprints.items()):
+            raise SystemExit(f"error: the composers differ from those {self.path} was scored with ({saved} against "
+                             f"{fingerprints}): the warm start did not reproduce; pass --fresh to start over")
+
+    def scored(self) -> dict[int, dict[str, Any]]:
+        return {line["batch"]: line for line in self.lines if line["kind"] == "scores"}
+
+    def greedy(self) -> dict[tuple[str, str], float]:
+        return {(line["who"], line["id"]): line["reward"] for line in self.lines if line["kind"] == "greedy"}
+
+
+def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
+    """What decides a measurement's numbers (a journal of other settings is refused)."""
+    return {"task": args.task, "student": file_stamp(args.student), "questions": [ex.id for ex in heldout],
+            "samples": args.samples, "num_latents": args.num_latents, "num_experiences": args.num_experiences,
+            "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
+            "batch_questions": args.batch_questions, "seed": args.seed,
+            "trained_checkpoint": file_stamp(args.trained_checkpoint)}
+
+
+def collect_scores(journal: Journal):
+    """Per context {question: [trajectory, ...]}, the student's sampled rewards per question, and the latents'
+    RMS per batch, from the journal's scores."""
+    per_question: dict[str, dict[str, list[Trajectory]]] = {name: {} for name in CONTEXTS}
+    student_rewards: dict[str, list[float]] = {}
+    rms: dict[str, list[float]] = {}
+    for line in sorted(journal.scored().values(), key=lambda line: line["batch"]):
+        for row in line["rows"]:
+            student_rewards.setdefault(row["id"], []).append(row["reward"])
+            for name, (mean, total, n) in row["deltas"].items():
+                per_question[name].setdefault(row["id"], []).append((row["reward"], mean, total, int(n)))
+        for name, value in line["rms"].items():
+            rms.setdefault(name, []).append(value)
+    return per_question, student_rewards, rms
+
+
+def composer_fingerprint(composer) -> float:
+    """The sum of |weight| over a composer's resampler and its LoRA adapter: equal composers, equal sums."""
+    total = sum(float(p.detach().abs().sum()) for p in composer.resampler.parameters())
+    adapter = composer.adapter_name
+    for name, p in composer.backbone.named_parameters():
+        if f".{adapter}." in name:
+            total += float(p.detach().abs().sum())
+    return total
+
+
+def file_stamp(path: Path | None) -> list[Any] | None:
+    """A file's (or a model folder's weights') resolved path, size and modification time."""
+    if path is None:
+        return None
+    path = Path(path)
+    target = path / "model.safetensors" if path.is_dir() else path
+    stat = target.stat() if target.exists() else None
+    return [str(path.resolve()), stat.st_size if stat else None, int(stat.st_mtime) if stat else None]
+
+
 # ---------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -310,6 +402,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "privileged_margin.json")
+    parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "runs" / "evidence" / "privileged_margin",
+                        help="the journal of finished work: a stopped run continues from it")
+    parser.add_argument("--fresh", action="store_true", help="discard the journal and start over")
     args = parser.parse_args(argv)
 
     import lightning as L
@@ -344,15 +439,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.trained_checkpoint is not None:
         load_trained_composer(module, args.trained_checkpoint)
         composers["latent_trained"] = module.composer
+    journal = Journal(args.work_dir, journal_key(args, heldout), fresh=args.fresh)
+    journal.check_fingerprints({name: composer_fingerprint(c) for name, c in composers.items()})
 
-    per_question: dict[str, dict[str, list[Trajectory]]] = {name: {} for name in CONTEXTS}
-    student_rewards: dict[str, list[float]] = {}
-    rms: dict[str, list[float]] = {}
     t0 = time.perf_counter()
-    for i in range(0, len(heldout), args.batch_questions):
+    done = journal.scored()
+    for b, i in enumerate(range(0, len(heldout), args.batch_questions)):
+        if b in done:
+            continue
         examples = heldout[i : i + args.batch_questions]
         with torch.no_grad():
-            batch = module.make_batch(task, examples)
+            batch = module.make_batch(task, examples)  # rollout seeds hash (seed, step 0, question, sample)
         contexts: dict[str, Any] = {}
         nearest = [exps[0].trace if exps else None for exps in batch.experiences]
         randoms = [random_record(module, args.seed, example_id).trace for example_id in batch.example_ids]
@@ -360,30 +457,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         contexts["text_random"] = ("text", module.teacher.encode_text_context(randoms))
         for name, composer in composers.items():
             contexts[name] = ("latent", composer)
-            rms.setdefault(name, []).append(latent_rms(module, composer, batch))
         deltas = token_deltas(module, batch, contexts)
-        for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True)):
-            student_rewards.setdefault(example_id, []).append(float(reward))
-            for name in contexts:
-                mean, total, n = deltas[name][row]
-                per_question[name].setdefault(example_id, []).append((float(reward), mean, total, int(n)))
+        rows = [{"id": example_id, "reward": float(reward), "deltas": {name: deltas[name][row] for name in contexts}}
+                for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True))]
+        journal.append({"kind": "scores", "batch": b, "rows": rows,
+                        "rms": {name: latent_rms(module, c, batch) for name, c in composers.items()}})
         print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     timings["sample_and_score_s"] = time.perf_counter() - t0
+    per_question, student_rewards, rms = collect_scores(journal)
 
     # greedy success: the student's own (the rollout code) and each teacher's (its context in the prompt)
     t0 = time.perf_counter()
-    student_greedy = []
-    for i in range(0, len(heldout), 16):
-        student_greedy += [float(r) for r in module.evaluate_examples(task, heldout[i : i + 16]).rewards]
+    answered = journal.greedy()
+    todo = [example for example in heldout if ("student", example.id) not in answered]
+    for i in range(0, len(todo), 16):
+        for example, r in zip(todo[i : i + 16], module.evaluate_examples(task, todo[i : i + 16]).rewards, strict=True):
+            journal.append({"kind": "greedy", "who": "student", "id": example.id, "reward": float(r)})
+    student_greedy = [journal.greedy()[("student", example.id)] for example in heldout]
     timings["student_greedy_s"] = time.perf_counter() - t0
     teacher_success: dict[str, float] = {}
     for name in CONTEXTS:
         if name.startswith("latent") and name not in composers:
             continue
         t0 = time.perf_counter()
-        solved = 0
         for example in heldout:
+            if (name, example.id) in answered:
+                continue
             if name == "text_nearest":
                 exps = module.retrieve(task, [example])[0]
                 ids = module.teacher.encode_text_context([exps[0].trace if exps else None])[0]
@@ -394,7 +494,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else:
                 reply = teacher_greedy_reply(module, task, example, composer=composers[name],
                                              max_new_tokens=args.max_new_tokens)
-            solved += reply_reward(task, example, reply) >= 1.0
+            journal.append({"kind": "greedy", "who": name, "id": example.id, "reward": reply_reward(task, example, reply)})
+        answers = journal.greedy()
+        solved = sum(answers[(name, example.id)] >= 1.0 for example in heldout)
         teacher_success[name] = solved / len(heldout)
         timings[f"teacher_greedy_{name}_s"] = time.perf_counter() - t0
         print(f"teacher greedy {name}: {solved}/{len(heldout)}", flush=True)

@@ -75,12 +75,31 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     assert first["chosen_steps"] in (1, 2) and [c["steps"] for c in first["dev_curve"]] == [1, 2]
     assert first["heldout_questions"] == len(first["heldout_rewards"]) and (student / "config.json").exists()
     assert start.main(args)["timestamp"] == first["timestamp"]  # cached: the same recipe is not retrained
-    out = tmp_path / "margin.json"
-    data = margin.main(["--task", "toy", "--student", str(student), "--questions", "3", "--samples", "2",
-                        "--warm-start-steps", "1", "--resamples", "20", "--max-new-tokens", "6", "--out", str(out)])
+    out, work = tmp_path / "margin.json", tmp_path / "margin_work"
+    margin_args = ["--task", "toy", "--student", str(student), "--questions", "3", "--samples", "2", "--batch-questions", "2",
+                   "--warm-start-steps", "1", "--resamples", "20", "--max-new-tokens", "6", "--out", str(out),
+                   "--work-dir", str(work)]
+    data = margin.main(margin_args)
     assert json.loads(out.read_text())["n_questions"] == 3 == data["n_questions"]
     assert data["n_trajectories"] == 6 and data["contexts"]["latent_trained"] is None
     for name in ("text_nearest", "text_random", "latent_untrained", "latent_warm_start"):
         entry = data["contexts"][name]
         assert set(entry) >= {"delta_mean", "delta_ci", "delta_success", "delta_failure", "delta_mixed_groups",
                               "separation", "teacher_greedy_success", "delta_balanced", "delta_balanced_ci"}
+
+    # a run stopped part-way continues from its journal: drop the last batch's scores and a teacher's answers,
+    # run again, and every number is the same (the journal keeps what was finished; rollouts are seeded by
+    # question); other settings are refused in one line
+    journal = work / "journal.jsonl"
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    kept = [line for line in lines if not (line["kind"] == "scores" and line["batch"] == 1)
+            and not (line["kind"] == "greedy" and line["who"] == "text_random")]
+    journal.write_text("".join(json.dumps(line) + "\n" for line in kept))
+    resumed = margin.main(margin_args)
+    for key in ("n_trajectories", "n_mixed_groups", "student_greedy_success"):
+        assert resumed[key] == data[key]
+    assert resumed["contexts"] == data["contexts"]
+    assert len(journal.read_text().splitlines()) == len(lines)  # only the dropped work was done again
+    with pytest.raises(SystemExit, match="written with other settings.*--fresh"):
+        margin.main([*margin_args, "--samples", "3"])
+    assert margin.main([*margin_args, "--samples", "3", "--fresh"])["n_trajectories"] == 9
