@@ -19,6 +19,10 @@ section 5). Contexts:
 - ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
   (L_init on the bank's successful train trajectories);
 - ``latent_trained``: the composer of a finished LOPD run (``--trained-checkpoint``); null without one.
+- ``latent_warm_start[<variant>]`` (``--variants``, the investigation of why latents move the teacher so
+  little): a composer warm-started like ``latent_warm_start`` with one thing changed: ``gain_embedding``
+  (the resampler's output starts at the token embeddings' RMS instead of 1), ``warm_<N>`` (N warm-start
+  steps), ``k<N>`` (K = N latents per experience), or a ``+`` join of them.
   Its latents condition the same teacher as every other context (the start student's weights, not the
   student that run trained), so the contexts differ in nothing else.
 
@@ -279,6 +283,56 @@ def snapshot_composer(module, name: str):
     return frozen
 
 
+def parse_variant(spec: str, *, warm_start_steps: int, num_latents: int) -> dict[str, Any]:
+    """A composer variant of the investigation, e.g. ``gain_embedding``, ``warm_100``, ``k32`` or a ``+``
+    join of them: the output gain ("embedding": the latents start at the token embeddings' RMS), the warm
+    start's length and K; what a variant does not name is the measurement's own setting.
+
+    Raises:
+        SystemExit: an unknown part (one line naming ``--variants``).
+    """
+    options: dict[str, Any] = {"output_gain": 1.0, "warm_start_steps": warm_start_steps, "num_latents": num_latents}
+    for part in spec.split("+"):
+        if part == "gain_embedding":
+            options["output_gain"] = "embedding"
+        elif part.startswith("warm_") and part[5:].isdigit():
+            options["warm_start_steps"] = int(part[5:])
+        elif part.startswith("k") and part[1:].isdigit() and int(part[1:]) >= 1:
+            options["num_latents"] = int(part[1:])
+        else:
+            raise SystemExit(f"error: --variants: unknown part {part!r} of {spec!r}; use gain_embedding, warm_<steps>, "
+                             "k<latents>, joined by +")
+    return options
+
+
+def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any], *, seed: int):
+    """A composer built like the module's (an untrained LoRA copy, a fresh resampler seeded by ``seed``) with
+    ``options``, warm-started as the module's was; the module's own composer is left as it was."""
+    import torch
+
+    from lopd_lightning.adapters import adapter_parameters, copy_adapter
+    from lopd_lightning.memory.composer import LatentComposer
+
+    name = "variant_" + "".join(c if c.isalnum() else "_" for c in spec)
+    copy_adapter(module.backbone, module.anchor_composer.adapter_name, name)  # the untrained composer LoRA
+    for param in adapter_parameters(module.backbone, name):
+        param.requires_grad_(True)
+    torch.manual_seed(seed)
+    variant = LatentComposer(module.backbone, module.tokenizer, adapter_name=name, num_latents=options["num_latents"],
+                             depth=module.hparams.composer_depth, output_gain=options["output_gain"],
+                             max_experience_tokens=module.composer.max_experience_tokens)
+    own, steps = module.composer, module.hparams.warm_start_steps
+    module.composer, module.hparams.warm_start_steps = variant, options["warm_start_steps"]
+    try:
+        module.warm_start_composer(datamodule)
+    finally:
+        module.composer, module.hparams.warm_start_steps = own, steps
+    variant.requires_grad_(False)
+    for param in adapter_parameters(module.backbone, name):
+        param.requires_grad_(False)
+    return variant
+
+
 def load_trained_composer(module, checkpoint: Path) -> int:
     """Load the composer (its LoRA and resampler) of an LOPD checkpoint into ``module.composer``; the
     student's weights stay the start student's. Returns the number of tensors loaded."""
@@ -346,13 +400,17 @@ def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
             "samples": args.samples, "num_latents": args.num_latents, "num_experiences": args.num_experiences,
             "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
             "batch_questions": args.batch_questions, "seed": args.seed,
-            "trained_checkpoint": file_stamp(args.trained_checkpoint)}
+            "trained_checkpoint": file_stamp(args.trained_checkpoint), "variants": args.variants}
 
 
 def collect_scores(journal: Journal):
     """Per context {question: [trajectory, ...]}, the student's sampled rewards per question, and the latents'
     RMS per batch, from the journal's scores."""
     per_question: dict[str, dict[str, list[Trajectory]]] = {name: {} for name in CONTEXTS}
+    for line in journal.scored().values():
+        for row in line["rows"]:
+            for name in row["deltas"]:
+                per_question.setdefault(name, {})
     student_rewards: dict[str, list[float]] = {}
     rms: dict[str, list[float]] = {}
     for line in sorted(journal.scored().values(), key=lambda line: line["batch"]):
@@ -405,6 +463,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "runs" / "evidence" / "privileged_margin",
                         help="the journal of finished work: a stopped run continues from it")
     parser.add_argument("--fresh", action="store_true", help="discard the journal and start over")
+    parser.add_argument("--variants", default="", help="comma-separated composer variants, each warm-started and "
+                        "measured as context latent_warm_start[<variant>] (gain_embedding, warm_<steps>, k<latents>, "
+                        "joined by +)")
     args = parser.parse_args(argv)
 
     import lightning as L
@@ -436,9 +497,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     module.warm_start_composer(dm)
     timings["warm_start_s"] = time.perf_counter() - t0
     composers["latent_warm_start"] = snapshot_composer(module, "composer_warm_start")
+    for spec in filter(None, (v.strip() for v in args.variants.split(","))):
+        options = parse_variant(spec, warm_start_steps=args.warm_start_steps, num_latents=args.num_latents)
+        t0 = time.perf_counter()
+        composers[f"latent_warm_start[{spec}]"] = warm_started_variant(module, dm, spec, options, seed=args.seed)
+        timings[f"warm_start[{spec}]_s"] = time.perf_counter() - t0
     if args.trained_checkpoint is not None:
         load_trained_composer(module, args.trained_checkpoint)
         composers["latent_trained"] = module.composer
+    names = [*CONTEXTS, *(name for name in composers if name not in CONTEXTS)]
     journal = Journal(args.work_dir, journal_key(args, heldout), fresh=args.fresh)
     journal.check_fingerprints({name: composer_fingerprint(c) for name, c in composers.items()})
 
@@ -477,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     student_greedy = [journal.greedy()[("student", example.id)] for example in heldout]
     timings["student_greedy_s"] = time.perf_counter() - t0
     teacher_success: dict[str, float] = {}
-    for name in CONTEXTS:
+    for name in names:
         if name.startswith("latent") and name not in composers:
             continue
         t0 = time.perf_counter()
@@ -520,8 +587,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "contexts": {},
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
-    for name in CONTEXTS:
-        if not per_question[name] and name.startswith("latent"):
+    for name in names:
+        if not per_question.get(name) and name.startswith("latent"):
             results["contexts"][name] = None
             results.setdefault("notes", []).append(f"{name}: no composer (pass --trained-checkpoint of an LOPD run)")
             continue

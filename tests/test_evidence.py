@@ -103,3 +103,11 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     with pytest.raises(SystemExit, match="written with other settings.*--fresh"):
         margin.main([*margin_args, "--samples", "3"])
     assert margin.main([*margin_args, "--samples", "3", "--fresh"])["n_trajectories"] == 9
+    # the investigation's variants: each a warm-started composer with one thing changed, measured as a context
+    varied = margin.main([*margin_args, "--fresh", "--variants", "gain_embedding,k2+warm_2"])
+    for name in ("latent_warm_start[gain_embedding]", "latent_warm_start[k2+warm_2]"):
+        assert varied["contexts"][name]["teacher_greedy_success"] is not None and varied["contexts"][name]["latent_rms"] > 0
+    assert varied["contexts"]["latent_warm_start[gain_embedding]"]["latent_rms"] < 0.5 * varied["contexts"]["latent_warm_start"]["latent_rms"]
+    assert varied["contexts"]["latent_warm_start"] == resumed["contexts"]["latent_warm_start"]  # the module's own is untouched
+    with pytest.raises(SystemExit, match="--variants: unknown part 'gain2'"):
+        margin.main([*margin_args, "--fresh", "--variants", "gain2"])
