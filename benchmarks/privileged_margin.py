@@ -22,7 +22,9 @@ section 5). Contexts:
 - ``latent_warm_start[<variant>]`` (``--variants``, the investigation of why latents move the teacher so
   little): a composer warm-started like ``latent_warm_start`` with one thing changed: ``gain_embedding``
   (the resampler's output starts at the token embeddings' RMS instead of 1), ``warm_<N>`` (N warm-start
-  steps), ``k<N>`` (K = N latents per experience), or a ``+`` join of them.
+  steps), ``k<N>`` (K = N latents per experience), or a ``+`` join of them. A variant's resampler starts
+  from ``torch.manual_seed(--seed)``, not from the module's own initialisation: ``warm_<--warm-start-steps>``
+  is the control that changes nothing else.
   Its latents condition the same teacher as every other context (the start student's weights, not the
   student that run trained), so the contexts differ in nothing else.
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -94,7 +97,10 @@ def trajectory_stats(per_question: dict[str, list[Trajectory]], subset: str = "a
 
 def balanced_stats(per_question: dict[str, list[Trajectory]]) -> float | None:
     """Delta with ``margin_weighting: balanced`` (docs/METHOD.md 5): half the mean of A * delta over the
-    successful trajectories plus half that over the failed ones, a side without trajectories counting 0."""
+    successful trajectories (r >= 1) plus half that over the failed ones, a side without trajectories
+    counting 0. Pooled over the whole measurement, where both sides exist; in training each step's batch is
+    weighed on its own and a batch with one outcome gives 0. Binary rewards: the sides equal src's split by
+    the sign of A."""
     sides = [trajectory_stats(per_question, "success"), trajectory_stats(per_question, "failure")]
     if all(side is None for side in sides):
         return None
@@ -364,19 +370,38 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh and self.path.exists():
             self.path.unlink()
-        self.lines: list[dict[str, Any]] = []
-        if self.path.exists():
-            self.lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        if self.lines and self.lines[0].get("key") != key:
-            raise SystemExit(f"error: {self.path} was written with other settings ({self.lines[0].get('key')}); "
+        self.lines: list[dict[str, Any]] = self._read() if self.path.exists() else []
+        saved = self.lines[0].get("key") if self.lines else None
+        if self.lines and saved != key:
+            differ = sorted(k for k in {*(saved or {}), *key} if (saved or {}).get(k) != key.get(k))
+            raise SystemExit(f"error: {self.path} was written with other settings ({', '.join(differ)} differ); "
                              "pass --fresh to start over or --work-dir for a separate measurement")
         if not self.lines:
             self.append({"kind": "header", "key": key})
+
+    def _read(self) -> list[dict[str, Any]]:
+        """The journal's lines; a last line cut short (a process killed while writing it) is dropped and cut
+        from the file, so that the next line starts on its own."""
+        text = self.path.read_text()
+        complete, _, tail = text.rpartition("\n")
+        lines = []
+        for number, line in enumerate(complete.split("\n") if complete else [], start=1):
+            if line.strip():
+                try:
+                    lines.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise SystemExit(f"error: line {number} of {self.path} is not JSON ({err}); pass --fresh to "
+                                     "start over") from None
+        if tail:
+            self.path.write_text(complete + "\n" if complete else "")
+        return lines
 
     def append(self, line: dict[str, Any]) -> None:
         self.lines.append(line)
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def check_fingerprints(self, fingerprints: dict[str, float]) -> None:
         """Record the composers' fingerprints, or refuse to continue with composers that differ from them."""
@@ -582,7 +607,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "settings": {"samples": args.samples, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
                      "num_latents": args.num_latents, "num_experiences": args.num_experiences,
                      "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
-                     "teacher_mode": "live", "weighting": "paper (A = 2r - 1)", "resamples": args.resamples},
+                     "teacher_mode": "live", "weighting": "paper (A = 2r - 1); delta_balanced: balanced",
+                     "variants": args.variants, "resamples": args.resamples},
         "token_embedding_rms": float(embed.detach().pow(2).mean().sqrt()),
         "contexts": {},
         "timings_s": {k: round(v, 1) for k, v in timings.items()},

@@ -51,6 +51,23 @@ def test_bootstrap_interval_resamples_questions_and_covers_the_mean(margin):
     assert margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3) == margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3)
 
 
+def test_the_journal_survives_a_line_cut_short_and_names_the_settings_that_differ(margin, tmp_path):
+    key = {"task": "toy", "questions": ["q1", "q2"], "samples": 2}
+    journal = margin.Journal(tmp_path, key, fresh=False)
+    journal.append({"kind": "greedy", "who": "student", "id": "q1", "reward": 1.0})
+    with journal.path.open("a") as f:  # a process killed while writing the next line
+        f.write('{"kind": "greedy", "who": "student", "id": "q2", "rew')
+    resumed = margin.Journal(tmp_path, key, fresh=False)
+    assert resumed.greedy() == {("student", "q1"): 1.0}
+    resumed.append({"kind": "greedy", "who": "student", "id": "q2", "reward": 0.0})
+    assert margin.Journal(tmp_path, key, fresh=False).greedy() == {("student", "q1"): 1.0, ("student", "q2"): 0.0}
+    with pytest.raises(SystemExit, match=r"with other settings \(questions, samples differ\); pass --fresh"):
+        margin.Journal(tmp_path, {**key, "questions": ["q1"], "samples": 3}, fresh=False)
+    journal.path.write_text('{"kind": "header", "key": {}}\nnot json\n')
+    with pytest.raises(SystemExit, match="line 2 of .* is not JSON"):
+        margin.Journal(tmp_path, {}, fresh=False)
+
+
 def test_dev_slice_is_carved_from_the_train_split_only(start):
     from lopd_lightning.tasks.toy import ToyTask
 

@@ -270,10 +270,12 @@ def at_loss_positions(logits: torch.Tensor, mask: torch.Tensor, *, full_length: 
     return (logits[:, :-1] if full_length else logits)[mask]
 
 
-def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
-    """Delta = mean_b [sum_t w (2 r_b - 1)(log pT - log pS) / sum_t w]; KL on top-M(teacher) + tail."""
+@pytest.mark.parametrize("weighting", ["paper", "balanced"])
+def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir, weighting):
+    """Delta = mean_b [sum_t w (2 r_b - 1)(log pT - log pS) / sum_t w] (balanced: half the mean over the
+    successes plus half that over the failures); KL on top-M(teacher) + tail."""
     top_m = 8
-    module = make_module(bank_dir, distill_top_k=top_m)
+    module = make_module(bank_dir, distill_top_k=top_m, margin_weighting=weighting)
     captured = {}
     student_forward, teacher_logits = module.student_forward, module.teacher.on_student_positions
 
@@ -309,11 +311,37 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir):
         ps = torch.cat([ps, (1 - ps.sum()).clamp_min(1e-12)[None]])  # + the tail bucket
         pt = torch.cat([pt, (1 - pt.sum()).clamp_min(1e-12)[None]])
         kl_sum += float((ps * (ps / pt).log()).sum())  # reverse KL(p~_S || p~_T)
-    delta = sum(sum(v) / len(v) for v in rows.values()) / len(rows)
+    per_row = {b: sum(v) / len(v) for b, v in rows.items()}
+    if weighting == "paper":
+        delta = sum(per_row.values()) / len(per_row)
+    else:
+        sides = [[d for b, d in per_row.items() if rewards[b] == r] for r in (1.0, 0.0)]
+        delta = sum(0.5 * sum(side) / len(side) for side in sides)
     logged = rec.steps[0]["logged"]
     assert logged["train/margin_delta"] == pytest.approx(delta, rel=1e-4, abs=1e-6)
     assert logged["train/distill_kl"] == pytest.approx(kl_sum / int(mask.sum()), rel=1e-4, abs=1e-6)
     assert logged["train/distill_kl"] > 0
+
+
+class FailingToy(EvenToy):
+    """Every trajectory fails (reward 0)."""
+
+    def score(self, example, completion: str) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("weighting", ["paper", "balanced"])
+def test_a_batch_with_one_outcome_moves_beta_only_under_the_paper_weighting(tmp_path, bank_dir, weighting):
+    module = make_module(bank_dir, margin=1.0, beta_init=0.2, dual_lr=0.5, margin_weighting=weighting)
+    rec = Recorder()
+    make_trainer(tmp_path, max_steps=1, callbacks=[rec]).fit(module, make_dm(FailingToy(), examples_per_step=2))
+    step = rec.steps[0]
+    assert step["batch"].rewards.sum() == 0.0
+    if weighting == "paper":  # every rollout counts with A = -1: a Delta and a dual step
+        delta = step["logged"]["train/margin_delta"]
+        assert delta != 0.0 and step["beta_after"] == pytest.approx(0.2 + 0.5 * (1.0 - delta), abs=1e-6)
+    else:  # no success to weigh against: Delta 0, beta unchanged
+        assert step["logged"]["train/margin_delta"] == 0.0 and step["beta_after"] == 0.2
 
 
 # ----------------------------------------------------------------------- 6. checkpoints and resume

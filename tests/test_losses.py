@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lopd_lightning import deprecation
+from lopd_lightning.losses.composer import has_both_outcomes
 from lopd_lightning.losses import (
     anchor_loss,
     composer_objective,
@@ -624,15 +625,17 @@ class TestPrivilegedMargin:
         # d/d teacher[b, t] = A_b / (tokens 2) / (rollouts on its side) / 2: success 1/4, failures -1/12
         torch.testing.assert_close(teacher.grad, torch.tensor([[0.25] * 2] + [[-1 / 12] * 2] * 3))
 
-    def test_balanced_counts_a_missing_side_as_zero(self):
-        # only failures: half the paper's value; A = 0 (r = 0.5) counts on neither side; unchanged on the
-        # class's own tokens-less rollouts (excluded as in the paper)
-        teacher, student = self.teacher[1:2], self.student[1:2]
-        rewards, mask = torch.tensor([0.25]), self.mask[1:2]
-        paper = privileged_margin(teacher, student, rewards, mask)
-        assert privileged_margin(teacher, student, rewards, mask, weighting="balanced").item() == pytest.approx(paper.item() / 2)
-        out = privileged_margin(self.teacher, self.student, torch.tensor([1.0, 0.5, 1.0]), self.mask, weighting="balanced")
-        assert out.item() == pytest.approx(0.5 / 2)  # rollout 0 alone on the success side; rollout 1 has A = 0
+    def test_balanced_gives_zero_without_both_outcomes(self):
+        # only failures (or A = 0, r = 0.5, on neither side; or the success without tokens): 0, no gradient
+        for rewards in (torch.tensor([0.0, 0.25, 1.0]), torch.tensor([1.0, 0.5, 1.0])):
+            teacher = self.teacher.clone().requires_grad_()
+            out = privileged_margin(teacher, self.student, rewards, self.mask, weighting="balanced")
+            out.backward()
+            assert out.item() == 0.0 and torch.equal(teacher.grad, torch.zeros(3, 3))
+        rows = torch.tensor([True, True, True])
+        assert has_both_outcomes(torch.tensor([1.0, 0.25, 0.0]), rows)
+        assert not has_both_outcomes(torch.tensor([1.0, 0.5, 1.0]), rows)
+        assert not has_both_outcomes(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([True, False, True]))
 
     def test_errors(self):
         with pytest.raises(ValueError, match="weighting must be one of paper, balanced"):

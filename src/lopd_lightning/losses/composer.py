@@ -28,10 +28,10 @@ def privileged_margin(
     ``Delta = mean of D_b over the rollouts with at least one masked-in token`` (0 if there are none).
 
     ``weighting="balanced"`` (not in the paper) weighs successes and failures equally:
-    ``Delta = (mean of D_b over A_b > 0) / 2 + (mean of D_b over A_b < 0) / 2``, a missing side counting 0
-    (a batch with one outcome gives half the paper's value; rollouts with ``A_b = 0`` count in neither).
-    With the paper's mean a teacher that lowers the probability of every sampled token earns a positive Delta
-    whenever most rollouts fail; the balanced mean gives it 0 on a batch with both outcomes.
+    ``Delta = (mean of D_b over A_b > 0) / 2 + (mean of D_b over A_b < 0) / 2``; a batch without both sides
+    gives 0 and no gradient (it says nothing about separation), and rollouts with ``A_b = 0`` count in
+    neither. With the paper's mean a teacher that lowers the probability of every sampled token by c earns
+    Delta = c (1 - 2 s) > 0 whenever the success fraction s is below one half; the balanced mean gives it 0.
 
     Gradient flows to ``teacher_logps`` only (the student log-probs and the rewards are detached).
 
@@ -74,7 +74,16 @@ def privileged_margin(
     if weighting == "paper":
         return (per_rollout * has_tokens).sum() / has_tokens.sum().clamp(min=1)
     sides = [has_tokens * (outcome[:, 0] > 0).to(per_rollout.dtype), has_tokens * (outcome[:, 0] < 0).to(per_rollout.dtype)]
-    return sum(0.5 * (per_rollout * side).sum() / side.sum().clamp(min=1) for side in sides)
+    if not all(bool(side.any()) for side in sides):
+        return (per_rollout * 0.0).sum()  # one outcome only: no signal (and no gradient)
+    return sum(0.5 * (per_rollout * side).sum() / side.sum() for side in sides)
+
+
+def has_both_outcomes(rewards: Tensor, rows: Tensor) -> bool:
+    """Whether ``rows`` (B,) bool hold a rollout with ``2 r - 1 > 0`` and one with ``2 r - 1 < 0``: the batches
+    whose balanced Delta (:func:`privileged_margin` ``weighting="balanced"``) is informative."""
+    outcome = 2.0 * rewards.detach() - 1.0
+    return bool((rows & (outcome > 0)).any()) and bool((rows & (outcome < 0)).any())
 
 
 def anchor_loss(latents: Tensor, anchor_latents: Tensor, latent_mask: Tensor) -> Tensor:

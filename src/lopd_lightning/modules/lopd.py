@@ -38,7 +38,7 @@ from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
 from lopd_lightning.losses import anchor_loss, composer_objective
-from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS
+from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS, has_both_outcomes
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, clip_composer_grads, warm_start_loss
 from lopd_lightning.memory.embed import get_embedder
@@ -453,9 +453,15 @@ class LOPDModule(OnPolicyModule):
 
         rows_with_latents = self.global_count(has_latents.sum())
         delta_global = self.global_mean(delta)
+        informative = rows_with_latents > 0
+        if self.hparams.margin_weighting == "balanced":  # Delta is 0 on ranks without both outcomes: leave them out
+            rows = has_latents & self.shifted(batch)[1].any(dim=1)
+            ranks = self.global_count(int(has_both_outcomes(batch.rewards, rows)))
+            delta_global, informative = delta_global * self.global_count(1) / max(ranks, 1), ranks > 0
         beta_before = self.beta
-        # dual ascent only when some teacher saw latents (docs/METHOD.md 5); a non-finite Delta is skipped
-        self.dual.update(delta_global, self.margin, active=rows_with_latents > 0 and not skipped)
+        # dual ascent only when Delta carries signal (docs/METHOD.md 5): some teacher saw latents (balanced:
+        # and some rank had both outcomes); a non-finite Delta is skipped
+        self.dual.update(delta_global, self.margin, active=informative and not skipped)
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()
 
