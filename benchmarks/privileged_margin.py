@@ -420,8 +420,11 @@ class Journal:
 
 
 def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
-    """What decides a measurement's numbers (a journal of other settings is refused)."""
-    return {"task": args.task, "student": file_stamp(args.student), "questions": [ex.id for ex in heldout],
+    """What decides a measurement's numbers (a journal of other settings, or of other code under src/, is
+    refused)."""
+    from compare_runs import src_provenance
+
+    return {"src_hash": src_provenance()["src_hash"], "task": args.task, "student": file_stamp(args.student), "questions": [ex.id for ex in heldout],
             "samples": args.samples, "num_latents": args.num_latents, "num_experiences": args.num_experiences,
             "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
             "batch_questions": args.batch_questions, "seed": args.seed,
