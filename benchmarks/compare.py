@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py                        # the five methods, seeds 0 and 1, 32 trajectories a run
     python benchmarks/compare.py --methods lopd grpo --seeds 0 1 2 --budget 64
-    python benchmarks/compare.py --plan evidence --sweep-lr 1e-5,3e-5,1e-4   # issue 17: the learning rates
+    python benchmarks/compare.py --plan evidence --sweep-lr 3e-5,1e-4,3e-4   # issue 17: the learning rates
     python benchmarks/compare.py --plan evidence         # issue 17: the grid, in its order, resumable
     python benchmarks/compare.py --plan evidence --generation-backend vllm --lopd .venv-vllm/bin/lopd
     python benchmarks/compare.py --aggregate-only        # compare.{json,png,md} from the run files there are

@@ -105,7 +105,7 @@ def learning_rates_for(path: Path, methods: list[str]) -> dict[str, float]:
     """
     if not Path(path).exists():
         raise FileNotFoundError(f"no learning-rate sweep at {path}: run `python benchmarks/compare.py --plan evidence "
-                                "--sweep-lr 1e-5,3e-5,1e-4` first (or pass --lr-file none to keep the configs' rates)")
+                                "--sweep-lr 3e-5,1e-4,3e-4` first (or pass --lr-file none to keep the configs' rates)")
     chosen = json.loads(Path(path).read_text())["chosen"]
     rates = {}
     for method in methods:

@@ -162,7 +162,7 @@ def test_the_evidence_plan_runs_lopd_and_grpo_first_then_the_rest(compare, tmp_p
     assert compare.lopd_command() == [str(tmp_path / "lopd")]
     compare.LOPD_EXECUTABLE = None
     # without a sweep file, the evidence plan stops with one line naming the command that makes it
-    with pytest.raises(SystemExit, match="no learning-rate sweep at .*--sweep-lr 1e-5,3e-5,1e-4"):
+    with pytest.raises(SystemExit, match="no learning-rate sweep at .*--sweep-lr 3e-5,1e-4,3e-4"):
         compare.main(["--plan", "evidence", "--dry-run", "--out-dir", str(tmp_path / "elsewhere")])
 
 
