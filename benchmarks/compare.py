@@ -387,7 +387,7 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], stud
         results.setdefault(spec.method, {})[spec.learning_rate] = result
     first = next(iter(results.values()))[rates[0]]
     document = sweep_document(
-        results, smooth_window=args.smooth, learning_rates=rates, budget_trajectories=args.sweep_budget,
+        results, smooth_window=args.smooth or 3, learning_rates=rates, budget_trajectories=args.sweep_budget,
         dev_questions=args.dev_questions, dev_seed=args.dev_seed, task=first["task"], model=first["model"],
         src=first["src"], generation_backend=first["generation_backend"], **run_metadata(seed=seed, argv=args.argv))
     path = write_json_atomic(document, args.out_dir / "compare_lr_sweep.json")
@@ -430,7 +430,8 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         by_method.setdefault(run["method"], []).append(run)
     first = runs[0]
     results = summarise(by_method, task=str(first["task"]), model=str(first["model"]),
-                        budget=int(first["budget_trajectories"]), smooth_window=args.smooth, n_boot=args.bootstrap)
+                        budget=int(first["budget_trajectories"]), n_boot=args.bootstrap,
+                        smooth_window=args.smooth or max(3, int(first["steps"]) // 4))
     results.update(val_metric=VAL_METRIC, generation_backend=first["generation_backend"], **first["src"],
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    run_files=[r["path"] for r in runs])
@@ -471,7 +472,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--aggregate-only", action="store_true", help="only aggregate the run files there are")
     p.add_argument("--src-tree", default=None, help="aggregate only runs of this src hash (or tree hash) prefix")
     p.add_argument("--backend", default=None, help="aggregate only runs of this generation backend")
-    p.add_argument("--smooth", type=int, default=3, help="trailing-mean window (steps) of the final reward")
+    p.add_argument("--smooth", type=int, default=None, help="trailing-mean window (steps) of the final reward "
+                   "(default: a quarter of a run's steps, at least 3; the sweep: 3)")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run")
     p.add_argument("--rerun", action="store_true", help="run again even when a finished or interrupted run exists")

@@ -74,6 +74,9 @@ def _efficiency_line(results: dict[str, Any]) -> list[str]:
     fraction, target = results["lopd_budget_fraction_to_grpo_final"], results.get("grpo_final_reward")
     if target is None:
         return []
+    undefined = results.get("lopd_budget_fraction_to_grpo_final_reason")
+    if undefined:
+        return ["", f"LOPD's budget to reach GRPO's final training reward: undefined ({undefined})."]
     reached = "not reached within the budget" if fraction is None else f"{fraction:.0%} of GRPO's budget"
     ci = results.get("lopd_budget_fraction_to_grpo_final_ci")
     reason = results.get("lopd_budget_fraction_to_grpo_final_ci_reason")

@@ -232,6 +232,20 @@ def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_befo
     }
 
 
+def grpo_improvement(reward: list[float], window: int) -> str | None:
+    """Why the budget fraction is undefined when GRPO's smoothed training reward ends no higher than its
+    first full window (the start student's level, not something GRPO reached); None when GRPO improved."""
+    if not reward:
+        return None
+    curve = smooth(reward, window)
+    first, final = curve[min(window, len(curve)) - 1], curve[-1]
+    if final > first + 1e-9:
+        return None
+    return (f"GRPO's final smoothed training reward ({final:.3f}) is not above its first {window}-step window's "
+            f"({first:.3f}): GRPO did not improve, so reaching its final reward would measure the start student, "
+            "not LOPD's efficiency")
+
+
 def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dict[str, Any]:
     """``lopd_budget_fraction_to_grpo_final`` (+ ``_ci``, ``_ci_reason``, ``_ci_method``) and ``grpo_final_reward``."""
     out: dict[str, Any] = {"lopd_budget_fraction_to_grpo_final": None, "lopd_budget_fraction_to_grpo_final_ci": None,
@@ -240,8 +254,13 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
     if "lopd" not in methods or "grpo" not in methods:
         return out
     lopd, grpo = methods["lopd"], methods["grpo"]
-    out["lopd_budget_fraction_to_grpo_final"] = budget_fraction(lopd, grpo, smooth_window)
     out["grpo_final_reward"] = smooth(grpo["reward"], smooth_window)[-1] if grpo["reward"] else None
+    improved = grpo_improvement(grpo["reward"], smooth_window)
+    if improved is not None:  # GRPO ended no higher than it began: reaching its final reward measures the start
+        out.update(lopd_budget_fraction_to_grpo_final_reason=improved, lopd_budget_fraction_to_grpo_final_ci_reason=improved,
+                   lopd_budget_fraction_never_reached_share=None)
+        return out
+    out["lopd_budget_fraction_to_grpo_final"] = budget_fraction(lopd, grpo, smooth_window)
     ci = budget_fraction_ci({"rollouts": lopd["rollouts"], "per_seed": lopd["reward_per_seed"]},
                             {"rollouts": grpo["rollouts"], "per_seed": grpo["reward_per_seed"]}, smooth_window,
                             n_boot=max(1, n_boot // 5))

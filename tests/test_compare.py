@@ -312,6 +312,22 @@ def test_aggregation_of_run_files_writes_the_issue_17_keys(compare, tmp_path):
     assert "+0.500 [" in (out / "compare.md").read_text()
 
 
+def test_budget_fraction_is_undefined_when_grpo_did_not_improve(compare, tmp_path):
+    stats = compare.compare_stats
+    reason = stats.grpo_improvement([0.5, 0.25, 0.25, 0.5, 0.0], 2)  # first full window (0.5 + 0.25) / 2, final 0.25
+    assert reason.startswith("GRPO's final smoothed training reward (0.250) is not above its first 2-step window's (0.375)")
+    assert stats.grpo_improvement([0.0, 0.25, 0.5, 0.75], 2) is None
+    # in compare.json: the fraction, its interval and the line in compare.md say why there is no number
+    questions = [f"q{i}" for i in range(4)]
+    out = tmp_path / "flat"
+    write_runs(out / "compare_runs", fake_run("grpo", 0, final={q: True for q in questions}, curve=(0.5, 0.25)),
+               fake_run("lopd", 0, final={q: True for q in questions}, curve=(0.5, 0.5)))
+    data = compare.main(["--aggregate-only", "--out-dir", str(out), "--bootstrap", "200", "--smooth", "1"])
+    assert data["lopd_budget_fraction_to_grpo_final"] is None and data["lopd_budget_fraction_to_grpo_final_ci"] is None
+    assert "GRPO did not improve" in data["lopd_budget_fraction_to_grpo_final_reason"]
+    assert "LOPD's budget to reach GRPO's final training reward: undefined (GRPO's final" in (out / "compare.md").read_text()
+
+
 def test_budget_fraction_ci_is_null_with_a_reason_when_lopd_never_reaches_grpo(compare):
     stats = compare.compare_stats
     grpo = {"rollouts": [4, 8], "per_seed": [[0.5, 1.0], [0.5, 1.0]]}  # final reward 1.0 (window 1)
