@@ -6,10 +6,27 @@ from pathlib import Path
 from typing import Any
 
 
+def _smoothed(m: dict[str, Any], window: int) -> tuple[list[float], list[float]]:
+    """The seed mean and std, at each step, of every seed's trailing-mean training reward."""
+    import statistics
+
+    from compare_stats import smooth
+
+    curves = [smooth(curve, window) for curve in m["reward_per_seed"]]
+    columns = list(zip(*curves))
+    return ([statistics.fmean(c) for c in columns],
+            [statistics.pstdev(c) if len(c) > 1 else 0.0 for c in columns])
+
+
 def _panel(ax, results: dict[str, Any], key: str) -> None:
-    """One panel: per method, the seed mean of a curve against trajectories and a +-1 std band."""
+    """One panel: per method, the seed mean of a curve against trajectories and a +-1 std band (training
+    reward: the trailing mean over ``smooth_window`` steps, each step's mean faint behind it)."""
+    window = int(results.get("smooth_window") or 1)
     for name, m in results["methods"].items():
-        if key == "reward":
+        if key == "reward" and m.get("reward_per_seed"):
+            xs = m["rollouts"]
+            mean, std = _smoothed(m, window)
+        elif key == "reward":
             xs, mean, std = m["rollouts"], m["reward"], m["reward_std"]
         elif m.get("val_curve"):
             xs, mean, std = m["val_curve"]["trajectories"], m["val_curve"]["mean"], m["val_curve"]["std"]
@@ -17,7 +34,9 @@ def _panel(ax, results: dict[str, Any], key: str) -> None:
             continue
         if not xs:
             continue
-        (line,) = ax.plot(xs, mean, marker="o", ms=3, label=f"{name} (n={len(m['seeds'])})")
+        (line,) = ax.plot(xs, mean, marker="o" if key != "reward" else None, ms=3, label=f"{name} (n={len(m['seeds'])})")
+        if key == "reward" and window > 1:
+            ax.plot(xs, m["reward"], color=line.get_color(), alpha=0.2, lw=0.8)
         ax.fill_between(xs, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
                         color=line.get_color(), alpha=0.15)
     ax.set_xlabel("trajectories consumed")
@@ -37,7 +56,8 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     _panel(left, results, "reward")
     left.set_ylabel("training reward (mean over seeds)")
-    left.set_title("training reward", fontsize=9)
+    left.set_title(f"training reward, trailing mean over {results.get('smooth_window')} steps (faint: each step)",
+                   fontsize=9)
     _panel(right, results, "val")
     right.set_ylabel("held-out success, greedy (mean over seeds)")
     right.set_title(f"held-out success on {results.get('val_examples')} questions", fontsize=9)
