@@ -103,18 +103,21 @@ def smooth(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def budget_fraction(lopd: dict[str, Any], grpo: dict[str, Any], window: int) -> float | None:
-    """First trajectory count where LOPD's smoothed mean reward reaches GRPO's final smoothed reward,
-    as a fraction of GRPO's total trajectories (None: never reached, or a method has no curve).
+def budget_fraction(lopd: dict[str, Any], grpo: dict[str, Any], window: int, reach_window: int | None = None) -> float | None:
+    """First trajectory count where LOPD's smoothed mean reward (trailing mean over ``reach_window`` steps,
+    default ``window``) reaches GRPO's final smoothed reward (over ``window`` steps), as a fraction of GRPO's
+    total trajectories (None: never reached, or a method has no curve). A short ``reach_window`` keeps
+    early fractions possible: with ``window`` alone nothing below ``window`` steps could count.
 
     Source: the efficiency claim of docs/METHOD.md section 7 (LOPD passes GRPO's final reward after 20%
     of its budget). ``lopd`` and ``grpo`` hold ``rollouts`` (x) and ``reward`` (seed means)."""
     if not lopd["rollouts"] or not grpo["rollouts"]:
         return None
     target = smooth(grpo["reward"], window)[-1]
-    for i, (x, y) in enumerate(zip(lopd["rollouts"], smooth(lopd["reward"], window))):
+    reach = reach_window or window
+    for i, (x, y) in enumerate(zip(lopd["rollouts"], smooth(lopd["reward"], reach))):
         # only where a full window exists: one lucky early batch is not "reaching" GRPO's final reward
-        if i >= min(window, len(lopd["reward"])) - 1 and y >= target - 1e-9:
+        if i >= min(reach, len(lopd["reward"])) - 1 and y >= target - 1e-9:
             return x / grpo["rollouts"][-1]
     return None
 
@@ -124,7 +127,7 @@ def _seed_mean(curves: list[list[float]]) -> list[float]:
 
 
 def budget_fraction_ci(lopd: dict[str, Any], grpo: dict[str, Any], window: int, *, n_boot: int = 2000,
-                       seed: int = 0) -> dict[str, Any]:
+                       seed: int = 0, reach_window: int | None = None) -> dict[str, Any]:
     """The 95% bootstrap interval over seeds of :func:`budget_fraction` (:data:`FRACTION_CI`).
 
     Args:
@@ -135,7 +138,8 @@ def budget_fraction_ci(lopd: dict[str, Any], grpo: dict[str, Any], window: int, 
         "never_reached_share": the share of resamples where LOPD never reaches the target}``.
     """
     point = budget_fraction({"rollouts": lopd["rollouts"], "reward": _seed_mean(lopd["per_seed"])},
-                            {"rollouts": grpo["rollouts"], "reward": _seed_mean(grpo["per_seed"])}, window)
+                            {"rollouts": grpo["rollouts"], "reward": _seed_mean(grpo["per_seed"])}, window,
+                            reach_window)
     if point is None:
         target = smooth(_seed_mean(grpo["per_seed"]), window)[-1] if grpo["rollouts"] else None
         reached = "GRPO has no reward curve" if target is None else f"GRPO's final smoothed reward ({target:.3f})"
@@ -149,7 +153,7 @@ def budget_fraction_ci(lopd: dict[str, Any], grpo: dict[str, Any], window: int, 
         pick_g = rng.integers(0, len(grpo["per_seed"]), size=len(grpo["per_seed"]))
         f = budget_fraction({"rollouts": lopd["rollouts"], "reward": _seed_mean([lopd["per_seed"][i] for i in pick_l])},
                             {"rollouts": grpo["rollouts"], "reward": _seed_mean([grpo["per_seed"][i] for i in pick_g])},
-                            window)
+                            window, reach_window)
         fractions.append(math.inf if f is None else f)
     lo, hi = (float(v) for v in np.quantile(fractions, [0.025, 0.975], method="inverted_cdf"))
     never = sum(math.isinf(f) for f in fractions) / n_boot
@@ -237,6 +241,9 @@ def grpo_improvement(reward: list[float], window: int) -> str | None:
     first full window (the start student's level, not something GRPO reached); None when GRPO improved."""
     if not reward:
         return None
+    if len(reward) <= window:
+        return (f"GRPO's training-reward curve has {len(reward)} steps, not more than the {window}-step window: "
+                "no start and end to compare")
     curve = smooth(reward, window)
     first, final = curve[min(window, len(curve)) - 1], curve[-1]
     if final > first + 1e-9:
@@ -247,10 +254,16 @@ def grpo_improvement(reward: list[float], window: int) -> str | None:
 
 
 def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dict[str, Any]:
-    """``lopd_budget_fraction_to_grpo_final`` (+ ``_ci``, ``_ci_reason``, ``_ci_method``) and ``grpo_final_reward``."""
+    """``lopd_budget_fraction_to_grpo_final`` (+ ``_reason`` when it is undefined because GRPO did not improve,
+    ``_ci``, ``_ci_reason``, ``_ci_method``), ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward``
+    (over ``smooth_window`` steps) and ``reach_window`` (the trailing mean, min(3, smooth_window) steps, on
+    which LOPD "reaches" it)."""
     out: dict[str, Any] = {"lopd_budget_fraction_to_grpo_final": None, "lopd_budget_fraction_to_grpo_final_ci": None,
+                           "lopd_budget_fraction_to_grpo_final_reason": None,
                            "lopd_budget_fraction_to_grpo_final_ci_reason": "LOPD or GRPO has no run",
-                           "lopd_budget_fraction_to_grpo_final_ci_method": FRACTION_CI, "grpo_final_reward": None}
+                           "lopd_budget_fraction_to_grpo_final_ci_method": FRACTION_CI, "grpo_final_reward": None,
+                           "lopd_budget_fraction_never_reached_share": None,
+                           "reach_window": min(3, smooth_window)}
     if "lopd" not in methods or "grpo" not in methods:
         return out
     lopd, grpo = methods["lopd"], methods["grpo"]
@@ -260,10 +273,11 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
         out.update(lopd_budget_fraction_to_grpo_final_reason=improved, lopd_budget_fraction_to_grpo_final_ci_reason=improved,
                    lopd_budget_fraction_never_reached_share=None)
         return out
-    out["lopd_budget_fraction_to_grpo_final"] = budget_fraction(lopd, grpo, smooth_window)
+    reach = out["reach_window"]  # LOPD "reaches" on a 3-step trailing mean; GRPO's final uses the long window
+    out["lopd_budget_fraction_to_grpo_final"] = budget_fraction(lopd, grpo, smooth_window, reach)
     ci = budget_fraction_ci({"rollouts": lopd["rollouts"], "per_seed": lopd["reward_per_seed"]},
                             {"rollouts": grpo["rollouts"], "per_seed": grpo["reward_per_seed"]}, smooth_window,
-                            n_boot=max(1, n_boot // 5))
+                            n_boot=max(1, n_boot // 5), reach_window=reach)
     out["lopd_budget_fraction_to_grpo_final_ci"] = ci["ci"]
     out["lopd_budget_fraction_to_grpo_final_ci_reason"] = ci["reason"]
     out["lopd_budget_fraction_never_reached_share"] = ci["never_reached_share"]

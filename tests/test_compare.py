@@ -312,6 +312,16 @@ def test_aggregation_of_run_files_writes_the_issue_17_keys(compare, tmp_path):
     assert "+0.500 [" in (out / "compare.md").read_text()
 
 
+def test_budget_fraction_reaches_on_a_short_window_and_compares_with_grpos_long_one(compare):
+    xs = [4 * (i + 1) for i in range(8)]
+    lopd, grpo = {"rollouts": xs, "reward": [1.0] * 8}, {"rollouts": xs, "reward": [0.0] * 4 + [0.5] * 4}
+    # GRPO's final over 4 steps is 0.5; LOPD reaches it at its first step on a 1-step window (4 of 32)...
+    assert compare.budget_fraction(lopd, grpo, 4, 1) == pytest.approx(4 / 32)
+    # ...but only after 4 steps (16 of 32) if it also had to fill the 4-step window: a floor of a quarter
+    assert compare.budget_fraction(lopd, grpo, 4) == pytest.approx(16 / 32)
+    assert "not more than the 4-step window" in compare.compare_stats.grpo_improvement([0.0, 0.5, 0.5], 4)
+
+
 def test_budget_fraction_is_undefined_when_grpo_did_not_improve(compare, tmp_path):
     stats = compare.compare_stats
     reason = stats.grpo_improvement([0.5, 0.25, 0.25, 0.5, 0.0], 2)  # first full window (0.5 + 0.25) / 2, final 0.25
