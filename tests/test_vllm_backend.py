@@ -146,13 +146,22 @@ def test_vllm_sampled_logps_equal_a_teacher_forced_recompute_and_seeds_reproduce
             assert abs(completion.logps[j] - float(expected)) < 1e-4
 
 
+@pytest.fixture(scope="module")
+def small_batch_engine(peaked):
+    """A second engine whose scheduler takes 256 tokens a step. Module-scoped on purpose: tearing an engine
+    down in the middle of the module resets vLLM's process-wide parallel state under the other engine."""
+    pytest.importorskip("vllm")
+    model, tokenizer = peaked
+    return make_backend("vllm", model, tokenizer, options={
+        "max_model_len": 256, "kv_cache_gib": 1, "engine_options": {"max_num_batched_tokens": 256}})
+
+
 @needs_vllm
-def test_vllm_seeded_prompts_beyond_one_scheduler_batch_complete_as_if_sent_alone(peaked):
+def test_vllm_seeded_prompts_beyond_one_scheduler_batch_complete_as_if_sent_alone(peaked, small_batch_engine):
     """Prompts that do not fit one scheduler step (here 4 x 120 tokens against 256 batched tokens) once made
     vLLM's CPU runner chunk a prefill and fail on the seeded generator; now they run whole, in turn."""
-    model, tokenizer = peaked
-    backend = make_backend("vllm", model, tokenizer, options={
-        "max_model_len": 256, "kv_cache_gib": 1, "engine_options": {"max_num_batched_tokens": 256}})
+    _, tokenizer = peaked
+    backend = small_batch_engine
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, len(tokenizer), (120,), generator=generator).tolist() for _ in range(4)]
     settings = SamplingSettings(temperature=0.7, max_new_tokens=8)
