@@ -65,6 +65,7 @@ from compare_runs import (  # noqa: E402
     dry_run,
     generation_backend,
     heldout_evaluations,
+    method_curves,
     read_run_files,
     resume_step,
     reward_curve,
@@ -314,7 +315,7 @@ def finished_result(spec: RunSpec, config: dict[str, Any], run_dir: Path, attemp
         "learning_rate": init_args.get("learning_rate"),
         "src": attempts[0]["src"], "generation_backend": generation_backend(config),
         "task": config["data"]["init_args"].get("task"), "model": init_args.get("model"),
-        "curve": reward_curve(run_dir), "evaluations": evaluations,
+        "curve": reward_curve(run_dir), "method_curves": method_curves(run_dir), "evaluations": evaluations,
         "summary": json.loads((run_dir / "summary.json").read_text()),
         # the attempts' seconds (an interrupted one's up to the checkpoint it was resumed from)
         "wall_s": sum(a.get("wall_s") or a.get("wall_s_to_checkpoint") or 0.0 for a in attempts), "attempts": attempts,

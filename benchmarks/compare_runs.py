@@ -93,27 +93,38 @@ def _event_time(path: Path) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def reward_points(path: Path) -> list[tuple[int, float]]:
-    """``(trajectories consumed, training reward)`` points of one event file or folder, in logged order."""
+#: the method's own scalars kept in a run file beside the reward (LOPD's margin and dual variable)
+METHOD_TAGS = ("by_rollouts/margin_delta", "by_rollouts/beta")
+
+
+def reward_points(path: Path, tag: str = REWARD_TAG) -> list[tuple[int, float]]:
+    """``(trajectories consumed, value)`` points of ``tag`` (default: the training reward) in one event file
+    or folder, in logged order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
     acc.Reload()
-    if REWARD_TAG not in acc.Tags().get("scalars", []):
+    if tag not in acc.Tags().get("scalars", []):
         return []
-    return [(int(e.step), float(e.value)) for e in acc.Scalars(REWARD_TAG)]
+    return [(int(e.step), float(e.value)) for e in acc.Scalars(tag)]
 
 
-def reward_curve(log_dir: Path) -> list[tuple[int, float]]:
-    """The run's ``(trajectories consumed, training reward)`` curve, sorted by x, one point per x.
+def reward_curve(log_dir: Path, tag: str = REWARD_TAG) -> list[tuple[int, float]]:
+    """The run's ``(trajectories consumed, training reward)`` curve (or ``tag``'s), sorted by x, one point
+    per x.
 
     A resumed run writes a new event file and logs again the steps after its checkpoint; the files are
     read oldest first and a later value replaces an earlier one at the same x.
     """
     points: dict[int, float] = {}
     for events in sorted(Path(log_dir).glob("events.out.tfevents.*"), key=_event_time):
-        points.update(reward_points(events))
+        points.update(reward_points(events, tag))
     return sorted(points.items())
+
+
+def method_curves(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The :data:`METHOD_TAGS` a run logged, each as :func:`reward_curve` reads it (empty for GRPO)."""
+    return {tag: curve for tag in METHOD_TAGS if (curve := reward_curve(log_dir, tag))}
 
 
 def heldout_evaluations(log_dir: Path, trajectories_per_step: int, split: str = "val") -> list[dict[str, Any]]:

@@ -40,6 +40,9 @@ def test_every_method_runs_and_the_results_are_written(compare, tmp_path):
         run = json.loads((out / "compare_runs" / name / "seed_0.json").read_text())
         assert [e["step"] for e in run["evaluations"]] == [0, 1] and run["generation_backend"] == "hf"
         assert len(run["src"]["src_hash"]) == 16 and run["config"]["trainer"]["max_steps"] == 1
+        # LOPD's margin and beta travel in its run file (x = trajectories), no other method has them
+        expected = {"by_rollouts/margin_delta", "by_rollouts/beta"} if name == "lopd" else set()
+        assert set(run["method_curves"]) == expected and all(x == 4 for c in run["method_curves"].values() for x, _ in c)
     assert data["val_examples"] == 4 and data["start_val_success"] is not None
     for key in ("lopd_budget_fraction_to_grpo_final", "task", "model", "git_sha", "versions", "hardware"):
         assert key in data
