@@ -7,15 +7,11 @@ from typing import Any
 
 
 def _smoothed(m: dict[str, Any], window: int) -> tuple[list[float], list[float]]:
-    """The seed mean and std, at each step, of every seed's trailing-mean training reward."""
-    import statistics
+    """The seed mean and sample std (as the table's), at each step, of every seed's trailing-mean training reward."""
+    from compare_stats import mean_std, smooth
 
-    from compare_stats import smooth
-
-    curves = [smooth(curve, window) for curve in m["reward_per_seed"]]
-    columns = list(zip(*curves))
-    return ([statistics.fmean(c) for c in columns],
-            [statistics.pstdev(c) if len(c) > 1 else 0.0 for c in columns])
+    columns = [mean_std(list(c)) for c in zip(*(smooth(curve, window) for curve in m["reward_per_seed"]))]
+    return [c[0] for c in columns], [c[1] for c in columns]
 
 
 def _panel(ax, results: dict[str, Any], key: str) -> None:

@@ -274,17 +274,23 @@ def latent_rms(module, composer, batch) -> float:
         return float(composed.latents[keep].pow(2).mean().sqrt()) if keep.any() else float("nan")
 
 
-def snapshot_composer(module, name: str):
-    """A frozen copy of ``module.composer`` (its LoRA as adapter ``name`` on the same backbone, and its
-    resampler): no second backbone."""
+def composer_on_adapter(module, source: str, name: str, *, num_latents: int | None = None, output_gain: float | str = 1.0):
+    """A composer like ``module.composer`` on the same backbone (no second one): adapter ``source``'s LoRA
+    copied to adapter ``name`` (frozen, as :func:`~lopd_lightning.adapters.copy_adapter` leaves it) and a
+    fresh resampler with K = ``num_latents`` (default the module's) and ``output_gain``."""
     from lopd_lightning.adapters import copy_adapter
     from lopd_lightning.memory.composer import LatentComposer
 
-    copy_adapter(module.backbone, "composer", name)
-    composer = module.composer
-    frozen = LatentComposer(module.backbone, module.tokenizer, adapter_name=name, num_latents=composer.num_latents,
-                            depth=module.hparams.composer_depth, max_experience_tokens=composer.max_experience_tokens)
-    frozen.resampler.load_state_dict(composer.resampler.state_dict())
+    copy_adapter(module.backbone, source, name)
+    return LatentComposer(module.backbone, module.tokenizer, adapter_name=name,
+                          num_latents=num_latents or module.composer.num_latents, depth=module.hparams.composer_depth,
+                          output_gain=output_gain, max_experience_tokens=module.composer.max_experience_tokens)
+
+
+def snapshot_composer(module, name: str):
+    """A frozen copy of ``module.composer`` (its LoRA as adapter ``name``, and its resampler)."""
+    frozen = composer_on_adapter(module, module.composer.adapter_name, name)
+    frozen.resampler.load_state_dict(module.composer.resampler.state_dict())
     frozen.requires_grad_(False)
     return frozen
 
@@ -316,17 +322,14 @@ def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any],
     ``options``, warm-started as the module's was; the module's own composer is left as it was."""
     import torch
 
-    from lopd_lightning.adapters import adapter_parameters, copy_adapter
-    from lopd_lightning.memory.composer import LatentComposer
+    from lopd_lightning.adapters import adapter_parameters
 
     name = "variant_" + "".join(c if c.isalnum() else "_" for c in spec)
-    copy_adapter(module.backbone, module.anchor_composer.adapter_name, name)  # the untrained composer LoRA
+    torch.manual_seed(seed)  # the resampler's initialisation
+    variant = composer_on_adapter(module, module.anchor_composer.adapter_name, name,  # the untrained composer LoRA
+                                  num_latents=options["num_latents"], output_gain=options["output_gain"])
     for param in adapter_parameters(module.backbone, name):
         param.requires_grad_(True)
-    torch.manual_seed(seed)
-    variant = LatentComposer(module.backbone, module.tokenizer, adapter_name=name, num_latents=options["num_latents"],
-                             depth=module.hparams.composer_depth, output_gain=options["output_gain"],
-                             max_experience_tokens=module.composer.max_experience_tokens)
     own, steps = module.composer, module.hparams.warm_start_steps
     module.composer, module.hparams.warm_start_steps = variant, options["warm_start_steps"]
     try:
@@ -569,7 +572,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i in range(0, len(todo), 16):
         for example, r in zip(todo[i : i + 16], module.evaluate_examples(task, todo[i : i + 16]).rewards, strict=True):
             journal.append({"kind": "greedy", "who": "student", "id": example.id, "reward": float(r)})
-    student_greedy = [journal.greedy()[("student", example.id)] for example in heldout]
+    answered = journal.greedy()
+    student_greedy = [answered[("student", example.id)] for example in heldout]
     timings["student_greedy_s"] = time.perf_counter() - t0
     teacher_success: dict[str, float] = {}
     for name in names:

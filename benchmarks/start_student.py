@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -40,12 +39,13 @@ def dev_split_task(task, dev: int, seed: int):
     """A view of ``task`` whose "train" split is the train split without ``dev`` seeded-sampled questions
     and whose "val" split is those questions (the dev slice); "heldout" is the task's own val split.
     Messages, tools, references, episodes and rewards are the task's own."""
+    from lopd_lightning.data import dev_slice_indices
     from lopd_lightning.tasks import Task
 
     train = task.examples("train")
     if not 0 < dev < len(train):
         raise ValueError(f"--dev must be in [1, {len(train) - 1}] (the train split has {len(train)} questions), got {dev}")
-    chosen = set(random.Random(seed).sample(range(len(train)), dev))
+    chosen = set(dev_slice_indices(len(train), dev, seed))  # the slice OnPolicyDataModule(dev_slice=) serves
 
     class DevSplit(Task):
         name, multi_turn = task.name, task.multi_turn
