@@ -121,7 +121,10 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
         margin.main([*margin_args, "--samples", "3"])
     assert margin.main([*margin_args, "--samples", "3", "--fresh"])["n_trajectories"] == 9
     # the investigation's variants: each a warm-started composer with one thing changed, measured as a context
-    varied = margin.main([*margin_args, "--fresh", "--variants", "gain_embedding,k2+warm_2"])
+    varied = margin.main([*margin_args, "--fresh", "--variants", "gain_embedding,k2+warm_2,k2+warm_0"])
+    # the warm start really trains a variant's composer: with 0 steps its latents are different
+    trained, untrained = (varied["contexts"][f"latent_warm_start[k2+warm_{n}]"] for n in (2, 0))
+    assert trained["latent_rms"] != untrained["latent_rms"] and trained["delta_mean"] != untrained["delta_mean"]
     for name in ("latent_warm_start[gain_embedding]", "latent_warm_start[k2+warm_2]"):
         assert varied["contexts"][name]["teacher_greedy_success"] is not None and varied["contexts"][name]["latent_rms"] > 0
     assert varied["contexts"]["latent_warm_start[gain_embedding]"]["latent_rms"] < 0.5 * varied["contexts"]["latent_warm_start"]["latent_rms"]
