@@ -52,8 +52,7 @@ def eos_model():
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    """Fails a test whose module loads the student: its config error must come first. (Some test files
-    keep their own, stricter variant of this fixture.)"""
+    """Fails a test whose module loads the student: its config error (or ``--print_config``) must come first."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("the student was loaded before the config error was raised")

@@ -70,11 +70,7 @@ def test_lopd_refuses_gradient_checkpointing_with_the_reason():
         LOPDModule("tiny", **TINY_LOPD, gradient_checkpointing=True)
 
 
-def test_an_unknown_margin_weighting_names_the_field_and_the_choices(monkeypatch):
-    import transformers
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config",
-                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("the model was built before the check")))
+def test_an_unknown_margin_weighting_names_the_field_and_the_choices(no_model_loading):
     with pytest.raises(ValueError, match=r"model.init_args.margin_weighting 'balance' is not a weighting; did you mean "
                                          r"'balanced'\? choose one of paper, balanced"):
         LOPDModule("tiny", **TINY_LOPD, margin_weighting="balance")

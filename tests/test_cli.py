@@ -30,15 +30,6 @@ TINY_YAML = ROOT / "configs" / "tiny.yaml"
 
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    """--print_config must exit before any class is instantiated: loading a student fails the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a student was loaded")
-
-    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
-
 
 def print_config(args: list[str], capsys) -> dict:
     with pytest.raises(SystemExit) as exit_info:

@@ -175,14 +175,6 @@ def test_ppo_epochs_step_global_step_once_per_batch_and_move_the_ratio(tmp_path)
 
 
 # ------------------------------------------------------------------------------- errors
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the student was loaded before the config error was raised")
-
-    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
-
-
 def test_group_of_one_fails_before_loading_the_model(no_model_loading):
     with pytest.raises(ValueError, match=r"group_size >= 2.*got 1.*set model\.init_args\.group_size"):
         GRPOModule("tiny", group_size=1)

@@ -457,16 +457,6 @@ def test_validate_before_training_records_step_zero(tmp_path):
 
 
 # ------------------------------------------------------------------ 12. bad config fails early
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    """Any attempt to load a student fails the test: errors must come before heavy work."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the student was loaded before the config error was raised")
-
-    monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
-
-
 def test_unknown_task_name_lists_known_ones(no_model_loading):
     with pytest.raises(ValueError, match=r"unknown task 'nope'.*toy"):
         OnPolicyDataModule("nope")
