@@ -44,21 +44,35 @@ drives the loop with a scripted one):
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 from torch import Tensor
 
 from lopd_lightning.rollout.chat import _eos
+from lopd_lightning.rollout.kv_reuse import (
+    Hit,
+    PrefixStore,
+    ReuseMismatch,
+    cache_keyword,
+    cache_layers,
+    pack,
+    prefill,
+    unsupported,
+    weights_stamp,
+)
 from lopd_lightning.rollout.sampling import _SeededSampler
 
 log = logging.getLogger(__package__)  # "lopd_lightning.rollout": one logger name for the whole package
 
-__all__ = ["Completion", "FinishReason", "GenerationBackend", "HFGenerateBackend", "SamplingSettings"]
+__all__ = [
+    "Completion", "FinishReason", "GenerationBackend", "GenerationSession", "HFGenerateBackend", "SamplingSettings",
+]
 
 #: why a reply ended: an EOS token, a stop string, or ``max_new_tokens``.
 FinishReason = Literal["eos", "stop_string", "length"]
@@ -151,6 +165,33 @@ class GenerationBackend(abc.ABC):
     def sync_weights(self, model: Any) -> None:
         """Sample from ``model``'s current weights from now on (the trainer calls it after each update)."""
 
+    def session(self) -> GenerationSession:
+        """The scope of one episode loop: :func:`~lopd_lightning.rollout.generate_rollouts` opens it around
+        its turns (``with backend.session() as s``) and calls ``s.retain(contexts)`` before each turn. A
+        backend may keep state between the ``generate`` calls of a session (the HF backend: the key/value
+        cache of the contexts so far), never beyond it. The default keeps nothing."""
+        return GenerationSession()
+
+
+class GenerationSession:
+    """What a backend keeps between the ``generate`` calls of one episode loop (this base: nothing).
+
+    ``generate`` must give the same completions inside a session as outside it (up to floating-point
+    differences); a session only saves work.
+    """
+
+    def retain(self, contexts: Sequence[Sequence[int]]) -> None:
+        """The contexts the next turn continues (the live episodes'); state kept for others may be dropped."""
+
+    def close(self) -> None:
+        """End the session: drop what it kept."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class HFGenerateBackend(GenerationBackend):
     """Generation with transformers' ``model.generate`` on the live model (batched, left padded, KV cache).
@@ -161,19 +202,55 @@ class HFGenerateBackend(GenerationBackend):
     the call (its mode is restored) and its generation config is copied, never changed; the config's
     processors that would alter the distribution (repetition penalty, ...) are reset.
 
+    Prefix reuse (``reuse_prefixes``, on by default; :mod:`~lopd_lightning.rollout.kv_reuse`): a call
+    looks up, for each prompt, the longest prefix whose keys and values this session already holds;
+    identical (cached prefix, prompt) pairs (the G rollouts of a task at their first turn) become one job;
+    one forward pass appends each job's uncached tokens but the last to its cached prefix, and the result
+    is gathered into G rows. ``model.generate`` then gets the left-padded prompts as always, with a
+    ``DynamicCache`` (per layer (B, kv_heads, L - 1, head_dim), L the longest prompt) holding every prompt
+    but its last token, right-aligned: it computes that token alone, with the position ids it derives from
+    the attention mask (``cumsum - 1``, the tokens' true positions), and decodes as before. So each turn of
+    an episode reads only its new tokens (the previous reply's last token, which was never fed back, the
+    observation and the next generation prompt), and a group's prompt is read once, not G times.
+
+    What is cached and when it is dropped: after a call made inside a :meth:`session`, each row's prompt
+    and the reply tokens ``generate`` fed back, in the session's :class:`~lopd_lightning.rollout.kv_reuse.
+    PrefixStore` (per layer (B, kv_heads, columns, head_dim), with the mask of each row's columns). The
+    store exists only while a session is open: :func:`~lopd_lightning.rollout.generate_rollouts` opens one
+    around its turns and closes it (dropping everything) when it returns or raises, so no cache outlives
+    the call that made it, whatever is done to the weights between calls; one call samples from one set of
+    weights. Inside a session it is also dropped by :meth:`sync_weights` and whenever a parameter's
+    storage or in-place version counter changed (an optimiser step, ``load_state_dict``, ``.to()`` in the
+    middle of a session; the counters do not see a switch of the active peft adapter, which the session's
+    scope excludes). The rows of finished episodes go at the next turn (``GenerationSession.retain``:
+    only rows a live context extends are kept), and a turn's source rows when its own rows replace them;
+    their tensors are rebuilt without them (``index_select``). Outside a session nothing is kept between
+    calls (the shared prefill within a call still runs). A prompt that extends no cached row (a new
+    example, a truncated or rewritten context) is prefilled whole; a cache transformers returns in another
+    shape than expected turns reuse off for the backend (warned once) and the call is redone without it.
+
     Args:
         model: a transformers causal LM (on any device).
         tokenizer: its tokenizer (EOS required; pad falls back to EOS; decodes for stop strings).
         use_cache: generate with the key-value cache (the default); False recomputes the whole context for
             every new token (benchmarks/rollouts.py measures the difference). Same tokens up to
             floating-point differences between the two computations.
+        reuse_prefixes: prefix reuse (above); False prefills every context whole in every call (the
+            reference path). Needs ``use_cache``; a model whose cache is not made of full-attention layers
+            (sliding window, linear attention: :func:`~lopd_lightning.rollout.kv_reuse.unsupported`) runs
+            the reference path, said once in the log. Same tokens up to floating-point differences.
+
+    Attributes:
+        prefill_stats: ``prompt_tokens`` handed to ``generate`` and ``prefilled_tokens`` the model read to
+            prefill them (the uncached ones; a job shared by G rows counts once), summed over calls.
 
     Raises:
         ValueError: the tokenizer has no EOS token.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, use_cache: bool = True):
+    def __init__(self, model: Any, tokenizer: Any, *, use_cache: bool = True, reuse_prefixes: bool = True):
         self.model, self.tokenizer, self.use_cache = model, tokenizer, bool(use_cache)
+        self.reuse_prefixes = bool(reuse_prefixes)
         _, eos_id = _eos(tokenizer)
         self.eos_ids = [eos_id]
         cfg_eos = model.generation_config.eos_token_id
@@ -182,13 +259,24 @@ class HFGenerateBackend(GenerationBackend):
                 self.eos_ids.append(int(e))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
         self._config: tuple[SamplingSettings, Any] | None = None
+        self._reuse: bool | None = None  # whether the model supports prefix reuse (decided on first use)
+        self._store: PrefixStore | None = None  # the open session's cached rows
+        self.prefill_stats = {"prompt_tokens": 0, "prefilled_tokens": 0}
 
     def sync_weights(self, model: Any) -> None:
-        """Nothing to do: ``generate`` runs the live model itself."""
+        """``generate`` runs the live model itself: only the open session's cached keys/values are dropped."""
+        if self._store is not None:
+            self._store.clear()
+
+    def session(self) -> GenerationSession:
+        """A session whose :class:`~lopd_lightning.rollout.kv_reuse.PrefixStore` lets each turn reuse the
+        keys/values of the turns before it (see the class docstring); nested sessions share the outer one's."""
+        return _PrefixSession(self)
 
     def generate(self, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
                  seeds: Sequence[int]) -> list[Completion]:
-        """One ``model.generate`` call on the left-padded prompts (see :meth:`GenerationBackend.generate`).
+        """One ``model.generate`` call on the left-padded prompts (see :meth:`GenerationBackend.generate`),
+        after the prefill of their uncached tokens when prefixes are reused (the class docstring).
 
         Raises:
             ValueError: ``prompts`` and ``seeds`` differ in length.
@@ -198,32 +286,112 @@ class HFGenerateBackend(GenerationBackend):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
             return []
-        # lazy, as it always was: importing transformers is slow
-        from transformers import LogitsProcessorList
+        input_ids, attention = self._left_padded(prompts)
+        self.prefill_stats["prompt_tokens"] += sum(len(p) for p in prompts)
+        if self._reuse_ready():
+            try:
+                return self._generate_reusing(prompts, settings, seeds, input_ids, attention)
+            except ReuseMismatch as err:
+                log.warning("HFGenerateBackend: prefix reuse turned off (%s); the call is redone without it", err)
+                self._reuse = False
+                if self._store is not None:
+                    self._store.clear()
+        sequences, sampler = self._run(input_ids, attention, settings, seeds)
+        self.prefill_stats["prefilled_tokens"] += int(attention.sum())
+        return self._completions(sequences[:, input_ids.shape[1]:].cpu(), sampler, settings)
 
-        device = next(self.model.parameters()).device
+    def _generate_reusing(self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int],
+                          input_ids: Tensor, attention: Tensor) -> list[Completion]:
+        """:meth:`generate` with prefix reuse: look up, prefill the uncached tokens once per job, generate, store."""
+        from transformers import DynamicCache
+
+        store = self._store if self._store is not None else PrefixStore()
+        stamp = weights_stamp(self.model)
+        if store.stamp != stamp:  # the weights changed since the rows were computed
+            store.clear()
+            store.stamp = stamp
+        hits = store.lookup(prompts)
+        jobs: dict[tuple[Hit | None, tuple[int, ...]], int] = {}
+        job_of = [jobs.setdefault((hit, tuple(p)), len(jobs)) for hit, p in zip(hits, prompts)]
+        leaders = [job_of.index(j) for j in range(len(jobs))]  # the first row of each job
+        suffixes = [list(prompts[i][hits[i].length if hits[i] else 0:-1]) for i in leaders]
+        with self._evaluating():
+            sources, keep = store.sources([hits[i] for i in leaders])
+            layers, valid = prefill(self.model, sources, keep, suffixes, self.pad_id)
+            past = pack(layers, valid, job_of, [len(p) - 1 for p in prompts])[0] if layers else None
+        self.prefill_stats["prefilled_tokens"] += sum(map(len, suffixes)) + len(prompts)
+        cache = DynamicCache(past, config=self.model.config) if past else DynamicCache(config=self.model.config)
+        sequences, sampler = self._run(input_ids, attention, settings, seeds, cache=cache)
+        width = input_ids.shape[1]
+        completions = self._completions(sequences[:, width:].cpu(), sampler, settings)
+        layers = cache_layers(cache)
+        columns = sequences.shape[1] - 1  # the prompts and every new token but the last were fed
+        if any(k.shape[0] != len(prompts) or k.shape[2] != columns for k, _ in layers):
+            raise ReuseMismatch(f"generate left a cache of shape {tuple(layers[0][0].shape)}, expected "
+                                f"{len(prompts)} rows and {columns} columns")
+        if self._store is store:  # in a session: the rows of this turn replace their sources
+            store.drop_superseded(hits)
+            fed = [min(len(c.token_ids), sequences.shape[1] - width - 1) for c in completions]
+            valid = torch.zeros((len(prompts), columns), dtype=torch.bool)
+            tokens = []
+            for i, prompt in enumerate(prompts):
+                valid[i, width - len(prompt):width + fed[i]] = True
+                tokens.append(list(prompt) + sequences[i, width:width + fed[i]].tolist())
+            store.add(layers, valid, tokens)
+        return completions
+
+    def _reuse_ready(self) -> bool:
+        """Whether this call reuses prefixes: switched on, with the cache, on a model that supports it."""
+        if not (self.reuse_prefixes and self.use_cache):
+            return False
+        if self._reuse is None:
+            why = unsupported(self.model)
+            if why is not None:
+                log.info("HFGenerateBackend: no prefix reuse for %s: %s", type(self.model).__name__, why)
+            self._reuse = why is None
+        return self._reuse
+
+    def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+        """(B, L) input ids (pad on the left) and attention mask of ``prompts``, L the longest, on CPU."""
         length = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), length), dtype=torch.long)
         for i, prompt in enumerate(prompts):
             input_ids[i, length - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
             attention[i, length - len(prompt):] = 1
+        return input_ids, attention
+
+    def _run(self, input_ids: Tensor, attention: Tensor, settings: SamplingSettings, seeds: Sequence[int],
+             cache: Any = None) -> tuple[Tensor, _SeededSampler]:
+        """``model.generate`` with the seeded sampler (and ``cache``, the prompts' keys/values but the last
+        token's): the (B, L + new) sequences and the sampler that drew the new tokens."""
+        # lazy, as it always was: importing transformers is slow
+        from transformers import LogitsProcessorList
+
+        device = next(self.model.parameters()).device
         sampler = _SeededSampler(list(seeds), device=device, temperature=settings.temperature, top_k=settings.top_k,
                                  top_p=settings.top_p, greedy=settings.greedy)
         extra: dict[str, Any] = {"tokenizer": self.tokenizer} if settings.stop_strings else {}  # stop strings need it
+        if cache is not None:
+            extra[cache_keyword(self.model)] = cache
+        with self._evaluating():
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                generation_config=self._generation_config(settings),
+                logits_processor=LogitsProcessorList([sampler]), **extra,
+            )
+        return (out if isinstance(out, Tensor) else out.sequences), sampler
+
+    @contextlib.contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """Eval mode (restored after) and no autograd."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                out = self.model.generate(
-                    input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                    generation_config=self._generation_config(settings),
-                    logits_processor=LogitsProcessorList([sampler]), **extra,
-                )
+                yield
         finally:
             self.model.train(was_training)
-        sequences = out if isinstance(out, Tensor) else out.sequences
-        return self._completions(sequences[:, length:].cpu(), sampler, settings)
 
     def _completions(self, new: Tensor, sampler: _SeededSampler, settings: SamplingSettings) -> list[Completion]:
         """Cut each generated row (B, S) at its end and pair it with the sampler's log-probs."""
@@ -251,6 +419,28 @@ class HFGenerateBackend(GenerationBackend):
                 stop_strings=list(settings.stop_strings) or None, use_cache=self.use_cache,
             ))
         return self._config[1]
+
+class _PrefixSession(GenerationSession):
+    """:meth:`HFGenerateBackend.session`: the backend's :class:`PrefixStore` from ``__enter__`` to ``close``
+    (a session opened inside another one keeps the outer one's store and leaves it to it)."""
+
+    def __init__(self, backend: HFGenerateBackend):
+        self.backend, self.owner = backend, False
+
+    def __enter__(self) -> Self:
+        if self.backend._store is None:
+            self.backend._store, self.owner = PrefixStore(), True
+        return self
+
+    def retain(self, contexts: Sequence[Sequence[int]]) -> None:
+        """Drop the cached rows no context in ``contexts`` extends (finished episodes)."""
+        if self.backend._store is not None:
+            self.backend._store.retain(contexts)
+
+    def close(self) -> None:
+        """Drop the store (when this session made it)."""
+        if self.owner:
+            self.backend._store, self.owner = None, False
 
 
 #: generation-config fields reset to a neutral value so that the sampling distribution is the model's.

@@ -150,6 +150,7 @@ def generate_rollouts(
     stop_strings: Sequence[str] | None = None,
     generation_batch_size: int | None = None,
     use_cache: bool = True,
+    reuse_prefixes: bool = True,
     backend: GenerationBackend | None = None,
 ) -> RolloutBatch:
     """Sample ``group_size`` rollouts per example of the student in ``task`` (the module's steps 1-5).
@@ -177,7 +178,11 @@ def generate_rollouts(
         generation_batch_size: most rows per backend call (None = all active rows; else the longest
             contexts go first, for less padding).
         use_cache: the default backend's key-value cache (:class:`HFGenerateBackend`); ignored with ``backend``.
-        backend: the generator (None: ``HFGenerateBackend(model, tokenizer, use_cache=use_cache)``).
+        reuse_prefixes: the default backend's prefix reuse (keys/values kept across the turns of this call and
+            one prefill per group; False: every context prefilled whole every turn); ignored with ``backend``.
+        backend: the generator (None: ``HFGenerateBackend(model, tokenizer, use_cache=use_cache,
+            reuse_prefixes=reuse_prefixes)``). Its :meth:`~GenerationBackend.session` is open while the
+            episodes play (whatever it keeps between turns is dropped when this call returns or raises).
 
     Returns:
         A right-padded :class:`RolloutBatch` on CPU with ``stats``; the same arguments, weights, software
@@ -198,15 +203,17 @@ def generate_rollouts(
         raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
     max_turns, limit_source = turn_limit(task, max_turns, given_by="the max_turns argument (model.init_args.max_turns)")
     if backend is None:
-        backend = HFGenerateBackend(model, tokenizer, use_cache=use_cache)
+        backend = HFGenerateBackend(model, tokenizer, use_cache=use_cache, reuse_prefixes=reuse_prefixes)
     loop = _EpisodeLoop(
         backend=backend, tokenizer=tokenizer, task=task, settings=settings, seed=seed, step=step, max_turns=max_turns,
         max_prompt_tokens=max_prompt_tokens, generation_batch_size=generation_batch_size,
         max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None),
     )
-    loop.start(examples, group_size)
-    while active := loop.active():
-        loop.play_turn(active)
+    with backend.session() as session:  # what the backend keeps between turns lives only in this call
+        loop.start(examples, group_size)
+        while active := loop.active():
+            session.retain([r.ids for r in active])  # finished episodes' cached rows can go
+            loop.play_turn(active)
     warn_turn_limit(task, loop.rollouts, max_turns, limit_source)
     return loop.finish(t_start)
 
