@@ -94,32 +94,35 @@ class PrefixStore:
 
     def lookup(self, prompts: Sequence[Sequence[int]]) -> list[Hit | None]:
         """For each prompt, the cached row sharing its longest verified prefix, capped at ``len - 1`` tokens
-        (the last token is always fed: its logits give the first reply token); None when there is none."""
-        index: dict[int, tuple[int, int]] = {}
+        (the last token is always fed: its logits give the first reply token); None when there is none.
+
+        The deepest full block of the prompt whose chained hash a row also has gives the candidates (the
+        G rows of a group share their prompt's blocks); the one whose tokens go on matching longest past
+        that block wins, and its whole prefix is then compared token by token (a hash collision gives None).
+        """
+        index: dict[int, list[tuple[int, int]]] = {}
         for b, block in enumerate(self.blocks):
             for r, tokens in enumerate(block.tokens):
                 for h in _chain_hashes(tokens):
-                    index.setdefault(h, (b, r))
+                    index.setdefault(h, []).append((b, r))
         hits: list[Hit | None] = []
         for prompt in prompts:
             prompt = list(prompt)
-            found, depth = None, 0
+            candidates, depth = [], 0
             for d, h in enumerate(_chain_hashes(prompt, len(prompt) - 1), start=1):
                 if h not in index:
                     break
-                found, depth = index[h], d
-            if found is None:
-                hits.append(None)
-                continue
-            tokens = self.blocks[found[0]].tokens[found[1]]
-            n = depth * BLOCK
-            if tokens[:n] != prompt[:n]:  # a hash collision: no reuse
-                hits.append(None)
-                continue
-            limit = min(len(tokens), len(prompt) - 1)
-            while n < limit and tokens[n] == prompt[n]:
-                n += 1
-            hits.append(Hit(found[0], found[1], n))
+                candidates, depth = index[h], d
+            best, best_length = None, 0
+            for b, r in candidates:
+                tokens, n = self.blocks[b].tokens[r], depth * BLOCK
+                limit = min(len(tokens), len(prompt) - 1)
+                while n < limit and tokens[n] == prompt[n]:  # fewer than BLOCK steps: a full block would hash
+                    n += 1
+                if n > best_length:
+                    best, best_length = (b, r), n
+            verified = best is not None and self.blocks[best[0]].tokens[best[1]][:best_length] == prompt[:best_length]
+            hits.append(Hit(best[0], best[1], best_length) if verified else None)
         return hits
 
     def retain(self, contexts: Sequence[Sequence[int]]) -> None:
