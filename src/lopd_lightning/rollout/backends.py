@@ -4,10 +4,11 @@ The episode loop (:func:`~lopd_lightning.rollout.generate_rollouts`) owns everyt
 templates, turns, observations, truncation and rewards. Each turn it hands the backend the token ids of
 the live contexts, one :class:`SamplingSettings` for the whole call and one seed per context, and gets
 one :class:`Completion` per context back. :class:`HFGenerateBackend` (transformers' ``model.generate`` on
-the live student) is the first implementation; a vLLM backend implements the same two methods with
-``LLM.generate([TokensPrompt(prompt_token_ids=ids), ...], [SamplingParams(seed=s, temperature=...,
-top_k=..., top_p=..., max_tokens=..., stop=..., logprobs=0), ...])`` and ``sync_weights`` loading the
-student's weights into the engine, as TRL's and verl's rollout workers do.
+the live student, reusing the keys/values of prefixes it computed earlier in the session:
+:mod:`~lopd_lightning.rollout.kv_reuse`) is the first implementation; a vLLM backend implements the same
+two methods with ``LLM.generate([TokensPrompt(prompt_token_ids=ids), ...], [SamplingParams(seed=s,
+temperature=..., top_k=..., top_p=..., max_tokens=..., stop=..., logprobs=0), ...])`` and ``sync_weights``
+loading the student's weights into the engine, as TRL's and verl's rollout workers do.
 
 The contract (what every backend guarantees; tests/test_rollout.py checks it for the HF backend and
 drives the loop with a scripted one):
@@ -36,9 +37,15 @@ drives the loop with a scripted one):
    whose decoded text completes one of ``settings.stop_strings`` (included, no EOS after it;
    ``"stop_string"``), or ``max_new_tokens`` tokens (``"length"``). Nothing follows the end.
 6. Weights. ``generate`` samples from the weights of the last ``sync_weights(model)`` call (the HF
-   backend samples from the live model, so its ``sync_weights`` does nothing). ``generate_rollouts``
-   never syncs: whoever owns the training loop calls ``sync_weights`` after each optimizer step, before
-   the next rollouts.
+   backend samples from the live model, so its ``sync_weights`` only drops the key/value cache of an
+   open session). ``generate_rollouts`` never syncs: whoever owns the training loop calls
+   ``sync_weights`` after each optimizer step, before the next rollouts.
+7. Sessions. ``generate_rollouts`` opens ``backend.session()`` (a :class:`GenerationSession`) around its
+   turns, calls ``retain(contexts)`` with the live contexts before each turn, and closes it when it
+   returns or raises. A backend may keep state between the ``generate`` calls of a session, never
+   beyond it, and its completions are the same inside a session as outside (up to floating-point
+   differences): a session only saves work. The default session keeps nothing; the HF backend's keeps
+   the key/value cache of the contexts so far (prefix reuse: :class:`HFGenerateBackend`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from torch import Tensor
 from lopd_lightning.rollout.chat import _eos
 from lopd_lightning.rollout.kv_reuse import (
     Hit,
+    Layers,
     PrefixStore,
     ReuseMismatch,
     cache_keyword,
@@ -211,7 +219,9 @@ class HFGenerateBackend(GenerationBackend):
     but its last token, right-aligned: it computes that token alone, with the position ids it derives from
     the attention mask (``cumsum - 1``, the tokens' true positions), and decodes as before. So each turn of
     an episode reads only its new tokens (the previous reply's last token, which was never fed back, the
-    observation and the next generation prompt), and a group's prompt is read once, not G times.
+    observation and the next generation prompt), and a group's prompt is read once, not G times. A call
+    with nothing to reuse or share (a first turn with G = 1) runs the reference computation, ``generate``
+    prefilling the whole prompts, into an empty ``DynamicCache`` that a session then keeps.
 
     What is cached and when it is dropped: after a call made inside a :meth:`session`, each row's prompt
     and the reply tokens ``generate`` fed back, in the session's :class:`~lopd_lightning.rollout.kv_reuse.
@@ -238,7 +248,8 @@ class HFGenerateBackend(GenerationBackend):
         reuse_prefixes: prefix reuse (above); False prefills every context whole in every call (the
             reference path). Needs ``use_cache``; a model whose cache is not made of full-attention layers
             (sliding window, linear attention: :func:`~lopd_lightning.rollout.kv_reuse.unsupported`) runs
-            the reference path, said once in the log. Same tokens up to floating-point differences.
+            the reference path, said in the log (once per backend). Same tokens up to floating-point
+            differences.
 
     Attributes:
         prefill_stats: ``prompt_tokens`` handed to ``generate`` and ``prefilled_tokens`` the model read to
@@ -296,9 +307,16 @@ class HFGenerateBackend(GenerationBackend):
                 self._reuse = False
                 if self._store is not None:
                     self._store.clear()
-        sequences, sampler = self._run(input_ids, attention, settings, seeds)
+        return self._generate_whole(input_ids, attention, settings, seeds)[0]
+
+    def _generate_whole(self, input_ids: Tensor, attention: Tensor, settings: SamplingSettings,
+                        seeds: Sequence[int], cache: Any = None) -> tuple[list[Completion], int]:
+        """:meth:`generate` as ``generate`` prefills the whole prompts itself (the reference path; with an
+        empty ``cache``, the same computation, whose keys/values the cache then holds); also the
+        sequences' length (prompt width + new tokens)."""
+        sequences, sampler = self._run(input_ids, attention, settings, seeds, cache=cache)
         self.prefill_stats["prefilled_tokens"] += int(attention.sum())
-        return self._completions(sequences[:, input_ids.shape[1]:].cpu(), sampler, settings)
+        return self._completions(sequences[:, input_ids.shape[1]:].cpu(), sampler, settings), sequences.shape[1]
 
     def _generate_reusing(self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int],
                           input_ids: Tensor, attention: Tensor) -> list[Completion]:
@@ -313,30 +331,56 @@ class HFGenerateBackend(GenerationBackend):
         hits = store.lookup(prompts)
         jobs: dict[tuple[Hit | None, tuple[int, ...]], int] = {}
         job_of = [jobs.setdefault((hit, tuple(p)), len(jobs)) for hit, p in zip(hits, prompts)]
-        leaders = [job_of.index(j) for j in range(len(jobs))]  # the first row of each job
+        cache = DynamicCache(config=self.model.config)
+        if len(jobs) == len(prompts) and not any(hits):  # nothing to reuse or share: generate prefills it all
+            if self._store is None:
+                return self._generate_whole(input_ids, attention, settings, seeds)[0]
+            completions, length = self._generate_whole(input_ids, attention, settings, seeds, cache=cache)
+            return self._keep_rows(store, prompts, cache, input_ids.shape[1], length, completions)
+        past = self._prefill_rows(store, hits, job_of, prompts)
+        store.drop_superseded(hits)  # packed into ``past``: the rows this call stores will extend them
+        if past:
+            cache = DynamicCache(past, config=self.model.config)
+        del past
+        sequences, sampler = self._run(input_ids, attention, settings, seeds, cache=cache)
+        completions = self._completions(sequences[:, input_ids.shape[1]:].cpu(), sampler, settings)
+        return self._keep_rows(store, prompts, cache, input_ids.shape[1], sequences.shape[1], completions)
+
+    def _prefill_rows(self, store: PrefixStore, hits: list[Hit | None], job_of: list[int],
+                      prompts: Sequence[Sequence[int]]) -> Layers | None:
+        """Every prompt but its last token as keys/values, per layer (B, kv_heads, L - 1, head_dim) packed
+        tight (L the longest prompt): each job's cached prefix, plus its uncached tokens read in one forward
+        pass, copied to the job's rows. None when there is nothing to hold (every prompt one token long)."""
+        leaders = [job_of.index(j) for j in range(max(job_of) + 1)]  # the first row of each job
         suffixes = [list(prompts[i][hits[i].length if hits[i] else 0:-1]) for i in leaders]
+        self.prefill_stats["prefilled_tokens"] += sum(map(len, suffixes)) + len(prompts)
         with self._evaluating():
             sources, keep = store.sources([hits[i] for i in leaders])
             layers, valid = prefill(self.model, sources, keep, suffixes, self.pad_id)
-            past = pack(layers, valid, job_of, [len(p) - 1 for p in prompts])[0] if layers else None
-        self.prefill_stats["prefilled_tokens"] += sum(map(len, suffixes)) + len(prompts)
-        cache = DynamicCache(past, config=self.model.config) if past else DynamicCache(config=self.model.config)
-        sequences, sampler = self._run(input_ids, attention, settings, seeds, cache=cache)
-        width = input_ids.shape[1]
-        completions = self._completions(sequences[:, width:].cpu(), sampler, settings)
+            return pack(layers, valid, job_of, [len(p) - 1 for p in prompts])[0] if layers else None
+
+    def _keep_rows(self, store: PrefixStore, prompts: Sequence[Sequence[int]], cache: Any, width: int, length: int,
+                   completions: list[Completion]) -> list[Completion]:
+        """Check the cache ``generate`` left (per layer (B, kv_heads, ``length - 1``, head_dim): the
+        ``width``-column left-padded prompts, then every new token but the last, which was never fed) and,
+        in a session, store its rows: each prompt and its reply's fed tokens.
+
+        Raises:
+            ReuseMismatch: the cache has another shape (the completions may then be wrong: redone without).
+        """
         layers = cache_layers(cache)
-        columns = sequences.shape[1] - 1  # the prompts and every new token but the last were fed
-        if any(k.shape[0] != len(prompts) or k.shape[2] != columns for k, _ in layers):
-            raise ReuseMismatch(f"generate left a cache of shape {tuple(layers[0][0].shape)}, expected "
-                                f"{len(prompts)} rows and {columns} columns")
-        if self._store is store:  # in a session: the rows of this turn replace their sources
-            store.drop_superseded(hits)
-            fed = [min(len(c.token_ids), sequences.shape[1] - width - 1) for c in completions]
+        columns = length - 1
+        if not layers or any(k.shape[0] != len(prompts) or k.shape[2] != columns for k, _ in layers):
+            shape = tuple(layers[0][0].shape) if layers else "(no layers)"
+            raise ReuseMismatch(f"generate left a cache of shape {shape}, expected {len(prompts)} rows and "
+                                f"{columns} columns")
+        if self._store is store:  # in a session: the next turn starts from these rows
             valid = torch.zeros((len(prompts), columns), dtype=torch.bool)
             tokens = []
-            for i, prompt in enumerate(prompts):
-                valid[i, width - len(prompt):width + fed[i]] = True
-                tokens.append(list(prompt) + sequences[i, width:width + fed[i]].tolist())
+            for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+                fed = completion.token_ids[:columns - width]
+                valid[i, width - len(prompt):width + len(fed)] = True
+                tokens.append(list(prompt) + fed)
             store.add(layers, valid, tokens)
         return completions
 

@@ -8,7 +8,10 @@ episodes advance together, one turn at a time:
 2. turn: the contexts of the live episodes go to the backend (:class:`GenerationBackend`, in chunks of
    ``generation_batch_size``) with one seed per rollout and turn (:func:`derive_seed`: seed, step,
    example id, sample index, turn; the sample index counts the example's rollouts in this call, so an
-   example listed twice gets sample indices 0..2G-1).
+   example listed twice gets sample indices 0..2G-1). The whole loop runs inside one
+   ``backend.session()``, told the live contexts before each turn (``retain``): the HF backend keeps the
+   keys/values of each context there and reads only a turn's new tokens, and drops everything when the
+   call ends (:class:`HFGenerateBackend`).
 3. advance: each reply is appended (assistant mask 1, its log-probs), decoded and fed to
    ``episode.step``; the observation follows (:func:`encode_observation`, mask 0). An episode finishes
    when it says ``done``, after ``max_turns`` replies (``truncation="max_turns"``), or before a turn
