@@ -798,6 +798,32 @@ def test_the_off_switch_is_the_reference_path(model, tokenizer, monkeypatch, opt
     assert_same_rollouts(off, on)
 
 
+def test_contexts_that_do_not_extend_a_cached_row_reuse_only_what_they_share(eos_model, tokenizer):
+    task = ToyTask()
+    settings = SamplingSettings(temperature=0.7, max_new_tokens=10)
+    first = [encode_prompt(tokenizer, task.initial_messages(ex)).input_ids for ex in task.examples("train")[:2]]
+    backend, reference = HFGenerateBackend(eos_model, tokenizer), HFGenerateBackend(eos_model, tokenizer,
+                                                                                    reuse_prefixes=False)
+    with backend.session():
+        replies = backend.generate(first, settings, [1, 2])
+        extended = first[0] + replies[0].token_ids + enc(tokenizer, "\n<|im_start|>user\nmore</s>\n")
+        prompts = [
+            extended,  # the next turn: reuses the whole row
+            first[1][:30] + enc(tokenizer, "a rewritten context"),  # diverges inside a row: reuses 30 tokens
+            first[1][7:],  # truncated on the left: shares no prefix, prefilled whole
+            enc(tokenizer, "<|im_start|>user\nsomething else entirely</s>\n<|im_start|>assistant\n"),  # a new one
+        ]
+        hits = backend._store.lookup(prompts)
+        steps = max(len(c.token_ids) for c in replies)  # every reply token but the call's last was fed back
+        fed = len(first[0]) + min(len(replies[0].token_ids), steps - 1)
+        shared = len(enc(tokenizer, "<|im_start|>user\n"))  # the new prompt shares the template's first line
+        assert [h and h.length for h in hits] == [fed, 30, None, shared]
+        reused = backend.generate(prompts, settings, [3, 4, 5, 6])
+    for got, want in zip(reused, reference.generate(prompts, settings, [3, 4, 5, 6])):
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+        torch.testing.assert_close(torch.tensor(got.logps), torch.tensor(want.logps), atol=1e-5, rtol=0)
+
+
 def test_prefix_lookup_reuses_only_verified_common_prefixes(monkeypatch):
     from lopd_lightning.rollout import kv_reuse
 
