@@ -579,6 +579,19 @@ def test_a_scripted_backend_drives_the_episode_loop_end_to_end(tokenizer):
         generate_rollouts(None, tokenizer, task, examples, backend=broken)
 
 
+def test_a_backend_without_sessions_still_drives_the_loop(tokenizer):
+    class Duck:  # generate and sync_weights only, not a GenerationBackend subclass
+        def generate(self, prompts, settings, seeds):
+            return [Completion([EOS], [0.0], "eos") for _ in prompts]
+
+        def sync_weights(self, model):
+            pass
+
+    task = ToyTask(multi_turn=True)
+    batch = generate_rollouts(None, tokenizer, task, task.examples("train")[:2], backend=Duck())
+    assert [m["turns"] for m in batch.metadata] == [2, 2]
+
+
 def test_sampling_settings_and_completion_validate():
     settings = SamplingSettings(temperature=0.5, top_k=0, top_p=1.0, max_new_tokens=4, stop_strings=["x"])
     assert (settings.top_k, settings.top_p, settings.stop_strings) == (None, None, ("x",))

@@ -41,6 +41,7 @@ from lopd_lightning.deprecation import renamed_kwargs
 from lopd_lightning.rollout.backends import (
     Completion,
     GenerationBackend,
+    GenerationSession,
     HFGenerateBackend,
     SamplingSettings,
 )
@@ -212,7 +213,9 @@ def generate_rollouts(
         max_prompt_tokens=max_prompt_tokens, generation_batch_size=generation_batch_size,
         max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None),
     )
-    with backend.session() as session:  # what the backend keeps between turns lives only in this call
+    # what the backend keeps between turns lives only in this call (a backend without ``session``, one that
+    # does not subclass GenerationBackend, keeps nothing)
+    with backend.session() if hasattr(backend, "session") else GenerationSession() as session:
         loop.start(examples, group_size)
         while active := loop.active():
             session.retain([r.ids for r in active])  # finished episodes' cached rows can go
