@@ -169,6 +169,8 @@ class PrefixStore:
                 continue
             packed, mask = pack(block.layers, block.valid, [hits[j].row for j in at],
                                 [hits[j].length for j in at], width)
+            if len(at) == len(hits):  # every prefix from this block (the usual turn): already in place
+                return packed, mask
             if out is None:
                 out = [(k.new_zeros((len(hits), *k.shape[1:])), v.new_zeros((len(hits), *v.shape[1:])))
                        for k, v in packed]
