@@ -699,7 +699,7 @@ def test_finished_episodes_leave_the_cache(model, tokenizer, chunk):
 
     class Watching(HFGenerateBackend):
         def generate(self, prompts, settings, seeds):
-            held = sum(block.layers[0][0].shape[0] for block in self._store.blocks)
+            held = sum(batch.layers[0][0].shape[0] for batch in self._store.batches)
             seen.append((len(prompts), len(self._store), held))
             return super().generate(prompts, settings, seeds)
 
@@ -775,7 +775,10 @@ class _UpdatingToy(ToyTask):
         return episode
 
 
-def test_a_weight_change_inside_a_session_drops_the_cache(eos_model, tokenizer, monkeypatch):
+def test_an_in_place_add_to_the_parameters_inside_a_session_drops_the_cache(eos_model, tokenizer, monkeypatch):
+    """What this covers: ``p.add_`` on the parameters themselves (it bumps their version counter). Writes
+    through ``p.data`` or fused optimiser kernels may not be seen (``weights_stamp``): those rely on the
+    session's scope and ``sync_weights``."""
     import copy
 
     def run(**options):
@@ -788,6 +791,107 @@ def test_a_weight_change_inside_a_session_drops_the_cache(eos_model, tokenizer, 
     # the check has teeth: blind to the change, the stale keys/values give other log-probs (or tokens)
     monkeypatch.setattr("lopd_lightning.rollout.backends.weights_stamp", lambda model: 0)
     assert differ(run(), reference)
+
+
+def test_the_weights_stamp_sees_a_disabled_peft_adapter():
+    from lopd_lightning.adapters import STUDENT, prepare_backbone
+    from lopd_lightning.models import tiny_model
+    from lopd_lightning.rollout.kv_reuse import weights_stamp
+
+    student = prepare_backbone(tiny_model(seed=0), student_lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                                                                 "target_modules": ["q_proj", "v_proj"]})
+    student.set_adapter(STUDENT)
+    before = weights_stamp(student)
+    with student.disable_adapter():
+        assert weights_stamp(student) != before
+    assert weights_stamp(student) == before
+
+
+def test_a_nested_session_leaves_the_outer_rows_alone(eos_model, tokenizer):
+    backend = HFGenerateBackend(eos_model, tokenizer)
+    task = ToyTask(multi_turn=True)
+    prompt = encode_prompt(tokenizer, task.initial_messages(task.examples("train")[0])).input_ids
+    with backend.session():
+        backend.generate([prompt], SamplingSettings(max_new_tokens=3), [0])
+        with backend.session() as inner:
+            inner.retain([[5, 6, 7]])  # contexts the outer session does not continue
+            assert len(backend._store) == 1
+        assert len(backend._store) == 1  # the inner session's close left the outer store too
+    assert backend._store is None
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_an_empty_prompt_is_one_clear_error_on_both_paths(eos_model, tokenizer, reuse):
+    backend = HFGenerateBackend(eos_model, tokenizer, reuse_prefixes=reuse)
+    with backend.session(), pytest.raises(ValueError, match=r"prompts \[0, 1\] are empty"):
+        backend.generate([[], [], [5, 6, 7]], SamplingSettings(max_new_tokens=2), [0, 1, 2])
+
+
+def test_a_layout_mismatch_after_a_whole_prefill_keeps_the_results_and_stores_nothing(eos_model, tokenizer,
+                                                                                     monkeypatch, caplog):
+    from lopd_lightning.rollout import backends
+
+    task = ToyTask(multi_turn=True)
+    prompt = encode_prompt(tokenizer, task.initial_messages(task.examples("train")[0])).input_ids
+    settings = SamplingSettings(max_new_tokens=5)
+    (reference,) = HFGenerateBackend(eos_model, tokenizer, reuse_prefixes=False).generate([prompt], settings, [3])
+    real = backends.cache_layers
+    monkeypatch.setattr(backends, "cache_layers", lambda cache: [(k[:, :, 1:], v) for k, v in real(cache)])
+    backend = HFGenerateBackend(eos_model, tokenizer)
+    with backend.session():  # one prompt, nothing cached: generate prefills it whole
+        (completion,) = backend.generate([prompt], settings, [3])
+        assert len(backend._store) == 0
+    assert completion == reference and backend._reuse is False and "not stored" in caplog.text
+    assert backend.prefill_stats["prefilled_tokens"] == len(prompt)  # counted once: the call was not redone
+
+
+def live_kv_bytes(config) -> int:
+    """Bytes of the live tensors shaped like keys/values of ``config`` ((rows, kv_heads, columns, head_dim)),
+    each storage counted once."""
+    import gc
+
+    heads = config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.dim() == 4 and obj.shape[1] == heads and obj.shape[3] == dim:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_prefix_reuse_holds_no_more_keys_and_values_than_generate_without_it(eos_model, tokenizer, monkeypatch):
+    """Measured before and after every forward pass (the prefill's, each decoding step's), per turn: the
+    copied-out prefixes, the rows they came from, the prefill's cache and the packed cache are never alive
+    together, so a turn holds about what the same turn without reuse holds (its own cache)."""
+    import functools
+
+    peaks = []  # per generate call, the most bytes of keys/values alive
+    forward, generate = eos_model.forward, HFGenerateBackend.generate
+
+    @functools.wraps(forward)
+    def measuring(*args, **kwargs):
+        peaks[-1] = max(peaks[-1], live_kv_bytes(eos_model.config))
+        out = forward(*args, **kwargs)
+        peaks[-1] = max(peaks[-1], live_kv_bytes(eos_model.config))
+        return out
+
+    def counting(self, *args, **kwargs):
+        peaks.append(0)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(eos_model, "forward", measuring)
+    monkeypatch.setattr(HFGenerateBackend, "generate", counting)
+    task = ToyTask(multi_turn=True)
+    runs = []
+    for reuse in (False, True):
+        peaks.clear()
+        generate_rollouts(eos_model, tokenizer, task, task.examples("train")[:4], greedy=True, max_new_tokens=1,
+                          reuse_prefixes=reuse)  # one row per job: the turn's cache is the prefill's
+        runs.append(list(peaks))
+    without, with_reuse = runs
+    assert len(without) == len(with_reuse) >= 2 and all(without)
+    assert all(r <= w * 1.1 for r, w in zip(with_reuse, without)), (with_reuse, without)
 
 
 @pytest.mark.parametrize("options", [{"reuse_prefixes": False}, {"use_cache": False}])
@@ -857,10 +961,25 @@ def test_pack_right_aligns_the_valid_columns():
 
     keys = torch.arange(2 * 5, dtype=torch.float32).reshape(2, 1, 5, 1)
     valid = torch.tensor([[0, 1, 0, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    [(k, v)], keep = pack([(keys, keys + 100)], valid, rows=[1, 0, 0], counts=[3, 2, 3])
+    [(k, v)], valid_out = pack([(keys, keys + 100)], valid, rows=[1, 0, 0], counts=[3, 2, 3])
     assert k[:, 0, :, 0].tolist() == [[5, 6, 7], [0, 1, 3], [1, 3, 4]]
-    assert keep.tolist() == [[True] * 3, [False, True, True], [True] * 3]
+    assert valid_out.tolist() == [[True] * 3, [False, True, True], [True] * 3]
     assert v[1, 0, :, 0].tolist() == [0, 101, 103]  # zeros left of a row's columns
+
+
+def test_a_tight_layout_is_recognised_and_the_cache_holds_the_tensors_themselves(model):
+    from lopd_lightning.rollout.kv_reuse import dynamic_cache, is_tight, pack
+
+    valid = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert is_tight(valid, [2, 3]) and not is_tight(valid, [1, 3])
+    assert not is_tight(torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool), [2, 3])  # a hole
+    keys = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 1, 3, 1)
+    packed, _ = pack([(keys, keys)], valid, rows=[0, 1], counts=[2, 3])
+    assert torch.equal(packed[0][0], keys.masked_fill(~valid[:, None, :, None], 0))  # what skipping pack keeps
+    layers = [(torch.zeros(2, 2, 5, 16), torch.ones(2, 2, 5, 16)) for _ in range(model.config.num_hidden_layers)]
+    cache = dynamic_cache(model.config, layers)
+    assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, layers))
+    assert cache.get_seq_length() == 5
 
 
 def test_an_unexpected_cache_layout_turns_reuse_off_and_redoes_the_call(eos_model, tokenizer, monkeypatch, caplog):

@@ -69,6 +69,8 @@ from lopd_lightning.rollout.kv_reuse import (
     ReuseMismatch,
     cache_keyword,
     cache_layers,
+    dynamic_cache,
+    is_tight,
     pack,
     prefill,
     unsupported,
@@ -229,15 +231,30 @@ class HFGenerateBackend(GenerationBackend):
     store exists only while a session is open: :func:`~lopd_lightning.rollout.generate_rollouts` opens one
     around its turns and closes it (dropping everything) when it returns or raises, so no cache outlives
     the call that made it, whatever is done to the weights between calls; one call samples from one set of
-    weights. Inside a session it is also dropped by :meth:`sync_weights` and whenever a parameter's
-    storage or in-place version counter changed (an optimiser step, ``load_state_dict``, ``.to()`` in the
-    middle of a session; the counters do not see a switch of the active peft adapter, which the session's
-    scope excludes). The rows of finished episodes go at the next turn (``GenerationSession.retain``:
-    only rows a live context extends are kept), and a turn's source rows when its own rows replace them;
-    their tensors are rebuilt without them (``index_select``). Outside a session nothing is kept between
-    calls (the shared prefill within a call still runs). A prompt that extends no cached row (a new
-    example, a truncated or rewritten context) is prefilled whole; a cache transformers returns in another
-    shape than expected turns reuse off for the backend (warned once) and the call is redone without it.
+    weights. Inside a session it is also dropped by :meth:`sync_weights` and, best effort, whenever
+    :func:`~lopd_lightning.rollout.kv_reuse.weights_stamp` changed: a parameter's storage or autograd
+    version counter (``p.add_``, ``load_state_dict``, ``.to()``), or a peft adapter layer's active or
+    disabled adapters. Writes through ``p.data`` and fused optimiser kernels may not bump the counter: the
+    guarantee is the session's scope plus ``sync_weights``, not the stamp. The rows of finished episodes
+    go at the next turn (``GenerationSession.retain``: only rows a live context extends are kept), and a
+    turn's source rows as soon as they are copied out for its prefill; their tensors are rebuilt without
+    them (``index_select``). Outside a session nothing is kept between calls (the shared prefill within a
+    call still runs).
+
+    Memory: the store holds the rows of EVERY live episode of the session, not only those of the current
+    ``generate`` call: with ``generation_batch_size`` the loop calls ``generate`` in chunks, and the rows of
+    the other chunks wait in the store for their next turn, so ``generation_batch_size`` bounds the
+    activations of one call but not the cache held. That is about ``rows x tokens x layers x 2 x kv_heads x
+    head_dim x dtype bytes`` (keys and values; rows: the live episodes, tokens: their context so far plus
+    padding to their call's longest). Besides the store, a call holds about its own cache (the copied-out
+    prefixes are freed layer by layer as the prefill extends them, and ``generate`` gets the prefill's
+    tensors without a copy), twice that only while shared or holed rows are gathered (:func:`~lopd_lightning.
+    rollout.kv_reuse.pack`).
+
+    A prompt that extends no cached row (a new example, a truncated or rewritten context) is prefilled
+    whole; a cache transformers returns in another shape than expected turns reuse off for the backend
+    (warned once) and the call is redone without it (or, when ``generate`` prefilled the prompts whole, its
+    completions are kept and only its rows are not stored).
 
     Args:
         model: a transformers causal LM (on any device).
@@ -246,9 +263,11 @@ class HFGenerateBackend(GenerationBackend):
             every new token (benchmarks/rollouts.py measures the difference). Same tokens up to
             floating-point differences between the two computations.
         reuse_prefixes: prefix reuse (above); False prefills every context whole in every call (the
-            reference path). Needs ``use_cache``; a model whose cache is not made of full-attention layers
-            (sliding window, linear attention: :func:`~lopd_lightning.rollout.kv_reuse.unsupported`) runs
-            the reference path, said in the log (once per backend). Same tokens up to floating-point
+            reference path), and keeps no cache between calls. True keeps the keys/values of every live
+            episode for the session (see Memory above: not bounded by ``generation_batch_size``). Needs
+            ``use_cache``; a model whose cache is not made of full-attention layers (sliding window,
+            linear attention: :func:`~lopd_lightning.rollout.kv_reuse.unsupported`) runs the reference
+            path, said in the log (once per backend). Same tokens up to floating-point
             differences.
 
     Attributes:
@@ -290,23 +309,24 @@ class HFGenerateBackend(GenerationBackend):
         after the prefill of their uncached tokens when prefixes are reused (the class docstring).
 
         Raises:
-            ValueError: ``prompts`` and ``seeds`` differ in length.
+            ValueError: ``prompts`` and ``seeds`` differ in length, or a prompt is empty (there is no last
+                token to continue from; with or without prefix reuse).
             RuntimeError: another logits processor changed the sampled tokens.
         """
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
             return []
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        if empty:
+            raise ValueError(f"prompts {empty} are empty: a prompt needs at least one token to continue from")
         input_ids, attention = self._left_padded(prompts)
         self.prefill_stats["prompt_tokens"] += sum(len(p) for p in prompts)
         if self._reuse_ready():
             try:
                 return self._generate_reusing(prompts, settings, seeds, input_ids, attention)
             except ReuseMismatch as err:
-                log.warning("HFGenerateBackend: prefix reuse turned off (%s); the call is redone without it", err)
-                self._reuse = False
-                if self._store is not None:
-                    self._store.clear()
+                self._turn_reuse_off(f"{err}; the call is redone without it")
         return self._generate_whole(input_ids, attention, settings, seeds)[0]
 
     def _generate_whole(self, input_ids: Tensor, attention: Tensor, settings: SamplingSettings,
@@ -317,6 +337,13 @@ class HFGenerateBackend(GenerationBackend):
         sequences, sampler = self._run(input_ids, attention, settings, seeds, cache=cache)
         self.prefill_stats["prefilled_tokens"] += int(attention.sum())
         return self._completions(sequences[:, input_ids.shape[1]:].cpu(), sampler, settings), sequences.shape[1]
+
+    def _turn_reuse_off(self, why: str) -> None:
+        """Switch prefix reuse off for this backend (warned) and drop the open session's rows."""
+        log.warning("HFGenerateBackend: prefix reuse turned off (%s)", why)
+        self._reuse = False
+        if self._store is not None:
+            self._store.clear()
 
     def _generate_reusing(self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int],
                           input_ids: Tensor, attention: Tensor) -> list[Completion]:
@@ -336,11 +363,13 @@ class HFGenerateBackend(GenerationBackend):
             if self._store is None:
                 return self._generate_whole(input_ids, attention, settings, seeds)[0]
             completions, length = self._generate_whole(input_ids, attention, settings, seeds, cache=cache)
-            return self._keep_rows(store, prompts, cache, input_ids.shape[1], length, completions)
+            try:
+                self._keep_rows(store, prompts, cache, input_ids.shape[1], length, completions)
+            except ReuseMismatch as err:  # the completions are the reference ones: keep them, store nothing
+                self._turn_reuse_off(f"{err}; the call's rows are not stored")
+            return completions
         past = self._prefill_rows(store, hits, job_of, prompts)
-        store.drop_superseded(hits)  # packed into ``past``: the rows this call stores will extend them
-        if past:
-            cache = DynamicCache(past, config=self.model.config)
+        cache = dynamic_cache(self.model.config, past)  # holds ``past`` itself, no copy
         del past
         sequences, sampler = self._run(input_ids, attention, settings, seeds, cache=cache)
         completions = self._completions(sequences[:, input_ids.shape[1]:].cpu(), sampler, settings)
@@ -350,14 +379,26 @@ class HFGenerateBackend(GenerationBackend):
                       prompts: Sequence[Sequence[int]]) -> Layers | None:
         """Every prompt but its last token as keys/values, per layer (B, kv_heads, L - 1, head_dim) packed
         tight (L the longest prompt): each job's cached prefix, plus its uncached tokens read in one forward
-        pass, copied to the job's rows. None when there is nothing to hold (every prompt one token long)."""
+        pass, copied to the job's rows. None when there is nothing to hold (every prompt one token long).
+
+        Memory: the cached prefixes are copied out (``sources``), then the rows this call will replace are
+        dropped from the store at once, and each layer's prefix is freed as the forward pass extends it; the
+        result is gathered again (:func:`pack`) only when jobs are shared or its layout is not yet tight.
+        """
         leaders = [job_of.index(j) for j in range(max(job_of) + 1)]  # the first row of each job
         suffixes = [list(prompts[i][hits[i].length if hits[i] else 0:-1]) for i in leaders]
+        counts = [len(p) - 1 for p in prompts]
         self.prefill_stats["prefilled_tokens"] += sum(map(len, suffixes)) + len(prompts)
         with self._evaluating():
-            sources, keep = store.sources([hits[i] for i in leaders])
-            layers, valid = prefill(self.model, sources, keep, suffixes, self.pad_id)
-            return pack(layers, valid, job_of, [len(p) - 1 for p in prompts])[0] if layers else None
+            sources, valid = store.sources([hits[i] for i in leaders])
+            store.drop_superseded(hits)  # copied into ``sources``: the rows this call stores will extend them
+            layers, valid = prefill(self.model, sources, valid, suffixes, self.pad_id)
+            del sources
+            if not layers:
+                return None
+            if job_of == list(range(len(prompts))) and is_tight(valid, counts):
+                return layers  # one job per row, already right-aligned: no second copy
+            return pack(layers, valid, job_of, counts)[0]
 
     def _keep_rows(self, store: PrefixStore, prompts: Sequence[Sequence[int]], cache: Any, width: int, length: int,
                    completions: list[Completion]) -> list[Completion]:
@@ -366,7 +407,8 @@ class HFGenerateBackend(GenerationBackend):
         in a session, store its rows: each prompt and its reply's fed tokens.
 
         Raises:
-            ReuseMismatch: the cache has another shape (the completions may then be wrong: redone without).
+            ReuseMismatch: the cache has another shape (nothing is stored; after a prefill of this module the
+                completions may be wrong and the call is redone without reuse).
         """
         layers = cache_layers(cache)
         columns = length - 1
@@ -464,6 +506,7 @@ class HFGenerateBackend(GenerationBackend):
             ))
         return self._config[1]
 
+
 class _PrefixSession(GenerationSession):
     """:meth:`HFGenerateBackend.session`: the backend's :class:`PrefixStore` from ``__enter__`` to ``close``
     (a session opened inside another one keeps the outer one's store and leaves it to it)."""
@@ -477,8 +520,9 @@ class _PrefixSession(GenerationSession):
         return self
 
     def retain(self, contexts: Sequence[Sequence[int]]) -> None:
-        """Drop the cached rows no context in ``contexts`` extends (finished episodes)."""
-        if self.backend._store is not None:
+        """Drop the cached rows no context in ``contexts`` extends (finished episodes); a no-op in a nested
+        session (the store is the outer session's, whose contexts this one does not know)."""
+        if self.owner and self.backend._store is not None:
             self.backend._store.retain(contexts)
 
     def close(self) -> None:
