@@ -180,10 +180,14 @@ def generate_rollouts(
         stop_strings: extra strings that end a reply; the reply keeps the stop string and has no EOS,
             so the template's EOS follows it with mask 0.
         generation_batch_size: most rows per backend call (None = all active rows; else the longest
-            contexts go first, for less padding).
+            contexts go first, for less padding). It bounds one call's activations, not the key/value cache
+            of prefix reuse: the HF backend's session keeps the rows of every live episode across chunks,
+            about ``rows x tokens x layers x 2 x kv_heads x head_dim x dtype bytes``.
         use_cache: the default backend's key-value cache (:class:`HFGenerateBackend`); ignored with ``backend``.
         reuse_prefixes: the default backend's prefix reuse (keys/values kept across the turns of this call and
             one prefill per group; False: every context prefilled whole every turn); ignored with ``backend``.
+            While this call runs it holds the keys/values of every live episode (all chunks of
+            ``generation_batch_size``): ``rows x tokens x layers x 2 x kv_heads x head_dim x dtype bytes``.
         backend: the generator (None: ``HFGenerateBackend(model, tokenizer, use_cache=use_cache,
             reuse_prefixes=reuse_prefixes)``). Its :meth:`~GenerationBackend.session` is open while the
             episodes play (whatever it keeps between turns is dropped when this call returns or raises).
