@@ -114,7 +114,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         val_max_new_tokens: token limit per turn of validation episodes (None: ``max_new_tokens``).
         generation_batch_size: most episodes per generation call (None: all of a step's, or all of a
             validation batch's, at once); with a number the longest contexts go first, so similar lengths
-            share a call and pad less. Tokens do not depend on it (per-rollout seeds).
+            share a call and pad less. Tokens do not depend on it (per-rollout seeds). It does not bound
+            the HF backend's prefix cache: while a rollout call runs, the keys/values of every live episode
+            are kept across chunks (``rows x tokens x layers x 2 x kv_heads x head_dim x dtype bytes``).
         success_threshold: a trajectory with reward >= this counts as a success (``*/success_rate``).
         gradient_checkpointing: trade compute for activation memory in the student's backward.
         validate_before_training: run the val split once before the first step, logged at step 0.
