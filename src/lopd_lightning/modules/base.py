@@ -36,7 +36,14 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
+from lopd_lightning.adapters import (
+    as_lora_config,
+    check_lora_config,
+    enable_activation_checkpointing,
+    prepare_backbone,
+    student_parameters,
+    use_adapter,
+)
 from lopd_lightning.deprecation import fold_renamed, moved_names, store_under_new_names, warn_once
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
@@ -116,7 +123,10 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             validation batch's, at once); with a number the longest contexts go first, so similar lengths
             share a call and pad less. Tokens do not depend on it (per-rollout seeds).
         success_threshold: a trajectory with reward >= this counts as a success (``*/success_rate``).
-        gradient_checkpointing: trade compute for activation memory in the student's backward.
+        gradient_checkpointing: trade compute for activation memory: every decoder layer run in train mode
+            with gradients (the student's pass; LOPD's composer encoder too) keeps only its input and is
+            recomputed in the backward, under the adapter, ``requires_grad`` flags and train flags its
+            forward ran with (:func:`~lopd_lightning.adapters.enable_activation_checkpointing`).
         validate_before_training: run the val split once before the first step, logged at step 0.
         seed: base seed of rollout sampling (each rank adds its rank).
         log_samples: trajectories shown as TensorBoard text (``samples/val``, ``samples/train``): the
@@ -207,8 +217,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         check_lora_config(as_lora_config(lora, key="lora"), "lora")  # before the weights load; target_modules after
         self.model_name = model
         backbone, self.tokenizer = load_student(model, dtype=dtype, seed=seed)
+        #: modules whose activation checkpoint recomputes under the forward's adapter state (0: none, or off)
+        self.checkpointed_modules = enable_activation_checkpointing(backbone) if gradient_checkpointing else 0
         if gradient_checkpointing:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             backbone.config.use_cache = False
         backbone.train()  # from_pretrained returns eval mode; rollouts switch to eval and back themselves
         self.backbone = prepare_backbone(backbone, student_lora=lora)

@@ -1,0 +1,87 @@
+"""LOPDModule(gradient_checkpointing=True): the checkpointed step equals the plain one.
+
+One LOPD backward runs through passes made under different LoRA adapters and ``requires_grad`` flags
+(the student's pass under ``"student"``, the composer's encoder under ``"composer"`` with only psi
+trainable, the teacher under its mode's weights, every backbone weight constant, in eval mode). With
+activation checkpointing each decoder layer run in train mode with gradients is recomputed in that
+backward, after the contexts have switched back; :class:`~lopd_lightning.adapters.ForwardStateRecompute`
+recomputes it under the state its forward had. These tests check, on the tiny model and the toy task
+(CPU, float32, seeded), that one training step logs the same losses and produces the same gradient for
+every trainable parameter (student LoRA or every base weight, composer LoRA, resampler) with and
+without checkpointing, LoRA dropout included; and that without the recompute context it does not.
+
+The LoRAs start random (``init_lora_weights: false``): peft's default B = 0 makes every adapter the base
+model at the first step, and a recomputation under the wrong adapter would then go unseen.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from lopd_lightning import adapters
+from lopd_lightning.modules import LOPDModule
+
+from test_lopd_chunked import LOGGED, assert_same_step, bank_dir, one_step  # noqa: F401 (bank_dir: a fixture)
+from test_lopd_module import LORA
+
+RANDOM_LORA = {**LORA, "target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": False}
+COMPOSER_LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "init_lora_weights": False,
+                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+CASES = {
+    "lora": dict(lora=RANDOM_LORA, composer_lora=COMPOSER_LORA),
+    "lora_dropout": dict(lora={**RANDOM_LORA, "lora_dropout": 0.2}, composer_lora={**COMPOSER_LORA, "lora_dropout": 0.1}),
+    "full": dict(lora=None, composer_lora=COMPOSER_LORA),
+    "ema_teacher": dict(lora=RANDOM_LORA, composer_lora=COMPOSER_LORA, teacher_mode="ema"),
+}
+#: a student LoRA shaped like the composer's: a recomputation under the wrong one saves the same tensors
+SAME_SHAPES = dict(lora=COMPOSER_LORA, composer_lora=COMPOSER_LORA)
+
+
+def checkpointed_step(tmp_path, bank_dir, checkpointing: bool, case: str) -> dict:
+    return one_step(tmp_path / f"ckpt_{checkpointing}", bank_dir, None, gradient_checkpointing=checkpointing,
+                    **(SAME_SHAPES if case == "same_shapes" else CASES[case]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpointed_step_equals_the_plain_step(tmp_path, bank_dir, case):
+    ref = checkpointed_step(tmp_path, bank_dir, False, case)
+    got = checkpointed_step(tmp_path, bank_dir, True, case)
+    assert torch.equal(ref["batch"].input_ids, got["batch"].input_ids)  # the same rollouts
+    assert ref["logged"]["train/margin_delta"] != 0.0 and ref["logged"]["train/loss"] > 0
+    assert_same_step(ref, got, rtol=1e-5, atol=1e-7, loss_atol=1e-7)
+
+
+@pytest.mark.parametrize("shapes", ["other", "same"])
+def test_without_the_recompute_context_the_step_fails_or_its_gradients_differ(tmp_path, bank_dir, monkeypatch, shapes):
+    """The test above can fail: without the recompute context the composer's encoder layers are recomputed
+    in the backward under the backward-time state (the student's adapter active, every adapter trainable).
+    With a student LoRA on other layers than the composer's, the recomputation saves other tensors and
+    torch's checkpoint raises CheckpointError; with one shaped like the composer's, it is silently
+    recomputed under the student's LoRA: the same losses, other composer gradients."""
+    case = "lora" if shapes == "other" else "same_shapes"
+    ref = checkpointed_step(tmp_path, bank_dir, False, case)
+    if shapes == "same":
+        assert_same_step(ref, checkpointed_step(tmp_path, bank_dir, True, case))  # with the context: the same
+    monkeypatch.setattr(adapters.ForwardStateRecompute, "__call__", lambda self: (nullcontext(), nullcontext()))
+    if shapes == "other":
+        with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different number of tensors"):
+            checkpointed_step(tmp_path, bank_dir, True, case)
+        return
+    got = checkpointed_step(tmp_path, bank_dir, True, case)
+    for tag in LOGGED:  # the forward is right, the recomputation is not
+        assert got["logged"][tag] == pytest.approx(ref["logged"][tag], rel=1e-5, abs=1e-7), tag
+    with pytest.raises(AssertionError, match="composer_lora"):
+        assert_same_step(ref, got)
+
+
+def test_every_decoder_layer_carries_the_recompute_context():
+    module = LOPDModule("tiny", lora=LORA, num_latents=2, num_experiences=1, composer_depth=1, embedder="hashing",
+                        distill_top_k=8, gradient_checkpointing=True)
+    layers = module.backbone.get_base_model().model.layers
+    for layer in layers:
+        context = layer._gradient_checkpointing_func.keywords["context_fn"]
+        assert isinstance(context, adapters.ForwardStateRecompute) and context.scope is layer
+    assert module.checkpointed_modules >= len(layers)
