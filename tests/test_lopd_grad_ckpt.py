@@ -4,7 +4,7 @@ One LOPD backward runs through passes made under different LoRA adapters and ``r
 (the student's pass under ``"student"``, the composer's encoder under ``"composer"`` with only psi
 trainable, the teacher under its mode's weights, every backbone weight constant, in eval mode). With
 activation checkpointing each decoder layer run in train mode with gradients is recomputed in that
-backward, after the contexts have switched back; :class:`~lopd_lightning.adapters.ForwardStateRecompute`
+backward, after the contexts have switched back; :class:`~lopd_lightning.checkpointing.ForwardStateRecompute`
 recomputes it under the state its forward had. These tests check, on the tiny model and the toy task
 (CPU, float32, seeded), that one training step logs the same losses and produces the same gradient for
 every trainable parameter (student LoRA or every base weight, composer LoRA, resampler) with and
@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from lopd_lightning import adapters
+from lopd_lightning import checkpointing
 from lopd_lightning.modules import LOPDModule
 
 from test_lopd_chunked import LOGGED, assert_same_step, bank_dir, one_step  # noqa: F401 (bank_dir: a fixture)
@@ -65,7 +65,7 @@ def test_without_the_recompute_context_the_step_fails_or_its_gradients_differ(tm
     ref = checkpointed_step(tmp_path, bank_dir, False, case)
     if shapes == "same":
         assert_same_step(ref, checkpointed_step(tmp_path, bank_dir, True, case))  # with the context: the same
-    monkeypatch.setattr(adapters.ForwardStateRecompute, "__call__", lambda self: (nullcontext(), nullcontext()))
+    monkeypatch.setattr(checkpointing.ForwardStateRecompute, "__call__", lambda self: (nullcontext(), nullcontext()))
     if shapes == "other":
         with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different number of tensors"):
             checkpointed_step(tmp_path, bank_dir, True, case)
@@ -83,5 +83,5 @@ def test_every_decoder_layer_carries_the_recompute_context():
     layers = module.backbone.get_base_model().model.layers
     for layer in layers:
         context = layer._gradient_checkpointing_func.keywords["context_fn"]
-        assert isinstance(context, adapters.ForwardStateRecompute) and context.scope is layer
+        assert isinstance(context, checkpointing.ForwardStateRecompute) and context.scope is layer
     assert module.checkpointed_modules >= len(layers)

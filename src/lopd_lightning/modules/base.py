@@ -39,11 +39,11 @@ from typing_extensions import override
 from lopd_lightning.adapters import (
     as_lora_config,
     check_lora_config,
-    enable_activation_checkpointing,
     prepare_backbone,
     student_parameters,
     use_adapter,
 )
+from lopd_lightning.checkpointing import enable_activation_checkpointing
 from lopd_lightning.deprecation import fold_renamed, moved_names, store_under_new_names, warn_once
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
@@ -126,7 +126,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         gradient_checkpointing: trade compute for activation memory: every decoder layer run in train mode
             with gradients (the student's pass; LOPD's composer encoder too) keeps only its input and is
             recomputed in the backward, under the adapter, ``requires_grad`` flags and train flags its
-            forward ran with (:func:`~lopd_lightning.adapters.enable_activation_checkpointing`).
+            forward ran with (:func:`~lopd_lightning.checkpointing.enable_activation_checkpointing`).
         validate_before_training: run the val split once before the first step, logged at step 0.
         seed: base seed of rollout sampling (each rank adds its rank).
         log_samples: trajectories shown as TensorBoard text (``samples/val``, ``samples/train``): the

@@ -170,6 +170,20 @@ class LOPDModule(OnPolicyModule):
             is not a plain full-attention one (sliding window, linear attention) get False, with a warning.
         top_m: deprecated spelling of ``distill_top_k`` (removed in the release after next; a FutureWarning;
             the two names with different values are an error).
+
+    Activation checkpointing (``gradient_checkpointing=True``, an argument of the base module): the step's
+    one backward runs after the student's pass (adapter ``"student"``, or the base weights of a full
+    student), the composer's encoder pass (adapter ``"composer"``, only psi trainable) and the teacher's
+    pass (its mode's weights, every backbone weight constant, eval mode) have each switched the shared
+    backbone back. Every decoder layer run in train mode with gradients, i.e. in the student's and the
+    encoder's passes, keeps only its input and is recomputed in that backward under the adapter(s),
+    disabled flag, LoRA scaling, ``requires_grad`` flags and train flags its forward ran with
+    (:class:`~lopd_lightning.checkpointing.ForwardStateRecompute`); torch's checkpoint restores the dropout RNG.
+    The teacher's pass runs in eval mode and is not checkpointed (its activations are kept for the latents'
+    gradient). A checkpointed student forward keeps no key/value cache, so the teacher computes its
+    ``teacher_prefix_cache`` prefix itself (one no-grad pass). Refused (ValueError naming
+    ``model.init_args.gradient_checkpointing``) only for a model whose layers do not checkpoint through
+    transformers' per-layer checkpoint function, where the recompute context cannot be installed.
     """
 
     RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"top_m": "distill_top_k"}
