@@ -22,10 +22,12 @@ import pytest
 import torch
 
 from lopd_lightning import checkpointing
+from lopd_lightning.memory.composer import warm_start_loss
 from lopd_lightning.modules import LOPDModule
+from lopd_lightning.tasks.toy import ToyTask
 
 from test_lopd_chunked import LOGGED, assert_same_step, bank_dir, one_step  # noqa: F401 (bank_dir: a fixture)
-from test_lopd_module import LORA
+from test_lopd_module import LORA, make_module
 
 RANDOM_LORA = {**LORA, "target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": False}
 COMPOSER_LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "init_lora_weights": False,
@@ -85,3 +87,37 @@ def test_every_decoder_layer_carries_the_recompute_context():
         context = layer._gradient_checkpointing_func.keywords["context_fn"]
         assert isinstance(context, checkpointing.ForwardStateRecompute) and context.scope is layer
     assert module.checkpointed_modules >= len(layers)
+
+
+def warm_start_grads(bank_dir, checkpointing: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """L_init of the composer's warm start on two reference batches' rows, and psi's and the resampler's gradients."""
+    torch.manual_seed(0)
+    module = make_module(bank_dir, gradient_checkpointing=checkpointing, **CASES["lora"])
+    task = ToyTask()
+    examples = task.examples("train")[:2]
+    batch = module.reference_batch(task, examples)
+    batch.experiences = module.retrieve(task, examples)
+    loss = warm_start_loss(module.teacher, module.compose(batch), batch.input_ids, batch.attention_mask,
+                           batch.context_position, batch.assistant_mask)
+    loss.backward()
+    return loss.detach(), [p.grad for p in module.composer.trainable_parameters()]
+
+
+def test_the_composer_warm_start_gives_the_same_gradients_checkpointed(bank_dir):
+    """The warm start's backward also runs after the composer's adapter switched back (to the student's)."""
+    ref_loss, ref = warm_start_grads(bank_dir, False)
+    loss, got = warm_start_grads(bank_dir, True)
+    assert loss == ref_loss
+    assert all(g is not None for g in ref) and any(g.abs().sum() > 0 for g in ref)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_a_checkpointed_student_forward_refuses_to_keep_its_cache(bank_dir):
+    """Checkpointed layers keep no key/value cache: asking for it is an error, not an empty cache (LOPD's
+    teacher then computes its prefix itself)."""
+    module = make_module(bank_dir, gradient_checkpointing=True, lora=LORA)
+    task = ToyTask()
+    batch = module.reference_batch(task, task.examples("train")[:2])
+    with pytest.raises(ValueError, match=r"keep_cache=True\) under gradient_checkpointing"):
+        module.student_forward(batch, module.shifted(batch)[1], keep_cache=True)

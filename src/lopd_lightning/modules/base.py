@@ -452,10 +452,14 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             number of selected positions, row-major; ``cache`` or None.
 
         Raises:
-            ValueError: an unknown ``output``.
+            ValueError: an unknown ``output``, or ``keep_cache`` in train mode with ``gradient_checkpointing``
+                (transformers' checkpointed layers drop the cache: it would come back empty).
         """
         if output not in ("logits", "hidden"):
             raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
+        if keep_cache and self.checkpointed_modules and self.backbone.training:
+            raise ValueError("student_forward(keep_cache=True) under gradient_checkpointing: checkpointed layers "
+                             "keep no key/value cache; compute the prefix without gradients instead")
         select = selected_logits if output == "logits" else selected_hidden_states
         with self.student_context():
             out = select(
