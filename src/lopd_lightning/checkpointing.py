@@ -88,8 +88,9 @@ class ForwardStateRecompute:
     autocast.
 
     Args:
-        scope: the module the checkpoint recomputes (a decoder layer): only its submodules and parameters
-            are recorded, a few hundred attribute reads per layer call.
+        scope: the module the checkpoint recomputes (a decoder layer; or a whole decoder, for a model that
+            checkpoints its layers from the decoder's forward): only its submodules and parameters are
+            recorded, a few hundred attribute reads per decoder-layer call.
     """
 
     def __init__(self, scope: nn.Module) -> None:

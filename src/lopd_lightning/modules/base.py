@@ -36,13 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.adapters import (
-    as_lora_config,
-    check_lora_config,
-    prepare_backbone,
-    student_parameters,
-    use_adapter,
-)
+from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
 from lopd_lightning.checkpointing import enable_activation_checkpointing
 from lopd_lightning.deprecation import fold_renamed, moved_names, store_under_new_names, warn_once
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack

@@ -232,7 +232,8 @@ class LOPDModule(OnPolicyModule):
         if self.hparams.gradient_checkpointing and not self.checkpointed_modules:
             raise ValueError(
                 f"model.init_args.gradient_checkpointing: {model!r} checkpoints its layers in a way LOPD cannot "
-                "recompute under the right LoRA adapter (no transformers GradientCheckpointingLayer); set it to false"
+                "recompute under the right LoRA adapter (no layer with transformers' _gradient_checkpointing_func); "
+                "set it to false"
             )
         self.save_hyperparameters()
         self.check_top_k("distill_top_k", distill_top_k)
