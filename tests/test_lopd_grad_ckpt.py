@@ -56,6 +56,12 @@ def test_checkpointed_step_equals_the_plain_step(tmp_path, bank_dir, case):
     assert_same_step(ref, got, rtol=1e-5, atol=1e-7, loss_atol=1e-7)
 
 
+def recording_nothing(self: checkpointing.ForwardStateRecompute) -> tuple[nullcontext, nullcontext]:
+    """A context_fn that counts the checkpointed forward (LOPD checks that some ran) and restores nothing."""
+    self.forwards += 1
+    return nullcontext(), nullcontext()
+
+
 @pytest.mark.parametrize("shapes", ["other", "same"])
 def test_without_the_recompute_context_the_step_fails_or_its_gradients_differ(tmp_path, bank_dir, monkeypatch, shapes):
     """The test above can fail: without the recompute context the composer's encoder layers are recomputed
@@ -67,7 +73,7 @@ def test_without_the_recompute_context_the_step_fails_or_its_gradients_differ(tm
     ref = checkpointed_step(tmp_path, bank_dir, False, case)
     if shapes == "same":
         assert_same_step(ref, checkpointed_step(tmp_path, bank_dir, True, case))  # with the context: the same
-    monkeypatch.setattr(checkpointing.ForwardStateRecompute, "__call__", lambda self: (nullcontext(), nullcontext()))
+    monkeypatch.setattr(checkpointing.ForwardStateRecompute, "__call__", recording_nothing)
     if shapes == "other":
         with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different number of tensors"):
             checkpointed_step(tmp_path, bank_dir, True, case)
@@ -121,3 +127,100 @@ def test_a_checkpointed_student_forward_refuses_to_keep_its_cache(bank_dir):
     batch = module.reference_batch(task, task.examples("train")[:2])
     with pytest.raises(ValueError, match=r"keep_cache=True\) under gradient_checkpointing"):
         module.student_forward(batch, module.shifted(batch)[1], keep_cache=True)
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def two_adapter_backbone(checkpointed: bool):
+    """The tiny model with random student and composer LoRAs on every projection, in train mode."""
+    from lopd_lightning.adapters import add_composer_adapter, prepare_backbone
+    from lopd_lightning.models import tiny_model
+
+    torch.manual_seed(1)
+    model = tiny_model(seed=0)
+    if checkpointed:
+        assert checkpointing.enable_activation_checkpointing(model) == len(model.model.layers)
+    model.config.use_cache = False
+    model.train()
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": TARGETS, "init_lora_weights": False}
+    return add_composer_adapter(prepare_backbone(model, student_lora=lora), lora)
+
+
+def composer_loss(backbone, ids: torch.Tensor) -> torch.Tensor:
+    from lopd_lightning.adapters import COMPOSER, use_adapter
+
+    with use_adapter(backbone, COMPOSER, grads="adapter"):  # switched back to the student's before the backward
+        return backbone(input_ids=ids).logits.float().pow(2).mean()
+
+
+def grads_of(backbone) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in backbone.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("second", ["backward", "autograd.grad"])
+def test_a_retained_graph_recomputes_each_layer_again_under_its_forward_state(second):
+    """Each backward through a retained graph recomputes the checkpointed layers once more: the recompute
+    context is entered again (it was a single-use generator context: AttributeError on the second use) and
+    gives the gradients of the plain model doing the same two backward passes."""
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = []
+    for checkpointed in (False, True):
+        backbone = two_adapter_backbone(checkpointed)
+        loss = composer_loss(backbone, ids)
+        psi = [p for name, p in backbone.named_parameters() if ".composer." in name]
+        first = torch.autograd.grad(loss, psi, retain_graph=True) if second == "autograd.grad" else None
+        if first is None:
+            loss.backward(retain_graph=True)
+        loss.backward()
+        results.append((first, grads_of(backbone)))
+    (ref_first, ref), (got_first, got) = results
+    assert ref and set(ref) == set(got) and all(".composer." in name for name in ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    for a, b in zip(ref_first or [], got_first or [], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_a_recomputation_that_raises_restores_the_backward_time_state():
+    backbone = two_adapter_backbone(True)
+    layer = backbone.get_base_model().model.layers[0]
+    q_proj = layer.self_attn.q_proj
+
+    def state():
+        return (list(q_proj.active_adapters), q_proj.disable_adapters, [p.requires_grad for p in layer.parameters()],
+                [m.training for m in layer.modules()])
+
+    before = state()
+    loss = composer_loss(backbone, torch.randint(3, 200, (2, 12)))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom in the recomputation")
+
+    q_proj.forward = boom
+    try:
+        with pytest.raises(RuntimeError, match="boom in the recomputation"):
+            loss.backward()
+    finally:
+        del q_proj.forward
+    assert state() == before
+
+
+def test_the_recorded_layout_follows_added_adapters_and_no_grad_records_nothing():
+    """The layer's tuner layers and parameters are listed once and again after an adapter is added (here
+    copied); without grad mode the checkpointed layers record nothing (transformers 5.19 still calls
+    the checkpoint there, 5.24 does not)."""
+    from lopd_lightning.adapters import COMPOSER, copy_adapter
+
+    backbone = two_adapter_backbone(True)
+    layers = backbone.get_base_model().model.layers
+    context = layers[0]._gradient_checkpointing_func.keywords["context_fn"]
+    ids = torch.randint(3, 200, (2, 12))
+    composer_loss(backbone, ids).backward()
+    assert checkpointing.recorded_forwards(backbone) == len(layers) and context.layout() is context.layout()
+    with torch.no_grad():
+        composer_loss(backbone, ids)
+    assert checkpointing.recorded_forwards(backbone) == len(layers)
+    copied = {id(p) for p in copy_adapter(backbone, COMPOSER, "snapshot") if any(p is q for q in layers[0].parameters())}
+    assert copied and copied <= {id(p) for p in context.layout().params}
+
