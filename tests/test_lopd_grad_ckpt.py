@@ -224,3 +224,14 @@ def test_the_recorded_layout_follows_added_adapters_and_no_grad_records_nothing(
     copied = {id(p) for p in copy_adapter(backbone, COMPOSER, "snapshot") if any(p is q for q in layers[0].parameters())}
     assert copied and copied <= {id(p) for p in context.layout().params}
 
+
+def test_a_training_step_that_checkpointed_no_layer_is_an_error(tmp_path, bank_dir):
+    """The count at construction is not enough: a model whose forward skips the layers' checkpoint (here
+    switched off after construction) would recompute nothing under the right adapter, or not checkpoint."""
+    from test_lopd_module import EvenToy, make_dm, make_trainer
+
+    module = make_module(bank_dir, gradient_checkpointing=True, lora=LORA)
+    for layer in module.backbone.get_base_model().model.layers:
+        layer.gradient_checkpointing = False
+    with pytest.raises(RuntimeError, match="ran no layer through the checkpoint"):
+        make_trainer(tmp_path, max_steps=1).fit(module, make_dm(EvenToy(), examples_per_step=2))

@@ -34,6 +34,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.adapters import add_composer_adapter, as_lora_config, check_lora_config, copy_adapter
+from lopd_lightning.checkpointing import recorded_forwards
 from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
@@ -183,7 +184,8 @@ class LOPDModule(OnPolicyModule):
     gradient). A checkpointed student forward keeps no key/value cache, so the teacher computes its
     ``teacher_prefix_cache`` prefix itself (one no-grad pass). Refused (ValueError naming
     ``model.init_args.gradient_checkpointing``) only for a model whose layers do not checkpoint through
-    transformers' per-layer checkpoint function, where the recompute context cannot be installed.
+    transformers' per-layer checkpoint function, where the recompute context cannot be installed; a first
+    training step that ran no layer through it raises RuntimeError.
     """
 
     RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"top_m": "distill_top_k"}
@@ -232,7 +234,7 @@ class LOPDModule(OnPolicyModule):
         if self.hparams.gradient_checkpointing and not self.checkpointed_modules:
             raise ValueError(
                 f"model.init_args.gradient_checkpointing: {model!r} checkpoints its layers in a way LOPD cannot "
-                "recompute under the right LoRA adapter (no layer with transformers' _gradient_checkpointing_func); "
+                "recompute under the right LoRA adapter (no transformers GradientCheckpointingLayer); "
                 "set it to false"
             )
         self.save_hyperparameters()
@@ -435,10 +437,19 @@ class LOPDModule(OnPolicyModule):
             return 0
         return prefix_length(batch.attention_mask, batch.context_position)
 
+    def _check_layers_checkpointed(self) -> None:
+        """With gradient_checkpointing, the first training step's passes must have run checkpointed layers."""
+        if self.hparams.gradient_checkpointing and not getattr(self, "_layers_checkpointed", False):
+            if not recorded_forwards(self.backbone):
+                raise RuntimeError("model.init_args.gradient_checkpointing: the training step ran no layer through the "
+                                   "checkpoint that recomputes under the forward's LoRA adapter; set it to false")
+            self._layers_checkpointed = True
+
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         opt_student, opt_composer = self.optimizers()
         loss_student, loss_composer, _, delta, anchor, has_latents = self.losses(batch)
+        self._check_layers_checkpointed()
 
         # One backward pass of the sum: the two graphs touch disjoint trainable parameters (the student's
         # loss sees the teacher detached, the composer's sees the student detached), so each optimiser
