@@ -530,4 +530,3 @@ def merged_student(peft_model: PeftModel) -> nn.Module:
         clone.set_adapter(STUDENT)
         return clone.merge_and_unload()
     return clone.unload()
-
