@@ -28,9 +28,11 @@ from torch import nn
 
 __all__ = ["ForwardStateRecompute", "enable_activation_checkpointing", "recorded_forwards"]
 
-#: bumped by torch's global module and parameter registration hooks (installed by
-#: :func:`enable_activation_checkpointing`): a peft adapter added, copied or injected registers modules and
-#: parameters, so a :class:`_Layout` built at another value may miss some and is rebuilt.
+#: bumped by torch's global module and parameter registration hooks (installed by the first
+#: :class:`ForwardStateRecompute`): a peft adapter added, copied or injected registers modules and
+#: parameters, so a :class:`_Layout` built at another value may miss some and is rebuilt. A removal
+#: (peft's ``delete_adapter``) registers nothing: the layout keeps the removed modules, whose flags it then
+#: records and sets to no effect, until the next registration.
 _registrations = 0
 _watching = False
 
