@@ -8,7 +8,9 @@ backward, after the contexts have switched back; :class:`~lopd_lightning.checkpo
 recomputes it under the state its forward had. These tests check, on the tiny model and the toy task
 (CPU, float32, seeded), that one training step logs the same losses and produces the same gradient for
 every trainable parameter (student LoRA or every base weight, composer LoRA, resampler) with and
-without checkpointing, LoRA dropout included; and that without the recompute context it does not.
+without checkpointing, LoRA dropout included; and that without the recompute context it does not. On the
+bare two-adapter backbone: a retained graph's second backward recomputes again with the plain model's
+gradients, and a recomputation that raises leaves the backward-time state.
 
 The LoRAs start random (``init_lora_weights: false``): peft's default B = 0 makes every adapter the base
 model at the first step, and a recomputation under the wrong adapter would then go unseen.
