@@ -1,20 +1,29 @@
 """Rollout throughput: batched multi-turn episodes against one at a time, with and without the KV cache.
 
 Measures one thing: trajectories (and generated tokens) per second of :func:`generate_rollouts`, greedy,
-on the first ``--batch`` examples of a task's val split, in four ways:
+on the first ``--batch`` examples of a task's val split, in these ways:
 
 - ``batched``: one call with all examples (``generation_batch_size = --batch``): every turn of every live
   episode goes through one ``generate`` call.
 - ``one_at_a_time``: one call per example (batch 1), back to back.
 - each with ``use_cache=True`` (the key-value cache, the default) and ``use_cache=False`` (the whole context
-  recomputed for every new token).
+  recomputed for every new token);
+- and with the cache, with prefix reuse (``reuse_prefixes=True``, the default: each turn reuses the
+  keys/values of the turns before it and reads only its new tokens) and without (every turn prefills its
+  whole context, the reference path).
+
+Each case runs on one :class:`HFGenerateBackend` kept across its calls (as the training module keeps it),
+and reports its ``prefill_stats``: the prompt tokens handed to it and those it read.
 
 Two grids, because decoding without the cache is quadratic and slow on a CPU:
 
 - the target grid (``--max-new-tokens``, default 32, ``--repeats`` runs, median): with the cache, batched
-  and one at a time -> ``speedup_batched`` (the issue's target: >= 3x at batch 8 on CPU);
-- the cache grid (``--cache-max-new-tokens``, default 8, ``--cache-repeats`` runs): all four ways ->
-  ``speedup_cache`` (batched, cache over no cache) and ``speedup_cache_one_at_a_time``.
+  and one at a time, each with and without prefix reuse -> ``speedup_batched`` (with reuse, the default
+  path; the issue's target: >= 3x at batch 8 on CPU), ``speedup_batched_no_reuse`` and ``speedup_reuse``
+  (batched, reuse over none) and ``speedup_reuse_one_at_a_time``;
+- the cache grid (``--cache-max-new-tokens``, default 8, ``--cache-repeats`` runs), without prefix reuse
+  (the key-value cache within one ``generate`` call alone): batched and one at a time, with and without
+  the cache -> ``speedup_cache`` (batched, cache over no cache) and ``speedup_cache_one_at_a_time``.
 
 Default: the packaged SmolLM2-135M-Instruct, float32, on the toy task in multi-turn mode (two replies per
 episode: a first reply, a hint observation, a scored second reply), 8 examples; one untimed warm-up call
@@ -31,7 +40,9 @@ batching (continuous batching included) could gain over one at a time on these t
 decode step of a batch costs at least one of a single row: total reply tokens / the longest episode's.
 
 The JSON is ``{"benchmark": "rollouts", "model", "task", "settings", "cases": [...], "speedup_batched",
-"speedup_batched_no_cache", "speedup_cache", "speedup_cache_one_at_a_time", "batching_bound", "target"}`` plus :func:`common.run_metadata`.
+"speedup_batched_no_reuse", "speedup_reuse", "speedup_reuse_one_at_a_time", "speedup_batched_no_cache",
+"speedup_cache", "speedup_cache_one_at_a_time", "batching_bound", "target"}`` plus
+:func:`common.run_metadata`.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` next to thi
 from common import run_metadata, write_json_atomic  # noqa: E402
 
 from lopd_lightning.models import load_student  # noqa: E402
-from lopd_lightning.rollout import generate_rollouts  # noqa: E402
+from lopd_lightning.rollout import HFGenerateBackend, generate_rollouts  # noqa: E402
 from lopd_lightning.tasks import get_task  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "rollouts.json"
@@ -83,9 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(model: Any, tokenizer: Any, task: Any, examples: list, *, batched: bool, use_cache: bool,
-            max_new_tokens: int, repeats: int, seed: int) -> dict[str, Any]:
-    """Median over ``repeats`` of one way of rolling out ``examples`` (greedy)."""
+            reuse_prefixes: bool, max_new_tokens: int, repeats: int, seed: int) -> dict[str, Any]:
+    """Median over ``repeats`` of one way of rolling out ``examples`` (greedy), on one backend."""
     runs = []
+    backend = HFGenerateBackend(model, tokenizer, use_cache=use_cache, reuse_prefixes=reuse_prefixes)
     for _ in range(repeats):
         groups = [examples] if batched else [[e] for e in examples]
         t0 = time.perf_counter()
@@ -94,7 +106,7 @@ def measure(model: Any, tokenizer: Any, task: Any, examples: list, *, batched: b
         for group in groups:
             batch = generate_rollouts(
                 model, tokenizer, task, group, greedy=True, max_new_tokens=max_new_tokens, seed=seed,
-                generation_batch_size=len(group), use_cache=use_cache,
+                generation_batch_size=len(group), backend=backend,
             )
             trajectories += len(batch)
             tokens += batch.num_assistant_tokens()
@@ -110,6 +122,7 @@ def measure(model: Any, tokenizer: Any, task: Any, examples: list, *, batched: b
     return {
         "mode": "batched" if batched else "one_at_a_time",
         "use_cache": use_cache,
+        "reuse_prefixes": reuse_prefixes,
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "seconds_median": round(seconds, 3),
@@ -121,6 +134,8 @@ def measure(model: Any, tokenizer: Any, task: Any, examples: list, *, batched: b
         "turns": last["turns"],
         "generate_calls": last["generate_calls"],
         "generate_seconds_share": round(last["generate_seconds"] / max(last["seconds"], 1e-9), 3),
+        "prompt_tokens_per_run": backend.prefill_stats["prompt_tokens"] // repeats,
+        "prefilled_tokens_per_run": backend.prefill_stats["prefilled_tokens"] // repeats,
         **({"batching_bound": batching_bound(last["reply_tokens"])} if batched else {}),
     }
 
@@ -151,9 +166,9 @@ def batching_bound(reply_tokens: list[list[int]]) -> dict[str, Any]:
     }
 
 
-def _tps(cases: list[dict[str, Any]], grid: str, mode: str, use_cache: bool) -> float | None:
+def _tps(cases: list[dict[str, Any]], grid: str, mode: str, use_cache: bool, reuse: bool) -> float | None:
     for c in cases:
-        if c["grid"] == grid and c["mode"] == mode and c["use_cache"] == use_cache:
+        if (c["grid"], c["mode"], c["use_cache"], c["reuse_prefixes"]) == (grid, mode, use_cache, reuse):
             return c["trajectories_per_second"]
     return None
 
@@ -179,18 +194,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     cases: list[dict[str, Any]] = []
     for batched in (True, False):
-        case = measure(model, tokenizer, task, examples, batched=batched, use_cache=True,
-                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed)
-        cases.append({"grid": "target", **case})
-        print(cases[-1], file=sys.stderr)
+        for reuse in (True, False):
+            case = measure(model, tokenizer, task, examples, batched=batched, use_cache=True, reuse_prefixes=reuse,
+                           max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed)
+            cases.append({"grid": "target", **case})
+            print(cases[-1], file=sys.stderr)
     for batched in (True, False):
         for use_cache in (True, False):
-            case = measure(model, tokenizer, task, examples, batched=batched, use_cache=use_cache,
+            case = measure(model, tokenizer, task, examples, batched=batched, use_cache=use_cache, reuse_prefixes=False,
                            max_new_tokens=args.cache_max_new_tokens, repeats=args.cache_repeats, seed=args.seed)
             cases.append({"grid": "cache", **case})
             print(cases[-1], file=sys.stderr)
 
-    speedup_batched = _ratio(_tps(cases, "target", "batched", True), _tps(cases, "target", "one_at_a_time", True))
+    def tps(grid: str, mode: str, use_cache: bool = True, reuse: bool = False) -> float | None:
+        return _tps(cases, grid, mode, use_cache, reuse)
+
+    speedup_batched = _ratio(tps("target", "batched", reuse=True), tps("target", "one_at_a_time", reuse=True))
     report: dict[str, Any] = {
         "benchmark": "rollouts",
         "model": args.model,
@@ -203,12 +222,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "quick": args.quick},
         "cases": cases,
         "speedup_batched": speedup_batched,
-        "speedup_batched_no_cache": _ratio(_tps(cases, "cache", "batched", False),
-                                           _tps(cases, "cache", "one_at_a_time", False)),
-        "speedup_cache": _ratio(_tps(cases, "cache", "batched", True), _tps(cases, "cache", "batched", False)),
-        "speedup_cache_one_at_a_time": _ratio(_tps(cases, "cache", "one_at_a_time", True),
-                                              _tps(cases, "cache", "one_at_a_time", False)),
-        "batching_bound": next(c["batching_bound"] for c in cases if c["grid"] == "target" and c["mode"] == "batched"),
+        "speedup_batched_no_reuse": _ratio(tps("target", "batched"), tps("target", "one_at_a_time")),
+        "speedup_reuse": _ratio(tps("target", "batched", reuse=True), tps("target", "batched")),
+        "speedup_reuse_one_at_a_time": _ratio(tps("target", "one_at_a_time", reuse=True),
+                                              tps("target", "one_at_a_time")),
+        "speedup_batched_no_cache": _ratio(tps("cache", "batched", False), tps("cache", "one_at_a_time", False)),
+        "speedup_cache": _ratio(tps("cache", "batched"), tps("cache", "batched", False)),
+        "speedup_cache_one_at_a_time": _ratio(tps("cache", "one_at_a_time"), tps("cache", "one_at_a_time", False)),
+        "batching_bound": next(c["batching_bound"] for c in cases
+                               if c["grid"] == "target" and c["mode"] == "batched" and c["reuse_prefixes"]),
         "target": {"speedup_batched": TARGET_SPEEDUP_BATCHED, "batch": 8,
                    "met": None if speedup_batched is None else bool(speedup_batched >= TARGET_SPEEDUP_BATCHED)},
         "wall_seconds": round(time.perf_counter() - t_start, 1),

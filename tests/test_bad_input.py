@@ -65,8 +65,23 @@ def test_top_k_larger_than_the_vocabulary_names_the_field(make):
         make()
 
 
-def test_lopd_refuses_gradient_checkpointing_with_the_reason():
-    with pytest.raises(ValueError, match="gradient_checkpointing=True is not supported by LOPDModule"):
+def test_lopd_refuses_gradient_checkpointing_only_on_a_model_it_cannot_recompute_right(monkeypatch):
+    """LOPD checkpoints through transformers' per-layer checkpoint function (tests/test_lopd_grad_ckpt.py);
+    a model that checkpoints some other way (an old remote-code format: layers flagged, no such function)
+    would recompute under the backward-time adapter, and is refused with the key to change."""
+    assert LOPDModule("tiny", **TINY_LOPD, gradient_checkpointing=True).checkpointed_modules > 0
+
+    def old_format(self, *args, **kwargs):
+        for module in self.modules():
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = True
+
+    import transformers
+
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        monkeypatch.setattr(transformers.PreTrainedModel, name, old_format, raising=False)
+    with pytest.raises(ValueError, match=r"^model.init_args.gradient_checkpointing: 'tiny' checkpoints its layers in a "
+                                         r"way LOPD cannot recompute under the right LoRA adapter.*set it to false"):
         LOPDModule("tiny", **TINY_LOPD, gradient_checkpointing=True)
 
 

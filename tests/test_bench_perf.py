@@ -196,18 +196,25 @@ def test_rollouts_quick(tmp_path):
     data = json.loads(out.read_text())
     _check_metadata(data, argv)
     assert data["benchmark"] == "rollouts" and data["model"] == "tiny" and data["settings"]["multi_turn"] is True
-    for key in ("speedup_batched", "speedup_cache", "speedup_cache_one_at_a_time", "speedup_batched_no_cache"):
+    for key in ("speedup_batched", "speedup_batched_no_reuse", "speedup_reuse", "speedup_reuse_one_at_a_time",
+                "speedup_cache", "speedup_cache_one_at_a_time", "speedup_batched_no_cache"):
         assert data[key] is not None and data[key] > 0, key
     assert data["target"]["speedup_batched"] == 3.0
-    modes = {(c["grid"], c["mode"], c["use_cache"]) for c in data["cases"]}
-    assert modes == {("target", "batched", True), ("target", "one_at_a_time", True),
-                     ("cache", "batched", True), ("cache", "batched", False),
-                     ("cache", "one_at_a_time", True), ("cache", "one_at_a_time", False)}
+    modes = [(c["grid"], c["mode"], c["use_cache"], c["reuse_prefixes"]) for c in data["cases"]]
+    assert sorted(modes) == sorted([
+        ("target", "batched", True, True), ("target", "batched", True, False),
+        ("target", "one_at_a_time", True, True), ("target", "one_at_a_time", True, False),
+        ("cache", "batched", True, False), ("cache", "batched", False, False),
+        ("cache", "one_at_a_time", True, False), ("cache", "one_at_a_time", False, False),
+    ])
     for case in data["cases"]:
         assert case["trajectories"] == 2 and case["trajectories_per_second"] > 0 and case["tokens_per_second"] > 0
         assert case["turns"] >= 2
+        # prefix reuse reads fewer prompt tokens (later turns: only their new tokens); without it, all of them
+        read, handed = case["prefilled_tokens_per_run"], case["prompt_tokens_per_run"]
+        assert read < handed if case["reuse_prefixes"] else read == handed
     bound = data["batching_bound"]
-    target = next(c for c in data["cases"] if c["grid"] == "target" and c["mode"] == "batched")
+    target = next(c for c in data["cases"] if c["grid"] == "target" and c["mode"] == "batched" and c["reuse_prefixes"])
     assert bound == target["batching_bound"] and bound["generated_tokens"] == target["generated_tokens"]
     assert bound["max_speedup_any_batching"] >= bound["max_speedup_turn_synchronous"] >= 1.0
 

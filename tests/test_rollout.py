@@ -211,6 +211,12 @@ def test_rollouts_with_pad_equal_to_eos(eos_model, tokenizer):
 def test_sampling_logps_match_a_fresh_forward_pass(model, tokenizer, top_k, top_p):
     temperature = 0.7
     batch = rollouts(model, tokenizer, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16)
+    assert_logps_match_teacher_forcing(model, batch, temperature, top_k)
+
+
+def assert_logps_match_teacher_forcing(model, batch: RolloutBatch, temperature: float, top_k: int | None) -> None:
+    """The batch's sampling log-probs are those of one teacher-forced forward pass of ``model`` (and every
+    sampled token is among its top_k)."""
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     target = batch.input_ids[:, 1:]
@@ -573,6 +579,19 @@ def test_a_scripted_backend_drives_the_episode_loop_end_to_end(tokenizer):
         generate_rollouts(None, tokenizer, task, examples, backend=broken)
 
 
+def test_a_backend_without_sessions_still_drives_the_loop(tokenizer):
+    class Duck:  # generate and sync_weights only, not a GenerationBackend subclass
+        def generate(self, prompts, settings, seeds):
+            return [Completion([EOS], [0.0], "eos") for _ in prompts]
+
+        def sync_weights(self, model):
+            pass
+
+    task = ToyTask(multi_turn=True)
+    batch = generate_rollouts(None, tokenizer, task, task.examples("train")[:2], backend=Duck())
+    assert [m["turns"] for m in batch.metadata] == [2, 2]
+
+
 def test_sampling_settings_and_completion_validate():
     settings = SamplingSettings(temperature=0.5, top_k=0, top_p=1.0, max_new_tokens=4, stop_strings=["x"])
     assert (settings.top_k, settings.top_p, settings.stop_strings) == (None, None, ("x",))
@@ -587,6 +606,427 @@ def test_sampling_settings_and_completion_validate():
         Completion([1], [0.0], "stop")
     with pytest.raises(TypeError):
         GenerationBackend()
+
+
+# ------------------------------------------------------------------ prefix reuse (HFGenerateBackend)
+
+
+def reference_and_reused(model, tokenizer, task, examples, **options):
+    """The same rollouts through the reference path (``reuse_prefixes=False``) and with prefix reuse, and
+    the reusing backend."""
+    reference = generate_rollouts(model, tokenizer, task, examples, reuse_prefixes=False, **options)
+    backend = HFGenerateBackend(model, tokenizer)
+    return reference, generate_rollouts(model, tokenizer, task, examples, backend=backend, **options), backend
+
+
+def assert_same_rollouts(a: RolloutBatch, b: RolloutBatch) -> None:
+    """The same token ids, masks, rewards and episodes; sampling log-probs up to float differences."""
+    for name in ("input_ids", "attention_mask", "assistant_mask", "rewards", "group_ids", "context_position"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.messages == b.messages and a.metadata == b.metadata
+    torch.testing.assert_close(a.sampling_logps, b.sampling_logps, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("task_name, group_size, chunk", [("toy", 1, None), ("toy", 3, None), ("countdown", 2, None),
+                                                          ("countdown", 2, 3)])
+def test_prefix_reuse_gives_the_reference_greedy_episodes(eos_model, tokenizer, task_name, group_size, chunk):
+    task = ToyTask(multi_turn=True) if task_name == "toy" else CountdownTask()
+    reference, reused, backend = reference_and_reused(
+        eos_model, tokenizer, task, task.examples("train")[:3], group_size=group_size, greedy=True, max_new_tokens=10,
+        generation_batch_size=chunk,
+    )
+    assert_same_rollouts(reference, reused)
+    assert max(m["turns"] for m in reused.metadata) >= 2
+    stats = backend.prefill_stats  # reused: fewer tokens read (exactly which: the tests below)
+    assert stats["prefilled_tokens"] < stats["prompt_tokens"]
+
+
+def test_prefix_reuse_samples_the_reference_tokens_with_teacher_forced_logps(eos_model, tokenizer):
+    task = ToyTask(multi_turn=True)
+    reference, reused, _ = reference_and_reused(eos_model, tokenizer, task, task.examples("train")[:3], group_size=2,
+                                                temperature=0.7, top_k=20, top_p=0.95, max_new_tokens=12, seed=3)
+    assert_same_rollouts(reference, reused)
+    # replies ended by EOS and cut at the limit (the template's EOS then follows, unfed) both occur
+    assert {reason for m in reused.metadata for reason in m["stop_reasons"]} == {"eos", "length"}
+    assert_logps_match_teacher_forcing(eos_model, reused, 0.7, 20)
+
+
+def test_each_turn_prefills_only_its_new_tokens(eos_model, tokenizer):
+    calls = []
+
+    class Recording(HFGenerateBackend):
+        def generate(self, prompts, settings, seeds):
+            before = self.prefill_stats["prefilled_tokens"]
+            out = super().generate(prompts, settings, seeds)
+            calls.append(([list(p) for p in prompts], out, self.prefill_stats["prefilled_tokens"] - before))
+            return out
+
+    task = ToyTask(multi_turn=True)
+    generate_rollouts(eos_model, tokenizer, task, task.examples("train")[:3], group_size=2, max_new_tokens=12,
+                      backend=Recording(eos_model, tokenizer))
+    (first, replies, read_first), (second, _, read_second) = calls
+    # turn 1: each example's prompt is read once for its G = 2 rows (all but its last token, which every row reads)
+    assert first[0::2] == first[1::2] and read_first == sum(len(p) - 1 for p in first[0::2]) + len(first)
+    # turn 2: the prompt and the reply tokens fed back are cached (every reply token but the last one sampled,
+    # which only the longest replies have), so a row reads the rest: observation and generation prompt
+    steps = max(len(c.token_ids) for c in replies)
+    cached = [p + c.token_ids[:steps - 1] for p, c in zip(first, replies)]
+    assert all(q[:len(k)] == k for q, k in zip(second, cached))
+    assert read_second == sum(len(q) - len(k) for q, k in zip(second, cached))
+    assert read_second < sum(len(q) - len(p) for q, p in zip(second, first))  # less than the turn added
+
+
+def test_one_prefill_per_group_gives_what_separate_prefills_give(eos_model, tokenizer):
+    task = ToyTask()
+    prompts = [encode_prompt(tokenizer, task.initial_messages(ex)).input_ids
+               for ex in task.examples("train")[:2] for _ in range(3)]
+    seeds = [derive_seed(0, 0, "group", k, 0) for k in range(6)]
+    settings = SamplingSettings(temperature=0.7, top_k=20, top_p=0.95, max_new_tokens=12)
+    backend = HFGenerateBackend(eos_model, tokenizer)
+    together = backend.generate(prompts, settings, seeds)
+    assert backend.prefill_stats["prefilled_tokens"] == sum(len(p) - 1 for p in prompts[0::3]) + 6
+    assert len({tuple(c.token_ids) for c in together}) == 6  # one prefill, but each row samples its own reply
+    alone = HFGenerateBackend(eos_model, tokenizer, reuse_prefixes=False)
+    for prompt, seed, completion in zip(prompts, seeds, together):
+        (single,) = alone.generate([prompt], settings, [seed])
+        assert (single.token_ids, single.finish_reason) == (completion.token_ids, completion.finish_reason)
+        torch.testing.assert_close(torch.tensor(single.logps), torch.tensor(completion.logps), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_finished_episodes_leave_the_cache(model, tokenizer, chunk):
+    seen = []  # per call: prompts, cached rows, rows the cached tensors hold
+
+    class Watching(HFGenerateBackend):
+        def generate(self, prompts, settings, seeds):
+            held = sum(batch.layers[0][0].shape[0] for batch in self._store.batches)
+            seen.append((len(prompts), len(self._store), held))
+            return super().generate(prompts, settings, seeds)
+
+    task = CountdownTask()  # example i needs i + 1 replies
+    backend = Watching(model, tokenizer)
+    generate_rollouts(model, tokenizer, task, task.examples(), max_new_tokens=4, backend=backend,
+                      generation_batch_size=chunk)
+    if chunk is None:
+        assert seen == [(3, 0, 0), (2, 2, 2), (1, 1, 1)]  # before each turn, only the live episodes' rows
+    else:  # the rows of other chunks wait for their own call; finished ones are gone at the next turn
+        assert seen == [(1, 0, 0), (1, 1, 1), (1, 2, 2), (1, 2, 2), (1, 2, 2), (1, 1, 1)]
+    assert backend._store is None  # the session closed with the call
+
+
+def perturb_attention(model, seed: int = 5) -> None:
+    """Change the keys and values every layer computes, in place (an optimiser step, as far as a cache cares)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for weight in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight):
+                weight.add_(torch.randn(weight.shape, generator=generator) * 0.5)
+
+
+#: sampled multi-turn rollouts: a cache of other weights would change their log-probs (and tokens)
+SAMPLED = {"temperature": 1.0, "top_k": None, "top_p": None, "max_new_tokens": 8, "seed": 2}
+
+
+def differ(a: RolloutBatch, b: RolloutBatch) -> bool:
+    """Other tokens, or log-probs more than 0.01 apart: what other weights give (float noise is ~1e-6)."""
+    if a.input_ids.shape != b.input_ids.shape or not a.input_ids.equal(b.input_ids):
+        return True
+    return bool((a.sampling_logps - b.sampling_logps).abs().max() > 1e-2)
+
+
+def test_a_new_call_after_a_weight_change_follows_the_new_weights(eos_model, tokenizer):
+    task = ToyTask(multi_turn=True)
+    examples = task.examples("train")[:2]
+    backend = HFGenerateBackend(eos_model, tokenizer)  # one backend for every call, as OnPolicyModule keeps it
+    before = generate_rollouts(eos_model, tokenizer, task, examples, backend=backend, **SAMPLED)
+    assert backend._store is None  # nothing is kept once the call returned
+    perturb_attention(eos_model)
+    after = generate_rollouts(eos_model, tokenizer, task, examples, backend=backend, **SAMPLED)
+    reference = generate_rollouts(eos_model, tokenizer, task, examples, reuse_prefixes=False, **SAMPLED)
+    assert_same_rollouts(reference, after)
+    assert differ(before, after)
+    # sync_weights drops the cache of an open session at once
+    with backend.session():
+        prompt = encode_prompt(tokenizer, task.initial_messages(examples[0])).input_ids
+        backend.generate([prompt], SamplingSettings(max_new_tokens=2), [0])
+        assert len(backend._store) == 1
+        backend.sync_weights(eos_model)
+        assert len(backend._store) == 0
+    assert backend._store is None
+
+
+class _UpdatingToy(ToyTask):
+    """Multi-turn toy whose episodes change the model's keys and values at every step: an update in the
+    middle of a session, between the turns that cached them and the turns that would reuse them."""
+
+    def __init__(self, model):
+        super().__init__(multi_turn=True)
+        self.model = model
+
+    def start(self, example):
+        episode = super().start(example)
+        step = episode.step
+
+        def updating_step(reply):
+            perturb_attention(self.model)
+            return step(reply)
+
+        episode.step = updating_step
+        return episode
+
+
+def test_an_in_place_add_to_the_parameters_inside_a_session_drops_the_cache(eos_model, tokenizer, monkeypatch):
+    """What this covers: ``p.add_`` on the parameters themselves (it bumps their version counter). Writes
+    through ``p.data`` or fused optimiser kernels may not be seen (``weights_stamp``): those rely on the
+    session's scope and ``sync_weights``."""
+    import copy
+
+    def run(**options):
+        model = copy.deepcopy(eos_model)
+        task = _UpdatingToy(model)
+        return generate_rollouts(model, tokenizer, task, task.examples("train")[:2], **SAMPLED, **options)
+
+    reference = run(reuse_prefixes=False)
+    assert_same_rollouts(reference, run())
+    # the check has teeth: blind to the change, the stale keys/values give other log-probs (or tokens)
+    monkeypatch.setattr("lopd_lightning.rollout.backends.weights_stamp", lambda model: 0)
+    assert differ(run(), reference)
+
+
+def test_the_weights_stamp_sees_a_disabled_peft_adapter():
+    from lopd_lightning.adapters import STUDENT, prepare_backbone
+    from lopd_lightning.models import tiny_model
+    from lopd_lightning.rollout.kv_reuse import weights_stamp
+
+    student = prepare_backbone(tiny_model(seed=0), student_lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                                                                 "target_modules": ["q_proj", "v_proj"]})
+    student.set_adapter(STUDENT)
+    before = weights_stamp(student)
+    with student.disable_adapter():
+        assert weights_stamp(student) != before
+    assert weights_stamp(student) == before
+
+
+def test_a_nested_session_leaves_the_outer_rows_alone(eos_model, tokenizer):
+    backend = HFGenerateBackend(eos_model, tokenizer)
+    task = ToyTask(multi_turn=True)
+    prompt = encode_prompt(tokenizer, task.initial_messages(task.examples("train")[0])).input_ids
+    with backend.session():
+        backend.generate([prompt], SamplingSettings(max_new_tokens=3), [0])
+        with backend.session() as inner:
+            inner.retain([[5, 6, 7]])  # contexts the outer session does not continue
+            assert len(backend._store) == 1
+        assert len(backend._store) == 1  # the inner session's close left the outer store too
+    assert backend._store is None
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_an_empty_prompt_is_one_clear_error_on_both_paths(eos_model, tokenizer, reuse):
+    backend = HFGenerateBackend(eos_model, tokenizer, reuse_prefixes=reuse)
+    with backend.session(), pytest.raises(ValueError, match=r"prompts \[0, 1\] are empty"):
+        backend.generate([[], [], [5, 6, 7]], SamplingSettings(max_new_tokens=2), [0, 1, 2])
+
+
+def test_a_layout_mismatch_after_a_whole_prefill_keeps_the_results_and_stores_nothing(eos_model, tokenizer,
+                                                                                     monkeypatch, caplog):
+    from lopd_lightning.rollout import backends
+
+    task = ToyTask(multi_turn=True)
+    prompt = encode_prompt(tokenizer, task.initial_messages(task.examples("train")[0])).input_ids
+    settings = SamplingSettings(max_new_tokens=5)
+    (reference,) = HFGenerateBackend(eos_model, tokenizer, reuse_prefixes=False).generate([prompt], settings, [3])
+    real = backends.cache_layers
+    monkeypatch.setattr(backends, "cache_layers", lambda cache: [(k[:, :, 1:], v) for k, v in real(cache)])
+    backend = HFGenerateBackend(eos_model, tokenizer)
+    with backend.session():  # one prompt, nothing cached: generate prefills it whole
+        (completion,) = backend.generate([prompt], settings, [3])
+        assert len(backend._store) == 0
+    assert completion == reference and backend._reuse is False and "not stored" in caplog.text
+    assert backend.prefill_stats["prefilled_tokens"] == len(prompt)  # counted once: the call was not redone
+
+
+def live_kv_bytes(config) -> int:
+    """Bytes of the live tensors shaped like keys/values of ``config`` ((rows, kv_heads, columns, head_dim)),
+    each storage counted once."""
+    import gc
+
+    heads = config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.dim() == 4 and obj.shape[1] == heads and obj.shape[3] == dim:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_prefix_reuse_holds_no_more_keys_and_values_than_generate_without_it(eos_model, tokenizer, monkeypatch):
+    """Measured before and after every forward pass (the prefill's, each decoding step's), per turn: the
+    copied-out prefixes, the rows they came from, the prefill's cache and the packed cache are never alive
+    together, so a turn holds about what the same turn without reuse holds (its own cache)."""
+    import functools
+
+    peaks = []  # per generate call, the most bytes of keys/values alive
+    forward, generate = eos_model.forward, HFGenerateBackend.generate
+
+    @functools.wraps(forward)
+    def measuring(*args, **kwargs):
+        peaks[-1] = max(peaks[-1], live_kv_bytes(eos_model.config))
+        out = forward(*args, **kwargs)
+        peaks[-1] = max(peaks[-1], live_kv_bytes(eos_model.config))
+        return out
+
+    def counting(self, *args, **kwargs):
+        peaks.append(0)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(eos_model, "forward", measuring)
+    monkeypatch.setattr(HFGenerateBackend, "generate", counting)
+    task = ToyTask(multi_turn=True)
+    runs = []
+    for reuse in (False, True):
+        peaks.clear()
+        generate_rollouts(eos_model, tokenizer, task, task.examples("train")[:4], greedy=True, max_new_tokens=1,
+                          reuse_prefixes=reuse)  # one row per job: the turn's cache is the prefill's
+        runs.append(list(peaks))
+    without, with_reuse = runs
+    assert len(without) == len(with_reuse) >= 2 and all(without)
+    assert all(r <= w * 1.1 for r, w in zip(with_reuse, without)), (with_reuse, without)
+
+
+@pytest.mark.parametrize("options", [{"reuse_prefixes": False}, {"use_cache": False}])
+def test_the_off_switch_is_the_reference_path(model, tokenizer, monkeypatch, options):
+    caches = []
+    generate = model.generate
+
+    def spy(*args, **kwargs):
+        caches.append([k for k in ("cache", "past_key_values") if k in kwargs])
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    task = ToyTask(multi_turn=True)
+    examples = task.examples("train")[:2]
+    backend = HFGenerateBackend(model, tokenizer, **options)
+    off = generate_rollouts(model, tokenizer, task, examples, greedy=True, max_new_tokens=6, backend=backend)
+    assert caches == [[], []]  # generate prefills every context itself, as before
+    assert backend.prefill_stats["prefilled_tokens"] == backend.prefill_stats["prompt_tokens"]
+    on = generate_rollouts(model, tokenizer, task, examples, greedy=True, max_new_tokens=6)
+    assert len(caches) == 4 and all(len(c) == 1 for c in caches[2:])  # the default reuses: a cache goes in
+    assert_same_rollouts(off, on)
+
+
+def test_contexts_that_do_not_extend_a_cached_row_reuse_only_what_they_share(eos_model, tokenizer):
+    task = ToyTask()
+    settings = SamplingSettings(temperature=0.7, max_new_tokens=10)
+    first = [encode_prompt(tokenizer, task.initial_messages(ex)).input_ids for ex in task.examples("train")[:2]]
+    backend, reference = HFGenerateBackend(eos_model, tokenizer), HFGenerateBackend(eos_model, tokenizer,
+                                                                                    reuse_prefixes=False)
+    with backend.session():
+        replies = backend.generate(first, settings, [1, 2])
+        extended = first[0] + replies[0].token_ids + enc(tokenizer, "\n<|im_start|>user\nmore</s>\n")
+        prompts = [
+            extended,  # the next turn: reuses the whole row
+            first[1][:30] + enc(tokenizer, "a rewritten context"),  # diverges inside a row: reuses 30 tokens
+            first[1][7:],  # truncated on the left: shares no prefix, prefilled whole
+            enc(tokenizer, "<|im_start|>user\nsomething else entirely</s>\n<|im_start|>assistant\n"),  # a new one
+        ]
+        hits = backend._store.lookup(prompts)
+        steps = max(len(c.token_ids) for c in replies)  # every reply token but the call's last was fed back
+        fed = len(first[0]) + min(len(replies[0].token_ids), steps - 1)
+        shared = len(enc(tokenizer, "<|im_start|>user\n"))  # the new prompt shares the template's first line
+        assert [h and h.length for h in hits] == [fed, 30, None, shared]
+        reused = backend.generate(prompts, settings, [3, 4, 5, 6])
+    for got, want in zip(reused, reference.generate(prompts, settings, [3, 4, 5, 6])):
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+        torch.testing.assert_close(torch.tensor(got.logps), torch.tensor(want.logps), atol=1e-5, rtol=0)
+
+
+def test_prefix_lookup_reuses_only_verified_common_prefixes(monkeypatch):
+    from lopd_lightning.rollout import kv_reuse
+
+    row = list(range(3, 43))  # 40 tokens
+    store = kv_reuse.PrefixStore()
+    store.add([(torch.zeros(1, 1, 40, 2), torch.zeros(1, 1, 40, 2))], torch.ones(1, 40, dtype=torch.bool), [row])
+    hits = store.lookup([row + [7, 8], row[:20] + [99] * 10, row, row[:10] + [5], [99] * 40])
+    assert [h and h.length for h in hits] == [40, 20, 39, None, None]  # at most all but the prompt's last token
+    # hashes that all collide: every candidate is checked token by token, so nothing wrong is reused
+    monkeypatch.setattr(kv_reuse, "_chain_hashes", lambda ids, limit=None: [0] * (min(len(ids), limit or 10**9) // 16))
+    assert [h and h.length for h in store.lookup([row + [7], [99] * 40])] == [40, None]
+    store.retain([[99] * 40])
+    assert len(store) == 0
+
+
+def test_pack_right_aligns_the_valid_columns():
+    from lopd_lightning.rollout.kv_reuse import pack
+
+    keys = torch.arange(2 * 5, dtype=torch.float32).reshape(2, 1, 5, 1)
+    valid = torch.tensor([[0, 1, 0, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    [(k, v)], valid_out = pack([(keys, keys + 100)], valid, rows=[1, 0, 0], counts=[3, 2, 3])
+    assert k[:, 0, :, 0].tolist() == [[5, 6, 7], [0, 1, 3], [1, 3, 4]]
+    assert valid_out.tolist() == [[True] * 3, [False, True, True], [True] * 3]
+    assert v[1, 0, :, 0].tolist() == [0, 101, 103]  # zeros left of a row's columns
+
+
+def test_a_tight_layout_is_recognised_and_the_cache_holds_the_tensors_themselves(model):
+    from lopd_lightning.rollout.kv_reuse import dynamic_cache, is_tight, pack
+
+    valid = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert is_tight(valid, [2, 3]) and not is_tight(valid, [1, 3])
+    assert not is_tight(torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool), [2, 3])  # a hole
+    keys = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 1, 3, 1)
+    packed, _ = pack([(keys, keys)], valid, rows=[0, 1], counts=[2, 3])
+    assert torch.equal(packed[0][0], keys.masked_fill(~valid[:, None, :, None], 0))  # what skipping pack keeps
+    layers = [(torch.zeros(2, 2, 5, 16), torch.ones(2, 2, 5, 16)) for _ in range(model.config.num_hidden_layers)]
+    cache = dynamic_cache(model.config, layers)
+    assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, layers))
+    assert cache.get_seq_length() == 5
+
+
+def test_an_unexpected_cache_layout_turns_reuse_off_and_redoes_the_call(eos_model, tokenizer, monkeypatch, caplog):
+    from lopd_lightning.rollout import backends
+
+    real = backends.cache_layers
+    monkeypatch.setattr(backends, "cache_layers", lambda cache: [(k[:, :, 1:], v) for k, v in real(cache)])
+    task = ToyTask(multi_turn=True)
+    reference, reused, backend = reference_and_reused(eos_model, tokenizer, task, task.examples("train")[:2],
+                                                      greedy=True, max_new_tokens=6)
+    assert_same_rollouts(reference, reused)
+    assert backend._reuse is False and "prefix reuse turned off" in caplog.text
+
+
+def test_a_model_with_sliding_window_layers_runs_the_reference_path(tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from lopd_lightning.rollout.kv_reuse import unsupported
+
+    config = MistralConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=32, pad_token_id=0,
+                           eos_token_id=1)
+    model = MistralForCausalLM(config)
+    assert "DynamicSlidingWindowLayer" in unsupported(model)
+    backend = HFGenerateBackend(model, tokenizer)
+    task = ToyTask(multi_turn=True)
+    generate_rollouts(model, tokenizer, task, task.examples("train")[:2], group_size=2, max_new_tokens=4,
+                      backend=backend)
+    assert backend.prefill_stats["prefilled_tokens"] == backend.prefill_stats["prompt_tokens"]
+
+
+def test_prefix_reuse_on_a_lora_student(tokenizer):
+    from lopd_lightning.adapters import STUDENT, prepare_backbone, use_adapter
+    from lopd_lightning.models import tiny_model
+
+    student = prepare_backbone(tiny_model(seed=0), student_lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                                                                 "target_modules": ["q_proj", "v_proj"]})
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    task = ToyTask(multi_turn=True)
+    with use_adapter(student, STUDENT):
+        reference, reused, backend = reference_and_reused(student, tokenizer, task, task.examples("train")[:2],
+                                                          group_size=2, greedy=True, max_new_tokens=6)
+    assert_same_rollouts(reference, reused)
+    assert backend.prefill_stats["prefilled_tokens"] < backend.prefill_stats["prompt_tokens"] / 2
 
 
 # ------------------------------------------------------------------ deprecated spellings

@@ -29,6 +29,10 @@ forward runs; a parameter that does not require grad at that moment is a constan
 the later ``backward()`` (after the context has restored the flag) gives it no gradient. This is what
 keeps a full-parameter student's base weights (which require grad for the student) free of gradients
 from the composer and teacher passes, without detaching or copying anything.
+
+A pass's backward usually runs after :func:`use_adapter` has switched back; with activation
+checkpointing its layers are recomputed then, under the state of their forward
+(:mod:`lopd_lightning.checkpointing`).
 """
 
 from __future__ import annotations

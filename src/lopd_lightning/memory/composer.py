@@ -350,6 +350,9 @@ class LatentComposer(nn.Module):
 
         Only psi can receive gradients from this pass (``use_adapter(..., grads="adapter")``): the base
         weights (frozen, or trainable for a full-parameter student) and the student's LoRA are constants.
+        With activation checkpointing its decoder layers (train mode) are recomputed in the backward under
+        this adapter and these flags (:class:`~lopd_lightning.checkpointing.ForwardStateRecompute`), whatever
+        adapter is active then.
         """
         with use_adapter(self.backbone, self.adapter_name, grads="adapter"):
             out = self.backbone(

@@ -37,6 +37,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
+from lopd_lightning.checkpointing import enable_activation_checkpointing
 from lopd_lightning.deprecation import fold_renamed, moved_names, store_under_new_names, warn_once
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
@@ -114,9 +115,14 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         val_max_new_tokens: token limit per turn of validation episodes (None: ``max_new_tokens``).
         generation_batch_size: most episodes per generation call (None: all of a step's, or all of a
             validation batch's, at once); with a number the longest contexts go first, so similar lengths
-            share a call and pad less. Tokens do not depend on it (per-rollout seeds).
+            share a call and pad less. Tokens do not depend on it (per-rollout seeds). It does not bound
+            the HF backend's prefix cache: while a rollout call runs, the keys/values of every live episode
+            are kept across chunks (``rows x tokens x layers x 2 x kv_heads x head_dim x dtype bytes``).
         success_threshold: a trajectory with reward >= this counts as a success (``*/success_rate``).
-        gradient_checkpointing: trade compute for activation memory in the student's backward.
+        gradient_checkpointing: trade compute for activation memory: every decoder layer run in train mode
+            with gradients (the student's pass; LOPD's composer encoder too) keeps only its input and is
+            recomputed in the backward, under the adapter, ``requires_grad`` flags and train flags its
+            forward ran with (:func:`~lopd_lightning.checkpointing.enable_activation_checkpointing`).
         validate_before_training: run the val split once before the first step, logged at step 0.
         seed: base seed of rollout sampling (each rank adds its rank).
         log_samples: trajectories shown as TensorBoard text (``samples/val``, ``samples/train``): the
@@ -207,8 +213,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         check_lora_config(as_lora_config(lora, key="lora"), "lora")  # before the weights load; target_modules after
         self.model_name = model
         backbone, self.tokenizer = load_student(model, dtype=dtype, seed=seed)
+        #: modules whose activation checkpoint recomputes under the forward's adapter state (0: none, or off)
+        self.checkpointed_modules = enable_activation_checkpointing(backbone) if gradient_checkpointing else 0
         if gradient_checkpointing:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             backbone.config.use_cache = False
         backbone.train()  # from_pretrained returns eval mode; rollouts switch to eval and back themselves
         self.backbone = prepare_backbone(backbone, student_lora=lora)
@@ -441,10 +448,14 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             number of selected positions, row-major; ``cache`` or None.
 
         Raises:
-            ValueError: an unknown ``output``.
+            ValueError: an unknown ``output``, or ``keep_cache`` in train mode with ``gradient_checkpointing``
+                (transformers' checkpointed layers drop the cache: it would come back empty).
         """
         if output not in ("logits", "hidden"):
             raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
+        if keep_cache and self.checkpointed_modules and self.backbone.training:
+            raise ValueError("student_forward(keep_cache=True) under gradient_checkpointing: checkpointed layers "
+                             "keep no key/value cache; compute the prefix without gradients instead")
         select = selected_logits if output == "logits" else selected_hidden_states
         with self.student_context():
             out = select(

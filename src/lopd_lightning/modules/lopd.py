@@ -34,6 +34,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.adapters import add_composer_adapter, as_lora_config, check_lora_config, copy_adapter
+from lopd_lightning.checkpointing import recorded_forwards
 from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
@@ -170,6 +171,21 @@ class LOPDModule(OnPolicyModule):
             is not a plain full-attention one (sliding window, linear attention) get False, with a warning.
         top_m: deprecated spelling of ``distill_top_k`` (removed in the release after next; a FutureWarning;
             the two names with different values are an error).
+
+    Activation checkpointing (``gradient_checkpointing=True``, an argument of the base module): the step's
+    one backward runs after the student's pass (adapter ``"student"``, or the base weights of a full
+    student), the composer's encoder pass (adapter ``"composer"``, only psi trainable) and the teacher's
+    pass (its mode's weights, every backbone weight constant, eval mode) have each switched the shared
+    backbone back. Every decoder layer run in train mode with gradients, i.e. in the student's and the
+    encoder's passes, keeps only its input and is recomputed in that backward under the adapter(s),
+    disabled flag, LoRA scaling, ``requires_grad`` flags and train flags its forward ran with
+    (:class:`~lopd_lightning.checkpointing.ForwardStateRecompute`); torch's checkpoint restores the dropout RNG.
+    The teacher's pass runs in eval mode and is not checkpointed (its activations are kept for the latents'
+    gradient). A checkpointed student forward keeps no key/value cache, so the teacher computes its
+    ``teacher_prefix_cache`` prefix itself (one no-grad pass). Refused (ValueError naming
+    ``model.init_args.gradient_checkpointing``) only for a model whose layers do not checkpoint through
+    transformers' per-layer checkpoint function, where the recompute context cannot be installed; a first
+    training step that ran no layer through it raises RuntimeError.
     """
 
     RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"top_m": "distill_top_k"}
@@ -212,10 +228,15 @@ class LOPDModule(OnPolicyModule):
         self._check_options(  # the checks that need no model, before the student is loaded
             num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,
             bank_path=bank_path, bank_capacity=bank_capacity, distill_chunk_size=distill_chunk_size,
-            composer_lora=composer_cfg, gradient_checkpointing=bool(kwargs.get("gradient_checkpointing")),
-            beta_init=beta_init, dual_lr=dual_lr, margin_weighting=margin_weighting,
+            composer_lora=composer_cfg, beta_init=beta_init, dual_lr=dual_lr, margin_weighting=margin_weighting,
         )
         super().__init__(model, **kwargs)
+        if self.hparams.gradient_checkpointing and not self.checkpointed_modules:
+            raise ValueError(
+                f"model.init_args.gradient_checkpointing: {model!r} checkpoints its layers in a way LOPD cannot "
+                "recompute under the right LoRA adapter (no transformers GradientCheckpointingLayer); "
+                "set it to false"
+            )
         self.save_hyperparameters()
         self.check_top_k("distill_top_k", distill_top_k)
         self.backbone = add_composer_adapter(self.backbone, composer_cfg)  # psi, on the shared backbone
@@ -252,7 +273,6 @@ class LOPDModule(OnPolicyModule):
         bank_capacity: int | None,
         distill_chunk_size: Any,
         composer_lora: Any,
-        gradient_checkpointing: bool,
         beta_init: float,
         dual_lr: float,
         margin_weighting: str,
@@ -261,7 +281,7 @@ class LOPDModule(OnPolicyModule):
 
         Raises:
             ValueError: an unknown ``margin_weighting``, K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``, an unknown embedder, a
-                missing or too small bank, gradient checkpointing, a ``distill_chunk_size`` that is not null
+                missing or too small bank, a ``distill_chunk_size`` that is not null
                 or an int >= 1, or a composer LoRA that the shared backbone cannot honour.
             FileNotFoundError: ``bank_path`` holds no bank.
         """
@@ -283,16 +303,6 @@ class LOPDModule(OnPolicyModule):
             raise ValueError(f"model.init_args.embedder {embedder!r} is not an embedder; {hint}choose one of {', '.join(EMBEDDERS)}")
         if bank_path:  # the bank's size from its meta.json: a missing or too small bank fails before the weights load
             check_bank(bank_path, num_experiences, capacity=bank_capacity)
-        if gradient_checkpointing:
-            # one backward pass runs through the student, teacher and composer graphs, which were built
-            # under different LoRA adapters; activation checkpointing recomputes each segment in that
-            # backward under whichever adapter is active then: wrong activations (a shape error when the
-            # ranks differ, silently wrong gradients when they do not)
-            raise ValueError(
-                "gradient_checkpointing=True is not supported by LOPDModule: its backward recomputes passes "
-                "made under different LoRA adapters with the wrong one; set model.init_args.gradient_checkpointing "
-                "to false (distill_chunk_size bounds the logits' memory)"
-            )
         chunk = distill_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"model.init_args.distill_chunk_size must be null or an int >= 1, got {distill_chunk_size!r}")
@@ -401,7 +411,9 @@ class LOPDModule(OnPolicyModule):
     def _student_pass(self, batch: RolloutBatch, mask: Tensor, n_prefix: int) -> tuple[Tensor, TeacherPrefix | None]:
         """The student's outputs at ``mask`` (:attr:`lm_head`'s kind) and, when its weights are the teacher's,
         the key/value prefix of ``n_prefix`` tokens its forward computed for the teacher."""
-        share = n_prefix > 0 and self.teacher.shares_student_weights
+        # a checkpointed student forward keeps no key/value cache (transformers drops it in checkpointed
+        # layers): the teacher then computes its prefix itself (own_prefix, one no-grad pass)
+        share = n_prefix > 0 and self.teacher.shares_student_weights and not self.hparams.gradient_checkpointing
         forward = self.student_forward(batch, mask, output=self.lm_head.output, keep_cache=share)
         return forward.values, (TeacherPrefix.from_cache(forward.cache, n_prefix) if share else None)
 
@@ -425,10 +437,19 @@ class LOPDModule(OnPolicyModule):
             return 0
         return prefix_length(batch.attention_mask, batch.context_position)
 
+    def _check_layers_checkpointed(self) -> None:
+        """With gradient_checkpointing, the first training step's passes must have run checkpointed layers."""
+        if self.hparams.gradient_checkpointing and not getattr(self, "_layers_checkpointed", False):
+            if not recorded_forwards(self.backbone):
+                raise RuntimeError("model.init_args.gradient_checkpointing: the training step ran no layer through the "
+                                   "checkpoint that recomputes under the forward's LoRA adapter; set it to false")
+            self._layers_checkpointed = True
+
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         opt_student, opt_composer = self.optimizers()
         loss_student, loss_composer, _, delta, anchor, has_latents = self.losses(batch)
+        self._check_layers_checkpointed()
 
         # One backward pass of the sum: the two graphs touch disjoint trainable parameters (the student's
         # loss sees the teacher detached, the composer's sees the student detached), so each optimiser

@@ -9,7 +9,10 @@ One concern per module:
   (:func:`batch_from_conversations`).
 - :mod:`~lopd_lightning.rollout.sampling`: per-rollout seeds (:func:`derive_seed`) and the seeded sampler.
 - :mod:`~lopd_lightning.rollout.backends`: generation behind one interface (:class:`GenerationBackend`,
-  :class:`SamplingSettings`, :class:`Completion`; its contract) and :class:`HFGenerateBackend`.
+  :class:`GenerationSession`, :class:`SamplingSettings`, :class:`Completion`; its contract) and
+  :class:`HFGenerateBackend`.
+- :mod:`~lopd_lightning.rollout.kv_reuse`: the HF backend's prefix reuse (the keys/values of contexts
+  computed earlier in a session, found by their token ids).
 - :mod:`~lopd_lightning.rollout.episodes`: the multi-turn episode loop on top of a backend
   (:func:`generate_rollouts`, :func:`warn_turn_limit`).
 
@@ -20,6 +23,7 @@ from lopd_lightning.rollout.backends import (
     Completion,
     FinishReason,
     GenerationBackend,
+    GenerationSession,
     HFGenerateBackend,
     SamplingSettings,
 )
@@ -46,6 +50,7 @@ __all__ = [
     "Completion",
     "FinishReason",
     "GenerationBackend",
+    "GenerationSession",
     "HFGenerateBackend",
     "PromptEncoding",
     "RolloutBatch",

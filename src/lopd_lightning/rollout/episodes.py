@@ -8,7 +8,10 @@ episodes advance together, one turn at a time:
 2. turn: the contexts of the live episodes go to the backend (:class:`GenerationBackend`, in chunks of
    ``generation_batch_size``) with one seed per rollout and turn (:func:`derive_seed`: seed, step,
    example id, sample index, turn; the sample index counts the example's rollouts in this call, so an
-   example listed twice gets sample indices 0..2G-1).
+   example listed twice gets sample indices 0..2G-1). The whole loop runs inside one
+   ``backend.session()``, told the live contexts before each turn (``retain``): the HF backend keeps the
+   keys/values of each context there and reads only a turn's new tokens, and drops everything when the
+   call ends (:class:`HFGenerateBackend`).
 3. advance: each reply is appended (assistant mask 1, its log-probs), decoded and fed to
    ``episode.step``; the observation follows (:func:`encode_observation`, mask 0). An episode finishes
    when it says ``done``, after ``max_turns`` replies (``truncation="max_turns"``), or before a turn
@@ -38,6 +41,7 @@ from lopd_lightning.deprecation import renamed_kwargs
 from lopd_lightning.rollout.backends import (
     Completion,
     GenerationBackend,
+    GenerationSession,
     HFGenerateBackend,
     SamplingSettings,
 )
@@ -150,6 +154,7 @@ def generate_rollouts(
     stop_strings: Sequence[str] | None = None,
     generation_batch_size: int | None = None,
     use_cache: bool = True,
+    reuse_prefixes: bool = True,
     backend: GenerationBackend | None = None,
 ) -> RolloutBatch:
     """Sample ``group_size`` rollouts per example of the student in ``task`` (the module's steps 1-5).
@@ -175,9 +180,17 @@ def generate_rollouts(
         stop_strings: extra strings that end a reply; the reply keeps the stop string and has no EOS,
             so the template's EOS follows it with mask 0.
         generation_batch_size: most rows per backend call (None = all active rows; else the longest
-            contexts go first, for less padding).
+            contexts go first, for less padding). It bounds one call's activations, not the key/value cache
+            of prefix reuse: the HF backend's session keeps the rows of every live episode across chunks,
+            about ``rows x tokens x layers x 2 x kv_heads x head_dim x dtype bytes``.
         use_cache: the default backend's key-value cache (:class:`HFGenerateBackend`); ignored with ``backend``.
-        backend: the generator (None: ``HFGenerateBackend(model, tokenizer, use_cache=use_cache)``).
+        reuse_prefixes: the default backend's prefix reuse (keys/values kept across the turns of this call and
+            one prefill per group; False: every context prefilled whole every turn); ignored with ``backend``.
+            While this call runs it holds the keys/values of every live episode (all chunks of
+            ``generation_batch_size``): ``rows x tokens x layers x 2 x kv_heads x head_dim x dtype bytes``.
+        backend: the generator (None: ``HFGenerateBackend(model, tokenizer, use_cache=use_cache,
+            reuse_prefixes=reuse_prefixes)``). Its :meth:`~GenerationBackend.session` is open while the
+            episodes play (whatever it keeps between turns is dropped when this call returns or raises).
 
     Returns:
         A right-padded :class:`RolloutBatch` on CPU with ``stats``; the same arguments, weights, software
@@ -198,15 +211,19 @@ def generate_rollouts(
         raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
     max_turns, limit_source = turn_limit(task, max_turns, given_by="the max_turns argument (model.init_args.max_turns)")
     if backend is None:
-        backend = HFGenerateBackend(model, tokenizer, use_cache=use_cache)
+        backend = HFGenerateBackend(model, tokenizer, use_cache=use_cache, reuse_prefixes=reuse_prefixes)
     loop = _EpisodeLoop(
         backend=backend, tokenizer=tokenizer, task=task, settings=settings, seed=seed, step=step, max_turns=max_turns,
         max_prompt_tokens=max_prompt_tokens, generation_batch_size=generation_batch_size,
         max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None),
     )
-    loop.start(examples, group_size)
-    while active := loop.active():
-        loop.play_turn(active)
+    # what the backend keeps between turns lives only in this call (a backend without ``session``, one that
+    # does not subclass GenerationBackend, keeps nothing)
+    with backend.session() if hasattr(backend, "session") else GenerationSession() as session:
+        loop.start(examples, group_size)
+        while active := loop.active():
+            session.retain([r.ids for r in active])  # finished episodes' cached rows can go
+            loop.play_turn(active)
     warn_turn_limit(task, loop.rollouts, max_turns, limit_source)
     return loop.finish(t_start)
 

@@ -173,7 +173,10 @@ class TeacherWeights(nn.Module):
     @contextmanager
     def teacher_scope(self) -> Iterator[nn.Module]:
         """The teacher's weights for the passes inside: the mode's adapter (composer LoRA off), every
-        backbone parameter constant (``requires_grad`` off while inside), eval mode if ``deterministic``.
+        backbone parameter constant (``requires_grad`` off while inside), eval mode if ``deterministic``
+        (then transformers' activation checkpointing, which acts in train mode only, leaves the pass alone
+        and a key/value cache passed to it is used; in train mode a checkpointed layer would be recomputed
+        under this scope's state, :class:`~lopd_lightning.checkpointing.ForwardStateRecompute`, but drops the cache).
 
         Yields:
             the model to call (the backbone or its frozen copy).
