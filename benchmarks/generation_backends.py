@@ -18,7 +18,9 @@ full weight sync (``sync_weights``: the student's weights written into the engin
 as every training step pays it; its engine start-up is reported apart (once per run). Then both backends
 answer the held-out questions greedily (``heldout_eval_s``, and the success each gets: greedy decoding
 may differ at near-ties only). Result: ``speedup_vllm_over_hf = {"grpo": x, "lopd": y}``, the ratio of
-median trajectories per second, measured in this one run.
+median trajectories per second, measured in this one run. With ``--backends hf,hf_no_reuse,...`` the HF
+backend also runs without prefix reuse (every context prefilled whole): ``speedup_hf_reuse`` = {"grpo": x,
+"lopd": y}, HF with reuse over HF without it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
 
 SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=20, max_new_tokens=96)
 LAYOUTS = {"grpo": (1, 4), "lopd": (4, 1)}  # (questions, trajectories per question)
+#: ``--backends`` names: ``hf`` (prefix reuse on, the default), ``hf_no_reuse`` (``reuse_prefixes=False``), ``vllm``.
+BACKENDS = ("hf", "hf_no_reuse", "vllm")
 
 
 def timed_rollouts(backend_name: str, backend: Any, model: Any, tokenizer: Any, task: Any, examples: list, *,
@@ -61,15 +65,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval-questions", type=int, default=65, help="held-out questions answered greedily (0: none)")
     parser.add_argument("--eval-batch-sizes", default="none",
                         help="comma list of generation_batch_size values for the held-out evaluation (none: all at once)")
-    parser.add_argument("--backends", default="hf,vllm", help="comma list of backends to measure")
+    parser.add_argument("--backends", default="hf,vllm", help="comma list of backends to measure: hf, hf_no_reuse, vllm")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "generation_backends.json")
     args = parser.parse_args(argv)
+    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = sorted(set(names) - set(BACKENDS))
+    if unknown:
+        raise SystemExit(f"error: --backends: unknown {unknown}; choose from {', '.join(BACKENDS)}")
 
     import torch
 
     from lopd_lightning.models import load_student
+    from lopd_lightning.rollout.backends import HFGenerateBackend
     from lopd_lightning.rollout.registry import make_backend
     from lopd_lightning.tasks import get_task
 
@@ -82,8 +91,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     task = get_task("bfcl_live_simple")
     train, held_out = task.examples("train"), task.examples("val")[: args.eval_questions]
 
-    names = [b.strip() for b in args.backends.split(",") if b.strip()]
     backends = {"hf": make_backend("hf", model, tokenizer)} if "hf" in names else {}
+    if "hf_no_reuse" in names:  # the HF backend's reference path: every context prefilled whole every turn
+        backends["hf_no_reuse"] = HFGenerateBackend(model, tokenizer, reuse_prefixes=False)
     start = time.perf_counter()
     if "vllm" in names:
         backends["vllm"] = make_backend("vllm", model, tokenizer, options={"max_model_len": 2048, "kv_cache_gib": 2})
@@ -105,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
         median = {b: statistics.median(v) for b, v in rows.items()}
         layouts[name] = {"trajectories_per_s": rows, "median_trajectories_per_s": median,
-                         "speedup_vllm_over_hf": median["vllm"] / median["hf"] if len(median) == 2 else None}
+                         "speedup_vllm_over_hf": median["vllm"] / median["hf"] if {"vllm", "hf"} <= median.keys() else None,
+                         "speedup_hf_reuse": (median["hf"] / median["hf_no_reuse"]
+                                              if {"hf", "hf_no_reuse"} <= median.keys() else None)}
 
     heldout: dict[str, Any] = {}
     for size in eval_sizes if held_out else ():
@@ -133,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "threads": args.threads,
         "speedup_vllm_over_hf": {k: v["speedup_vllm_over_hf"] for k, v in layouts.items()} or None,
+        "speedup_hf_reuse": {k: v["speedup_hf_reuse"] for k, v in layouts.items()} or None,
         "by_layout": layouts,
         "vllm_engine_start_s": vllm_start_s,
         "heldout_questions": len(held_out),
