@@ -37,8 +37,8 @@ from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
 
 SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=20, max_new_tokens=96)
 LAYOUTS = {"grpo": (1, 4), "lopd": (4, 1)}  # (questions, trajectories per question)
-#: ``--backends`` names: ``hf`` (prefix reuse on, the default), ``hf_no_reuse`` (``reuse_prefixes=False``), ``vllm``.
-BACKENDS = ("hf", "hf_no_reuse", "vllm")
+#: ``--backends`` names that are not a registered backend: the HF backend with ``reuse_prefixes=False``.
+EXTRA_BACKENDS = ("hf_no_reuse",)
 
 
 def timed_rollouts(backend_name: str, backend: Any, model: Any, tokenizer: Any, task: Any, examples: list, *,
@@ -70,10 +70,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "generation_backends.json")
     args = parser.parse_args(argv)
+    from lopd_lightning.rollout.registry import BACKENDS  # the check runs before any model loads
+
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(names) - set(BACKENDS))
+    known = (*BACKENDS, *EXTRA_BACKENDS)
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise SystemExit(f"error: --backends: unknown {unknown}; choose from {', '.join(BACKENDS)}")
+        raise SystemExit(f"error: --backends: unknown {unknown}; choose from {', '.join(known)}")
 
     import torch
 
