@@ -75,6 +75,7 @@ __all__ = [
     "prepare_backbone",
     "student_adapter_name",
     "student_parameters",
+    "tuner_layers",
     "use_adapter",
 ]
 
@@ -314,8 +315,10 @@ def check_lora_config(config: LoraConfig | None, key: str, *, model: nn.Module |
         )
 
 
-def _tuner_layers(peft_model: nn.Module) -> list[BaseTunerLayer]:
-    return [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
+def tuner_layers(model: nn.Module) -> list[BaseTunerLayer]:
+    """The peft adapter layers (``BaseTunerLayer``) inside ``model``, in module order ([] for a plain model):
+    where the active adapter, the disabled flag and the scaling that decide a forward live."""
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
 def adapter_names(peft_model: nn.Module) -> list[str]:
@@ -343,7 +346,7 @@ def adapter_parameters(peft_model: nn.Module, name: str) -> list[nn.Parameter]:
         KeyError: no layer holds an adapter called ``name``.
     """
     params: list[nn.Parameter] = []
-    for layer in _tuner_layers(peft_model):
+    for layer in tuner_layers(peft_model):
         for layer_name in layer.adapter_layer_names:
             holder = getattr(layer, layer_name, None)
             if isinstance(holder, nn.ModuleDict) and name in holder:
@@ -358,7 +361,7 @@ def adapter_parameters(peft_model: nn.Module, name: str) -> list[nn.Parameter]:
 def base_parameters(peft_model: nn.Module) -> list[nn.Parameter]:
     """Every backbone parameter that belongs to no adapter (the base weights theta), deduplicated."""
     adapter_ids: set[int] = set()
-    for layer in _tuner_layers(peft_model):
+    for layer in tuner_layers(peft_model):
         for layer_name in layer.adapter_layer_names:
             holder = getattr(layer, layer_name, None)
             if isinstance(holder, (nn.ModuleDict, nn.ParameterDict)):
@@ -398,7 +401,7 @@ def frozen(params: list[nn.Parameter] | Iterator[nn.Parameter]) -> Iterator[None
 
 
 def _current_state(peft_model: PeftModel) -> tuple[list[str], bool]:
-    layers = _tuner_layers(peft_model)
+    layers = tuner_layers(peft_model)
     disabled = bool(layers) and all(layer.disable_adapters for layer in layers)
     active = list(layers[0].active_adapters) if layers else [peft_model.active_adapter]
     return active, disabled

@@ -23,8 +23,9 @@ from functools import partial
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+
+from lopd_lightning.adapters import tuner_layers
 
 __all__ = ["ForwardStateRecompute", "enable_activation_checkpointing", "recorded_forwards"]
 
@@ -58,7 +59,7 @@ class _Layout:
     def __init__(self, scope: nn.Module) -> None:
         self.version = _registrations
         self.modules = list(scope.modules())
-        self.tuners = [m for m in self.modules if isinstance(m, BaseTunerLayer)]
+        self.tuners = tuner_layers(scope)
         self.params = list(scope.parameters())
 
 

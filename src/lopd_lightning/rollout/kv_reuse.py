@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lopd_lightning.adapters import tuner_layers
+
 #: tokens per hashed block of the prefix index (vLLM's default block size).
 BLOCK = 16
 
@@ -285,11 +287,9 @@ def weights_stamp(model: Any) -> tuple[Any, ...]:
     """
     params = tuple((p.data_ptr(), int(getattr(p, "_version", 0))) for p in model.parameters())
     adapters = []
-    for module in model.modules():  # peft's BaseTunerLayer: ``disable_adapters`` is a property there
-        if isinstance(getattr(type(module), "disable_adapters", None), property):
-            active = module.active_adapters
-            adapters.append((bool(module.disable_adapters),
-                             tuple(active) if isinstance(active, (list, tuple)) else (active,)))
+    for layer in tuner_layers(model):
+        active = layer.active_adapters
+        adapters.append((bool(layer.disable_adapters), tuple(active) if isinstance(active, (list, tuple)) else (active,)))
     return params + tuple(adapters)
 
 
