@@ -317,9 +317,11 @@ def parse_variant(spec: str, *, warm_start_steps: int, num_latents: int) -> dict
     return options
 
 
-def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any], *, seed: int):
+def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any], *, seed: int,
+                         cache: ComposerCache | None = None):
     """A composer built like the module's (an untrained LoRA copy, a fresh resampler seeded by ``seed``) with
-    ``options``, warm-started as the module's was; the module's own composer is left as it was."""
+    ``options``, warm-started as the module's was (or its weights from ``cache``, when a previous run of the
+    same settings kept them); the module's own composer is left as it was."""
     import torch
 
     from lopd_lightning.adapters import adapter_parameters
@@ -328,18 +330,72 @@ def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any],
     torch.manual_seed(seed)  # the resampler's initialisation
     variant = composer_on_adapter(module, module.anchor_composer.adapter_name, name,  # the untrained composer LoRA
                                   num_latents=options["num_latents"], output_gain=options["output_gain"])
-    for param in adapter_parameters(module.backbone, name):
-        param.requires_grad_(True)
-    own, steps = module.composer, module.hparams.warm_start_steps
-    module.composer, module.hparams.warm_start_steps = variant, options["warm_start_steps"]
-    try:
-        module.warm_start_composer(datamodule)
-    finally:
-        module.composer, module.hparams.warm_start_steps = own, steps
+    if cache is None or not cache.load(spec, variant, options):
+        for param in adapter_parameters(module.backbone, name):
+            param.requires_grad_(True)
+        own, steps = module.composer, module.hparams.warm_start_steps
+        module.composer, module.hparams.warm_start_steps = variant, options["warm_start_steps"]
+        try:
+            module.warm_start_composer(datamodule)
+        finally:
+            module.composer, module.hparams.warm_start_steps = own, steps
+        if cache is not None:
+            cache.save(spec, variant, options)
     variant.requires_grad_(False)
     for param in adapter_parameters(module.backbone, name):
         param.requires_grad_(False)
     return variant
+
+
+class ComposerCache:
+    """Warm-started composers kept in ``<work-dir>/composers/``, so that a run stopped part-way (or one with
+    other ``--variants``) does not redo a warm start it already paid for: one file per composer holding its
+    resampler's and its LoRA adapter's weights, and the settings that produced them. A file of other settings
+    is ignored (and overwritten); the journal's fingerprints still check that what is loaded is what was scored.
+    ``--fresh`` discards the journal, not these: a composer of the same settings and code is the same composer
+    (delete the folder to warm-start again).
+    """
+
+    def __init__(self, folder: Path, key: dict[str, Any]):
+        self.folder, self.key = Path(folder), key
+
+    def _path(self, name: str) -> Path:
+        return self.folder / ("".join(c if c.isalnum() or c in "_-" else "_" for c in name) + ".pt")
+
+    def load(self, name: str, composer, options: dict[str, Any]) -> bool:
+        """Load ``name``'s kept weights into ``composer``; False when none were kept under these settings."""
+        import torch
+
+        path = self._path(name)
+        if not path.exists():
+            return False
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("key") != {**self.key, "name": name, "options": options}:
+            return False
+        composer.resampler.load_state_dict(saved["resampler"])
+        adapter = dict(adapter_weights(composer))
+        if set(adapter) != set(saved["lora"]):
+            return False
+        with torch.no_grad():
+            for param_name, value in saved["lora"].items():
+                adapter[param_name].copy_(value)
+        return True
+
+    def save(self, name: str, composer, options: dict[str, Any]) -> None:
+        import torch
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(name)
+        state = {"key": {**self.key, "name": name, "options": options},
+                 "resampler": {k: v.detach().cpu().clone() for k, v in composer.resampler.state_dict().items()},
+                 "lora": {n: p.detach().cpu().clone() for n, p in adapter_weights(composer)}}
+        torch.save(state, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)  # atomic: a kill mid-write leaves no half file
+
+
+def adapter_weights(composer) -> list[tuple[str, Any]]:
+    """(name, parameter) of the composer's LoRA adapter on the shared backbone."""
+    return [(n, p) for n, p in composer.backbone.named_parameters() if f".{composer.adapter_name}." in n]
 
 
 def load_trained_composer(module, checkpoint: Path) -> int:
@@ -434,6 +490,15 @@ def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
             "trained_checkpoint": file_stamp(args.trained_checkpoint), "variants": args.variants}
 
 
+def warm_start_key(args: argparse.Namespace) -> dict[str, Any]:
+    """What decides a warm-started composer's weights (the composer cache's key): not the held-out questions,
+    the sampling or the variants measured beside it."""
+    from compare_runs import src_provenance
+
+    return {"src_hash": src_provenance()["src_hash"], "task": args.task, "student": file_stamp(args.student),
+            "num_experiences": args.num_experiences, "seed": args.seed}
+
+
 def collect_scores(journal: Journal):
     """Per context {question: [trajectory, ...]}, the student's sampled rewards per question, and the latents'
     RMS per batch, from the journal's scores."""
@@ -457,11 +522,7 @@ def collect_scores(journal: Journal):
 def composer_fingerprint(composer) -> float:
     """The sum of |weight| over a composer's resampler and its LoRA adapter: equal composers, equal sums."""
     total = sum(float(p.detach().abs().sum()) for p in composer.resampler.parameters())
-    adapter = composer.adapter_name
-    for name, p in composer.backbone.named_parameters():
-        if f".{adapter}." in name:
-            total += float(p.detach().abs().sum())
-    return total
+    return total + sum(float(p.detach().abs().sum()) for _, p in adapter_weights(composer))
 
 
 def file_stamp(path: Path | None) -> list[Any] | None:
@@ -525,13 +586,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     composers: dict[str, Any] = {"latent_untrained": module.anchor_composer}
     t0 = time.perf_counter()
     dm = OnPolicyDataModule(task, examples_per_step=1, seed=args.seed)
-    module.warm_start_composer(dm)
+    cache = ComposerCache(args.work_dir / "composers", warm_start_key(args))
+    own = {"output_gain": 1.0, "warm_start_steps": args.warm_start_steps, "num_latents": args.num_latents}
+    if not cache.load("latent_warm_start", module.composer, own):
+        module.warm_start_composer(dm)
+        cache.save("latent_warm_start", module.composer, own)
     timings["warm_start_s"] = time.perf_counter() - t0
     composers["latent_warm_start"] = snapshot_composer(module, "composer_warm_start")
     for spec in filter(None, (v.strip() for v in args.variants.split(","))):
         options = parse_variant(spec, warm_start_steps=args.warm_start_steps, num_latents=args.num_latents)
         t0 = time.perf_counter()
-        composers[f"latent_warm_start[{spec}]"] = warm_started_variant(module, dm, spec, options, seed=args.seed)
+        composers[f"latent_warm_start[{spec}]"] = warm_started_variant(module, dm, spec, options, seed=args.seed,
+                                                                       cache=cache)
         timings[f"warm_start[{spec}]_s"] = time.perf_counter() - t0
     if args.trained_checkpoint is not None:
         load_trained_composer(module, args.trained_checkpoint)

@@ -129,5 +129,21 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
         assert varied["contexts"][name]["teacher_greedy_success"] is not None and varied["contexts"][name]["latent_rms"] > 0
     assert varied["contexts"]["latent_warm_start[gain_embedding]"]["latent_rms"] < 0.5 * varied["contexts"]["latent_warm_start"]["latent_rms"]
     assert varied["contexts"]["latent_warm_start"] == resumed["contexts"]["latent_warm_start"]  # the module's own is untouched
+    # the warm-started composers are kept in the work dir: a second run (here a fresh journal with one variant
+    # fewer) loads them instead of warm-starting again, and scores the same composers
+    assert sorted(p.name for p in (work / "composers").glob("*.pt")) == [
+        "gain_embedding.pt", "k2_warm_0.pt", "k2_warm_2.pt", "latent_warm_start.pt"]
+    from lopd_lightning.modules import LOPDModule
+
+    def no_warm_start(self, datamodule=None):
+        raise AssertionError("warm start repeated although its composer was kept")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LOPDModule, "warm_start_composer", no_warm_start)
+        again = margin.main([*margin_args, "--fresh", "--variants", "gain_embedding,k2+warm_2"])
+        with pytest.raises(AssertionError, match="warm start repeated"):  # kept under another seed: not used
+            margin.main([*margin_args, "--fresh", "--seed", "1"])
+    for name in ("latent_warm_start", "latent_warm_start[gain_embedding]", "latent_warm_start[k2+warm_2]"):
+        assert again["contexts"][name] == varied["contexts"][name]
     with pytest.raises(SystemExit, match="--variants: unknown part 'gain2'"):
         margin.main([*margin_args, "--fresh", "--variants", "gain2"])
