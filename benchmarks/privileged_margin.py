@@ -44,6 +44,12 @@ Reported per context (``contexts.<name>``):
   failures weighed equally: the mean of ``delta_success`` and ``delta_failure``), with its interval;
 - ``teacher_greedy_success``: the fraction of held-out questions the teacher solves when it answers
   greedily itself with that context;
+- ``reference_delta_heldout`` / ``reference_delta_train`` and their ``_ci``: the same per-token delta on the
+  reference solutions, teacher-forced (the held-out questions', and as many train questions' from the
+  bank, the warm start's data): how much the context raises the log-probability of the correct answer
+  (mean over questions of the mean over its reply tokens; interval from a bootstrap over questions). A
+  context that carries the answer's information scores high on both; a composer that fits its warm start
+  without generalising, on train only;
 - ``latent_rms`` (latent contexts): the root-mean-square entry of the latents, against
   ``token_embedding_rms`` at the top level (their scale relative to what the backbone expects).
 """
@@ -209,6 +215,24 @@ def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[tupl
     return out
 
 
+def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int) -> dict[str, Any]:
+    """Every context of the measurement for ``batch`` (its rows' retrieved experiences), as
+    :func:`token_deltas` takes them."""
+    nearest = [exps[0].trace if exps else None for exps in batch.experiences]
+    randoms = [random_record(module, seed, example_id).trace for example_id in batch.example_ids]
+    contexts: dict[str, Any] = {"text_nearest": ("text", module.teacher.encode_text_context(nearest)),
+                                "text_random": ("text", module.teacher.encode_text_context(randoms))}
+    for name, composer in composers.items():
+        contexts[name] = ("latent", composer)
+    return contexts
+
+
+def reference_examples(module, task, n: int) -> list:
+    """The first ``n`` train examples whose reference solution is in the bank (the composer's warm-start data)."""
+    in_bank = {record.task_id for record in module.bank.records}
+    return [example for example in task.examples("train") if example.id in in_bank][:n]
+
+
 def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=None, max_new_tokens: int) -> str:
     """The teacher's own greedy reply to ``example`` with a text context or the latents of ``composer``."""
     import torch
@@ -253,8 +277,8 @@ def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=No
 def random_record(module, seed: int, example_id: str):
     """The ``text_random`` experience of a question: one bank record drawn by a generator seeded with the
     question's id (the same for its trajectories and for the teacher's own answer)."""
-    records = module.bank.records
-    return records[random.Random(f"{seed}:{example_id}").randrange(len(records))]
+    records = [record for record in module.bank.records if record.task_id != example_id]  # a train question's own
+    return records[random.Random(f"{seed}:{example_id}").randrange(len(records))]  # solution is not "random"
 
 
 def reply_reward(task, example, reply: str) -> float:
@@ -474,6 +498,9 @@ class Journal:
     def scored(self) -> dict[int, dict[str, Any]]:
         return {line["batch"]: line for line in self.lines if line["kind"] == "scores"}
 
+    def references(self, split: str) -> dict[int, dict[str, Any]]:
+        return {line["batch"]: line for line in self.lines if line["kind"] == "reference" and line["split"] == split}
+
     def greedy(self) -> dict[tuple[str, str], float]:
         return {(line["who"], line["id"]): line["reward"] for line in self.lines if line["kind"] == "greedy"}
 
@@ -614,13 +641,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         examples = heldout[i : i + args.batch_questions]
         with torch.no_grad():
             batch = module.make_batch(task, examples)  # rollout seeds hash (seed, step 0, question, sample)
-        contexts: dict[str, Any] = {}
-        nearest = [exps[0].trace if exps else None for exps in batch.experiences]
-        randoms = [random_record(module, args.seed, example_id).trace for example_id in batch.example_ids]
-        contexts["text_nearest"] = ("text", module.teacher.encode_text_context(nearest))
-        contexts["text_random"] = ("text", module.teacher.encode_text_context(randoms))
-        for name, composer in composers.items():
-            contexts[name] = ("latent", composer)
+        contexts = teacher_contexts(module, batch, composers, seed=args.seed)
         deltas = token_deltas(module, batch, contexts)
         rows = [{"id": example_id, "reward": float(reward), "deltas": {name: deltas[name][row] for name in contexts}}
                 for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True))]
@@ -630,6 +651,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     timings["sample_and_score_s"] = time.perf_counter() - t0
     per_question, student_rewards, rms = collect_scores(journal)
+
+    # the reference solutions, teacher-forced: how much each context raises the log-probability of the
+    # correct answer, on the held-out questions and on as many train questions (the warm start's own data)
+    t0 = time.perf_counter()
+    references: dict[str, dict[str, dict[str, list[Trajectory]]]] = {}
+    for split, examples in (("heldout", heldout), ("train", reference_examples(module, task, len(heldout)))):
+        done = journal.references(split)
+        for b, i in enumerate(range(0, len(examples), args.batch_questions)):
+            if b in done:
+                continue
+            chunk = examples[i : i + args.batch_questions]
+            with torch.no_grad():
+                batch = module.reference_batch(task, chunk)
+                batch.experiences = module.retrieve(task, chunk)
+                deltas = token_deltas(module, batch, teacher_contexts(module, batch, composers, seed=args.seed))
+            journal.append({"kind": "reference", "split": split, "batch": b, "rows": [
+                {"id": example_id, "deltas": {name: value[row] for name, value in deltas.items()}}
+                for row, example_id in enumerate(batch.example_ids)]})
+        for line in journal.references(split).values():
+            for row in line["rows"]:
+                for name, (mean, total, n) in row["deltas"].items():
+                    references.setdefault(name, {}).setdefault(split, {})[row["id"]] = [(1.0, mean, total, int(n))]
+    timings["references_s"] = time.perf_counter() - t0
 
     # greedy success: the student's own (the rollout code) and each teacher's (its context in the prompt)
     t0 = time.perf_counter()
@@ -695,6 +739,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry["teacher_greedy_success"] = teacher_success.get(name)
         if name in rms:
             entry["latent_rms"] = sum(rms[name]) / len(rms[name])
+        for split, per_reference in references.get(name, {}).items():
+            entry[f"reference_delta_{split}"] = trajectory_stats(per_reference)
+            entry[f"reference_delta_{split}_ci"] = bootstrap_ci(per_reference, resamples=args.resamples, seed=args.seed)
         results["contexts"][name] = entry
     results.update(run_metadata(seed=args.seed, argv=argv))
     write_json_atomic(results, args.out)

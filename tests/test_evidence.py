@@ -5,6 +5,7 @@ run of each on the toy task (seconds)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -49,6 +50,16 @@ def test_bootstrap_interval_resamples_questions_and_covers_the_mean(margin):
     q1q1, q2q2 = (0.4 + 0.2) / 2, (-0.1 - 0.3) / 2
     assert ci[0] == pytest.approx(q2q2) and ci[1] == pytest.approx(q1q1)
     assert margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3) == margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3)
+
+
+def test_random_context_is_never_the_question_own_solution(margin):
+    from types import SimpleNamespace
+
+    records = [SimpleNamespace(task_id=f"q{i}", trace=f"solution {i}") for i in range(3)]
+    module = SimpleNamespace(bank=SimpleNamespace(records=records))
+    drawn = {margin.random_record(module, seed, "q1").task_id for seed in range(40)}
+    assert drawn == {"q0", "q2"}  # a train question's own solution would be the nearest, not a random, example
+    assert margin.random_record(module, 7, "val/3") is margin.random_record(module, 7, "val/3")  # seeded by id
 
 
 def test_the_journal_survives_a_line_cut_short_and_names_the_settings_that_differ(margin, tmp_path):
@@ -103,6 +114,9 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
         entry = data["contexts"][name]
         assert set(entry) >= {"delta_mean", "delta_ci", "delta_success", "delta_failure", "delta_mixed_groups",
                               "separation", "teacher_greedy_success", "delta_balanced", "delta_balanced_ci"}
+        for split in ("heldout", "train"):  # the reference solutions, teacher-forced under each context
+            low, high = entry[f"reference_delta_{split}_ci"]
+            assert math.isfinite(entry[f"reference_delta_{split}"]) and low <= entry[f"reference_delta_{split}"] <= high
 
     # a run stopped part-way continues from its journal: drop the last batch's scores and a teacher's answers,
     # run again, and every number is the same (the journal keeps what was finished; rollouts are seeded by
@@ -110,7 +124,8 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     journal = work / "journal.jsonl"
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
     kept = [line for line in lines if not (line["kind"] == "scores" and line["batch"] == 1)
-            and not (line["kind"] == "greedy" and line["who"] == "text_random")]
+            and not (line["kind"] == "greedy" and line["who"] == "text_random")
+            and not (line["kind"] == "reference" and line["split"] == "train" and line["batch"] == 0)]
     journal.write_text("".join(json.dumps(line) + "\n" for line in kept))
     resumed = margin.main(margin_args)
     for key in ("n_trajectories", "n_mixed_groups", "student_greedy_success"):
