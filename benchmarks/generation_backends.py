@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval-questions", type=int, default=65, help="held-out questions answered greedily (0: none)")
     parser.add_argument("--eval-batch-sizes", default="none",
                         help="comma list of generation_batch_size values for the held-out evaluation (none: all at once)")
-    parser.add_argument("--backends", default="hf,vllm", help="comma list of backends to measure: hf, hf_no_reuse, vllm")
+    parser.add_argument("--backends", default="hf,vllm", help="comma list of backends to measure: the registered ones (hf, vllm) and hf_no_reuse")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "generation_backends.json")
@@ -94,13 +94,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     task = get_task("bfcl_live_simple")
     train, held_out = task.examples("train"), task.examples("val")[: args.eval_questions]
 
-    backends = {"hf": make_backend("hf", model, tokenizer)} if "hf" in names else {}
-    if "hf_no_reuse" in names:  # the HF backend's reference path: every context prefilled whole every turn
-        backends["hf_no_reuse"] = HFGenerateBackend(model, tokenizer, reuse_prefixes=False)
-    start = time.perf_counter()
-    if "vllm" in names:
-        backends["vllm"] = make_backend("vllm", model, tokenizer, options={"max_model_len": 2048, "kv_cache_gib": 2})
-    vllm_start_s = time.perf_counter() - start if "vllm" in names else None
+    backends: dict[str, Any] = {}
+    vllm_start_s = None
+    for backend_name in names:
+        start = time.perf_counter()
+        if backend_name == "hf_no_reuse":  # the HF backend's reference path: every context prefilled whole every turn
+            backends[backend_name] = HFGenerateBackend(model, tokenizer, reuse_prefixes=False)
+        elif backend_name == "vllm":
+            backends[backend_name] = make_backend("vllm", model, tokenizer, options={"max_model_len": 2048, "kv_cache_gib": 2})
+            vllm_start_s = time.perf_counter() - start
+        else:
+            backends[backend_name] = make_backend(backend_name, model, tokenizer)
     eval_sizes = [None if x.strip() == "none" else int(x) for x in args.eval_batch_sizes.split(",")]
 
     layouts: dict[str, dict[str, Any]] = {}

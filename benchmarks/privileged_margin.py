@@ -13,8 +13,9 @@ section 5). Contexts:
 - ``text_nearest``: the top-1 retrieved bank experience (exact cosine over MiniLM embeddings of the task
   text) as text, in the framing the latents use ("Here is a reference example ...", "Now complete your
   task.");
-- ``text_random``: a random bank experience, the same one for every trajectory of a question and for the
-  teacher's own answer to it (seeded by the question's id), same framing;
+- ``text_random``: a random bank experience (never the question's own solution), the same one for every
+  trajectory of a question and for the teacher's own answer to it (seeded by the question's id), same
+  framing;
 - ``latent_untrained``: the latents of the freshly initialised composer (J experiences, K latents each);
 - ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
   (L_init on the bank's successful train trajectories);
@@ -45,11 +46,12 @@ Reported per context (``contexts.<name>``):
 - ``teacher_greedy_success``: the fraction of held-out questions the teacher solves when it answers
   greedily itself with that context;
 - ``reference_delta_heldout`` / ``reference_delta_train`` and their ``_ci``: the same per-token delta on the
-  reference solutions, teacher-forced (the held-out questions', and as many train questions' from the
-  bank, the warm start's data): how much the context raises the log-probability of the correct answer
-  (mean over questions of the mean over its reply tokens; interval from a bootstrap over questions). A
-  context that carries the answer's information scores high on both; a composer that fits its warm start
-  without generalising, on train only;
+  reference solutions, teacher-forced: those of the held-out questions that pass the checker, and those
+  of up to as many train questions the warm start trained on (its draws replayed by
+  :func:`warm_start_examples`): how much the context raises the log-probability of the correct answer
+  (mean over questions of the mean over its reply tokens; interval from a bootstrap over questions).
+  A context that carries the answer's information scores high on both; a composer that fits its warm
+  start without generalising, on train only (``n_reference_questions`` gives the two counts);
 - ``latent_rms`` (latent contexts): the root-mean-square entry of the latents, against
   ``token_embedding_rms`` at the top level (their scale relative to what the backbone expects).
 """
@@ -67,10 +69,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
+from common import REPO_ROOT, package_versions, run_metadata, write_json_atomic  # noqa: E402
 
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+#: bump when this script's warm start of a composer changes (the composer cache's key holds it)
+CACHE_VERSION = 1
 CONTEXTS = ("text_nearest", "text_random", "latent_untrained", "latent_warm_start", "latent_trained")
 
 
@@ -227,10 +231,22 @@ def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int) -> 
     return contexts
 
 
-def reference_examples(module, task, n: int) -> list:
-    """The first ``n`` train examples whose reference solution is in the bank (the composer's warm-start data)."""
-    in_bank = {record.task_id for record in module.bank.records}
-    return [example for example in task.examples("train") if example.id in in_bank][:n]
+def warm_start_examples(module, datamodule, n: int) -> list:
+    """The first ``n`` distinct train examples that ``module.warm_start_composer(datamodule)`` trains on, in
+    the order it draws them: its draws replayed (the same successful train records of the bank, the same
+    generator seeded by ``hparams.seed``, ``warm_start_steps`` batches of ``warm_start_batch_size``), so
+    every composer warm-started here, the variants with more steps included, has fitted these."""
+    import torch
+
+    hp = module.hparams
+    known = {example.id for example in datamodule.train_examples}
+    records = [r for r in module.bank.records if r.reward >= hp.success_threshold and r.task_id in known]
+    generator = torch.Generator().manual_seed(int(hp.seed))
+    seen: dict[str, None] = {}
+    for _ in range(hp.warm_start_steps if records else 0):
+        for i in torch.randint(len(records), (hp.warm_start_batch_size,), generator=generator).tolist():
+            seen.setdefault(records[i].task_id, None)
+    return [datamodule.example(task_id) for task_id in seen][:n]
 
 
 def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=None, max_new_tokens: int) -> str:
@@ -374,10 +390,11 @@ def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any],
 class ComposerCache:
     """Warm-started composers kept in ``<work-dir>/composers/``, so that a run stopped part-way (or one with
     other ``--variants``) does not redo a warm start it already paid for: one file per composer holding its
-    resampler's and its LoRA adapter's weights, and the settings that produced them. A file of other settings
-    is ignored (and overwritten); the journal's fingerprints still check that what is loaded is what was scored.
-    ``--fresh`` discards the journal, not these: a composer of the same settings and code is the same composer
-    (delete the folder to warm-start again).
+    resampler's and its LoRA adapter's weights, and the settings that produced them (the ``src/`` hash, this
+    script's :data:`CACHE_VERSION`, the module's hyperparameters, the library versions, the student, and the
+    composer's own options). A file of other settings, other shapes, or one that cannot be read is ignored
+    (and overwritten after a new warm start); the journal's fingerprints still check that what is loaded is
+    what was scored. ``--fresh`` discards the journal, not these (delete the folder to warm-start again).
     """
 
     def __init__(self, folder: Path, key: dict[str, Any]):
@@ -387,22 +404,28 @@ class ComposerCache:
         return self.folder / ("".join(c if c.isalnum() or c in "_-" else "_" for c in name) + ".pt")
 
     def load(self, name: str, composer, options: dict[str, Any]) -> bool:
-        """Load ``name``'s kept weights into ``composer``; False when none were kept under these settings."""
+        """Load ``name``'s kept weights into ``composer`` (nothing is touched unless every tensor's name and
+        shape match); False when none were kept under these settings."""
         import torch
 
         path = self._path(name)
-        if not path.exists():
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # missing, cut short or written by another torch: warm-start again
             return False
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if saved.get("key") != {**self.key, "name": name, "options": options}:
+        if not isinstance(saved, dict) or saved.get("key") != {**self.key, "name": name, "options": options}:
             return False
-        composer.resampler.load_state_dict(saved["resampler"])
-        adapter = dict(adapter_weights(composer))
-        if set(adapter) != set(saved["lora"]):
+        own_resampler = composer.resampler.state_dict()
+        lora = composer.lora_parameters()
+        kept_resampler, kept_lora = saved.get("resampler", {}), saved.get("lora", [])
+        if (set(kept_resampler) != set(own_resampler)
+                or any(kept_resampler[k].shape != v.shape for k, v in own_resampler.items())
+                or len(kept_lora) != len(lora) or any(k.shape != p.shape for k, p in zip(kept_lora, lora))):
             return False
+        composer.resampler.load_state_dict(kept_resampler)
         with torch.no_grad():
-            for param_name, value in saved["lora"].items():
-                adapter[param_name].copy_(value)
+            for param, value in zip(lora, kept_lora, strict=True):
+                param.copy_(value)
         return True
 
     def save(self, name: str, composer, options: dict[str, Any]) -> None:
@@ -412,14 +435,13 @@ class ComposerCache:
         path = self._path(name)
         state = {"key": {**self.key, "name": name, "options": options},
                  "resampler": {k: v.detach().cpu().clone() for k, v in composer.resampler.state_dict().items()},
-                 "lora": {n: p.detach().cpu().clone() for n, p in adapter_weights(composer)}}
-        torch.save(state, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)  # atomic: a kill mid-write leaves no half file
-
-
-def adapter_weights(composer) -> list[tuple[str, Any]]:
-    """(name, parameter) of the composer's LoRA adapter on the shared backbone."""
-    return [(n, p) for n, p in composer.backbone.named_parameters() if f".{composer.adapter_name}." in n]
+                 "lora": [p.detach().cpu().clone() for p in composer.lora_parameters()]}
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        with tmp.open("wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a kill mid-write leaves no half file
 
 
 def load_trained_composer(module, checkpoint: Path) -> int:
@@ -441,7 +463,8 @@ def load_trained_composer(module, checkpoint: Path) -> int:
 class Journal:
     """Finished work of one measurement, appended line by line to ``<work-dir>/journal.jsonl``, so that a run
     stopped part-way (a session's end) continues where it stopped: the scores of each batch of questions,
-    and each greedy answer (the student's and every teacher's), are kept once written.
+    each batch of teacher-forced reference solutions, and each greedy answer (the student's and every
+    teacher's), are kept once written.
 
     The first line holds what decides the numbers (task, student, checkpoint, settings) and a fingerprint of
     each composer; a journal written under other settings, or by a warm start that does not reproduce, is
@@ -517,13 +540,15 @@ def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
             "trained_checkpoint": file_stamp(args.trained_checkpoint), "variants": args.variants}
 
 
-def warm_start_key(args: argparse.Namespace) -> dict[str, Any]:
-    """What decides a warm-started composer's weights (the composer cache's key): not the held-out questions,
-    the sampling or the variants measured beside it."""
+def warm_start_key(args: argparse.Namespace, module) -> dict[str, Any]:
+    """What decides a warm-started composer's weights (the composer cache's key): the code (``src/`` hash,
+    :data:`CACHE_VERSION`), the libraries, the student, the module's hyperparameters (LoRA, composer, warm
+    start, retrieval, seed); not the held-out questions, the sampling or the variants measured beside it."""
     from compare_runs import src_provenance
 
-    return {"src_hash": src_provenance()["src_hash"], "task": args.task, "student": file_stamp(args.student),
-            "num_experiences": args.num_experiences, "seed": args.seed}
+    return {"src_hash": src_provenance()["src_hash"], "version": CACHE_VERSION, "libraries": package_versions(),
+            "task": args.task, "student": file_stamp(args.student),
+            "hparams": json.loads(json.dumps(dict(module.hparams), sort_keys=True, default=str))}
 
 
 def collect_scores(journal: Journal):
@@ -549,7 +574,7 @@ def collect_scores(journal: Journal):
 def composer_fingerprint(composer) -> float:
     """The sum of |weight| over a composer's resampler and its LoRA adapter: equal composers, equal sums."""
     total = sum(float(p.detach().abs().sum()) for p in composer.resampler.parameters())
-    return total + sum(float(p.detach().abs().sum()) for _, p in adapter_weights(composer))
+    return total + sum(float(p.detach().abs().sum()) for p in composer.lora_parameters())
 
 
 def file_stamp(path: Path | None) -> list[Any] | None:
@@ -581,7 +606,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "privileged_margin.json")
     parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "runs" / "evidence" / "privileged_margin",
                         help="the journal of finished work: a stopped run continues from it")
-    parser.add_argument("--fresh", action="store_true", help="discard the journal and start over")
+    parser.add_argument("--fresh", action="store_true", help="discard the journal and start over (the warm-started "
+                        "composers kept in <work-dir>/composers are still used; delete that folder to warm-start again)")
     parser.add_argument("--variants", default="", help="comma-separated composer variants, each warm-started and "
                         "measured as context latent_warm_start[<variant>] (gain_embedding, warm_<steps>, k<latents>, "
                         "joined by +)")
@@ -613,9 +639,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     composers: dict[str, Any] = {"latent_untrained": module.anchor_composer}
     t0 = time.perf_counter()
     dm = OnPolicyDataModule(task, examples_per_step=1, seed=args.seed)
-    cache = ComposerCache(args.work_dir / "composers", warm_start_key(args))
+    cache = ComposerCache(args.work_dir / "composers", warm_start_key(args, module))
     own = {"output_gain": 1.0, "warm_start_steps": args.warm_start_steps, "num_latents": args.num_latents}
-    if not cache.load("latent_warm_start", module.composer, own):
+    if cache.load("latent_warm_start", module.composer, own):
+        module.warm_started = True
+    else:
         module.warm_start_composer(dm)
         cache.save("latent_warm_start", module.composer, own)
     timings["warm_start_s"] = time.perf_counter() - t0
@@ -653,10 +681,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_question, student_rewards, rms = collect_scores(journal)
 
     # the reference solutions, teacher-forced: how much each context raises the log-probability of the
-    # correct answer, on the held-out questions and on as many train questions (the warm start's own data)
+    # correct answer, on the held-out questions (those whose reference passes the checker) and on as many
+    # train questions as the warm start drew (its own data)
     t0 = time.perf_counter()
     references: dict[str, dict[str, dict[str, list[Trajectory]]]] = {}
-    for split, examples in (("heldout", heldout), ("train", reference_examples(module, task, len(heldout)))):
+    solvable = [example for example in heldout if module.reference_trajectory(task, example)[1] >= 1.0]
+    for split, examples in (("heldout", solvable), ("train", warm_start_examples(module, dm, len(heldout)))):
         done = journal.references(split)
         for b, i in enumerate(range(0, len(examples), args.batch_questions)):
             if b in done:
@@ -721,6 +751,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         / max(1, sum(len(v) for v in student_rewards.values())),
         "student_greedy_success": sum(r >= 1.0 for r in student_greedy) / len(heldout),
         "bank_size": n_bank,
+        "n_reference_questions": {split: len(next(iter(references.values()), {}).get(split, {}))
+                                  for split in ("heldout", "train")},
         "settings": {"samples": args.samples, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
                      "num_latents": args.num_latents, "num_experiences": args.num_experiences,
                      "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,

@@ -160,5 +160,29 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
             margin.main([*margin_args, "--fresh", "--seed", "1"])
     for name in ("latent_warm_start", "latent_warm_start[gain_embedding]", "latent_warm_start[k2+warm_2]"):
         assert again["contexts"][name] == varied["contexts"][name]
+    # the train references are the questions the warm start drew: its draws replayed, checked against the draws
+    # a real warm start makes (its reference batches, recorded)
+    drawn: list[str] = []
+    reference_batch = LOPDModule.reference_batch
+
+    def recording(self, task, examples):
+        drawn.extend(example.id for example in examples)
+        return reference_batch(self, task, examples)
+
+    for path in (work / "composers").glob("*.pt"):
+        path.unlink()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LOPDModule, "reference_batch", recording)
+        margin.main([*margin_args, "--fresh", "--warm-start-steps", "3"])
+    warm = drawn[: 3 * 2]  # warm_start_steps batches of warm_start_batch_size, before the reference batches
+    built = margin.build_module(margin.argparse.Namespace(student=student, samples=2, max_new_tokens=6, num_latents=8,
+                                                          num_experiences=2, warm_start_steps=3, seed=0))
+    from lopd_lightning.data import OnPolicyDataModule
+    from lopd_lightning.tasks import get_task
+
+    task = get_task("toy")
+    margin.fill_bank(built, task)
+    replayed = margin.warm_start_examples(built, OnPolicyDataModule(task, examples_per_step=1, seed=0), 100)
+    assert [e.id for e in replayed] == list(dict.fromkeys(warm)) and replayed
     with pytest.raises(SystemExit, match="--variants: unknown part 'gain2'"):
         margin.main([*margin_args, "--fresh", "--variants", "gain2"])

@@ -37,8 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lopd_lightning.adapters import tuner_layers
-
 #: tokens per hashed block of the prefix index (vLLM's default block size).
 BLOCK = 16
 
@@ -285,6 +283,8 @@ def weights_stamp(model: Any) -> tuple[Any, ...]:
     guarantee is the session's scope (nothing is kept beyond one :func:`~lopd_lightning.rollout.
     generate_rollouts` call) plus ``sync_weights``; this stamp only catches some changes made inside it.
     """
+    from lopd_lightning.adapters import tuner_layers  # lazy: peft is imported only when a stamp is taken
+
     params = tuple((p.data_ptr(), int(getattr(p, "_version", 0))) for p in model.parameters())
     adapters = []
     for layer in tuner_layers(model):
