@@ -344,7 +344,7 @@ def parse_variant(spec: str, *, warm_start_steps: int, num_latents: int) -> dict
         SystemExit: an unknown part (one line naming ``--variants``).
     """
     options: dict[str, Any] = {"output_gain": 1.0, "warm_start_steps": warm_start_steps, "num_latents": num_latents}
-    for part in spec.split("+"):
+    for part in filter(None, spec.split("+")):  # "": the measurement's own settings
         if part == "gain_embedding":
             options["output_gain"] = "embedding"
         elif part.startswith("warm_") and part[5:].isdigit():
@@ -370,7 +370,7 @@ def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any],
     torch.manual_seed(seed)  # the resampler's initialisation
     variant = composer_on_adapter(module, module.anchor_composer.adapter_name, name,  # the untrained composer LoRA
                                   num_latents=options["num_latents"], output_gain=options["output_gain"])
-    if cache is None or not cache.load(spec, variant, options):
+    def warm_start() -> None:
         for param in adapter_parameters(module.backbone, name):
             param.requires_grad_(True)
         own, steps = module.composer, module.hparams.warm_start_steps
@@ -379,8 +379,11 @@ def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any],
             module.warm_start_composer(datamodule)
         finally:
             module.composer, module.hparams.warm_start_steps = own, steps
-        if cache is not None:
-            cache.save(spec, variant, options)
+
+    if cache is None:
+        warm_start()
+    else:
+        cache.load_or_warm_start(spec, variant, options, warm_start)
     variant.requires_grad_(False)
     for param in adapter_parameters(module.backbone, name):
         param.requires_grad_(False)
@@ -427,6 +430,15 @@ class ComposerCache:
             for param, value in zip(lora, kept_lora, strict=True):
                 param.copy_(value)
         return True
+
+    def load_or_warm_start(self, name: str, composer, options: dict[str, Any], warm_start) -> bool:
+        """Load ``name``'s kept weights into ``composer``, or call ``warm_start()`` and keep what it made.
+        Returns whether they were loaded."""
+        if self.load(name, composer, options):
+            return True
+        warm_start()
+        self.save(name, composer, options)
+        return False
 
     def save(self, name: str, composer, options: dict[str, Any]) -> None:
         import torch
@@ -640,12 +652,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     dm = OnPolicyDataModule(task, examples_per_step=1, seed=args.seed)
     cache = ComposerCache(args.work_dir / "composers", warm_start_key(args, module))
-    own = {"output_gain": 1.0, "warm_start_steps": args.warm_start_steps, "num_latents": args.num_latents}
-    if cache.load("latent_warm_start", module.composer, own):
+    own = parse_variant("", warm_start_steps=args.warm_start_steps, num_latents=args.num_latents)
+    if cache.load_or_warm_start("latent_warm_start", module.composer, own, lambda: module.warm_start_composer(dm)):
         module.warm_started = True
-    else:
-        module.warm_start_composer(dm)
-        cache.save("latent_warm_start", module.composer, own)
     timings["warm_start_s"] = time.perf_counter() - t0
     composers["latent_warm_start"] = snapshot_composer(module, "composer_warm_start")
     for spec in filter(None, (v.strip() for v in args.variants.split(","))):
@@ -686,7 +695,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     references: dict[str, dict[str, dict[str, list[Trajectory]]]] = {}
     solvable = [example for example in heldout if module.reference_trajectory(task, example)[1] >= 1.0]
-    for split, examples in (("heldout", solvable), ("train", warm_start_examples(module, dm, len(heldout)))):
+    reference_sets = {"heldout": solvable, "train": warm_start_examples(module, dm, len(heldout))}
+    for split, examples in reference_sets.items():
         done = journal.references(split)
         for b, i in enumerate(range(0, len(examples), args.batch_questions)):
             if b in done:
@@ -751,8 +761,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         / max(1, sum(len(v) for v in student_rewards.values())),
         "student_greedy_success": sum(r >= 1.0 for r in student_greedy) / len(heldout),
         "bank_size": n_bank,
-        "n_reference_questions": {split: len(next(iter(references.values()), {}).get(split, {}))
-                                  for split in ("heldout", "train")},
+        "n_reference_questions": {split: len(examples) for split, examples in reference_sets.items()},
         "settings": {"samples": args.samples, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
                      "num_latents": args.num_latents, "num_experiences": args.num_experiences,
                      "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
