@@ -23,7 +23,8 @@ section 5). Contexts:
 - ``latent_warm_start[<variant>]`` (``--variants``, the investigation of why latents move the teacher so
   little): a composer warm-started like ``latent_warm_start`` with one thing changed: ``gain_embedding``
   (the resampler's output starts at the token embeddings' RMS instead of 1), ``warm_<N>`` (N warm-start
-  steps), ``k<N>`` (K = N latents per experience), or a ``+`` join of them. A variant's resampler starts
+  steps), ``k<N>`` (K = N latents per experience), ``lr<X>`` (the warm start's learning rate X instead of
+  ``composer_lr``), or a ``+`` join of them. A variant's resampler starts
   from ``torch.manual_seed(--seed)``, not from the module's own initialisation: ``warm_<--warm-start-steps>``
   is the control that changes nothing else.
   Its latents condition the same teacher as every other context (the start student's weights, not the
@@ -336,9 +337,12 @@ def snapshot_composer(module, name: str):
 
 
 def parse_variant(spec: str, *, warm_start_steps: int, num_latents: int) -> dict[str, Any]:
-    """A composer variant of the investigation, e.g. ``gain_embedding``, ``warm_100``, ``k32`` or a ``+``
-    join of them: the output gain ("embedding": the latents start at the token embeddings' RMS), the warm
-    start's length and K; what a variant does not name is the measurement's own setting.
+    """A composer variant of the investigation, e.g. ``gain_embedding``, ``warm_100``, ``k32``, ``lr1e-3`` or
+    a ``+`` join of them: the output gain ("embedding": the latents start at the token embeddings' RMS), the
+    warm start's length, K and the warm start's learning rate (the module's ``composer_lr`` otherwise); what
+    a variant does not name is the measurement's own setting. The batch size is not a part: the train
+    references are the draws of the module's warm start, which a longer warm start extends and another
+    learning rate repeats, but another batch size would not.
 
     Raises:
         SystemExit: an unknown part (one line naming ``--variants``).
@@ -351,10 +355,19 @@ def parse_variant(spec: str, *, warm_start_steps: int, num_latents: int) -> dict
             options["warm_start_steps"] = int(part[5:])
         elif part.startswith("k") and part[1:].isdigit() and int(part[1:]) >= 1:
             options["num_latents"] = int(part[1:])
+        elif part.startswith("lr") and _positive_float(part[2:]):
+            options["composer_lr"] = float(part[2:])  # only when named: the kept composers' keys stay as they were
         else:
             raise SystemExit(f"error: --variants: unknown part {part!r} of {spec!r}; use gain_embedding, warm_<steps>, "
-                             "k<latents>, joined by +")
+                             "k<latents>, lr<learning rate>, joined by +")
     return options
+
+
+def _positive_float(text: str) -> bool:
+    try:
+        return math.isfinite(value := float(text)) and value > 0
+    except ValueError:
+        return False
 
 
 def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any], *, seed: int,
@@ -373,12 +386,14 @@ def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any],
     def warm_start() -> None:
         for param in adapter_parameters(module.backbone, name):
             param.requires_grad_(True)
-        own, steps = module.composer, module.hparams.warm_start_steps
-        module.composer, module.hparams.warm_start_steps = variant, options["warm_start_steps"]
+        hp = module.hparams
+        own, steps, lr = module.composer, hp.warm_start_steps, hp.composer_lr
+        module.composer, hp.warm_start_steps = variant, options["warm_start_steps"]
+        hp.composer_lr = options.get("composer_lr", lr)
         try:
             module.warm_start_composer(datamodule)
         finally:
-            module.composer, module.hparams.warm_start_steps = own, steps
+            module.composer, hp.warm_start_steps, hp.composer_lr = own, steps, lr
 
     if cache is None:
         warm_start()
@@ -622,7 +637,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "composers kept in <work-dir>/composers are still used; delete that folder to warm-start again)")
     parser.add_argument("--variants", default="", help="comma-separated composer variants, each warm-started and "
                         "measured as context latent_warm_start[<variant>] (gain_embedding, warm_<steps>, k<latents>, "
-                        "joined by +)")
+                        "lr<learning rate>, joined by +)")
     args = parser.parse_args(argv)
 
     import lightning as L

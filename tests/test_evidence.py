@@ -136,10 +136,18 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
         margin.main([*margin_args, "--samples", "3"])
     assert margin.main([*margin_args, "--samples", "3", "--fresh"])["n_trajectories"] == 9
     # the investigation's variants: each a warm-started composer with one thing changed, measured as a context
-    varied = margin.main([*margin_args, "--fresh", "--variants", "gain_embedding,k2+warm_2,k2+warm_0"])
-    # the warm start really trains a variant's composer: with 0 steps its latents are different
-    trained, untrained = (varied["contexts"][f"latent_warm_start[k2+warm_{n}]"] for n in (2, 0))
+    varied = margin.main([*margin_args, "--fresh", "--variants", "gain_embedding,k2+warm_2,k2+warm_0,k2+warm_2+lr0.05"])
+    # the warm start really trains a variant's composer: with 0 steps its latents are different, and with
+    # another learning rate (the same draws, the same initialisation) different again
+    trained, untrained, faster = (varied["contexts"][f"latent_warm_start[{v}]"] for v in ("k2+warm_2", "k2+warm_0", "k2+warm_2+lr0.05"))
     assert trained["latent_rms"] != untrained["latent_rms"] and trained["delta_mean"] != untrained["delta_mean"]
+    assert faster["latent_rms"] not in (trained["latent_rms"], untrained["latent_rms"])
+    assert margin.parse_variant("lr3e-4+warm_7", warm_start_steps=2, num_latents=8) == {
+        "output_gain": 1.0, "warm_start_steps": 7, "num_latents": 8, "composer_lr": 3e-4}
+    assert "composer_lr" not in margin.parse_variant("warm_7", warm_start_steps=2, num_latents=8)  # kept keys unchanged
+    for bad in ("lr0", "lr-1", "lrnan", "lrx"):
+        with pytest.raises(SystemExit, match=f"--variants: unknown part '{bad}'"):
+            margin.parse_variant(bad, warm_start_steps=2, num_latents=8)
     for name in ("latent_warm_start[gain_embedding]", "latent_warm_start[k2+warm_2]"):
         assert varied["contexts"][name]["teacher_greedy_success"] is not None and varied["contexts"][name]["latent_rms"] > 0
     assert varied["contexts"]["latent_warm_start[gain_embedding]"]["latent_rms"] < 0.5 * varied["contexts"]["latent_warm_start"]["latent_rms"]
@@ -147,7 +155,7 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     # the warm-started composers are kept in the work dir: a second run (here a fresh journal with one variant
     # fewer) loads them instead of warm-starting again, and scores the same composers
     assert sorted(p.name for p in (work / "composers").glob("*.pt")) == [
-        "gain_embedding.pt", "k2_warm_0.pt", "k2_warm_2.pt", "latent_warm_start.pt"]
+        "gain_embedding.pt", "k2_warm_0.pt", "k2_warm_2.pt", "k2_warm_2_lr0_05.pt", "latent_warm_start.pt"]
     from lopd_lightning.modules import LOPDModule
 
     def no_warm_start(self, datamodule=None):
