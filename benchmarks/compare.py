@@ -123,6 +123,11 @@ class RunSpec:
 
 
 # ---------------------------------------------------------------------- plans
+def smooth_window(steps: int) -> int:
+    """The default trailing-mean window (steps) of a run's final training reward: a quarter of its steps, at least 3."""
+    return max(3, steps // 4)
+
+
 def evidence_plan(seeds: dict[str, int] | None = None) -> list[tuple[str, int]]:
     """``(method, seed)`` in the evidence order of issue 17: LOPD and GRPO seed 0, then their further
     seeds (LOPD 1, GRPO 1, LOPD 2, ...), then SDPO, lopd_m0, OPSD and Skill-SD with their seeds, then the
@@ -363,8 +368,10 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
     result = finished_result(spec, config, run_dir, attempts)
     write_json_atomic(result, result_path)
     last = result["evaluations"][-1]
-    print(f"   {attempts[-1]['wall_s']:.0f} s, final reward {result['curve'][-1][1] if result['curve'] else float('nan'):.3f}, "
-          f"held-out {last['solved']}/{last['questions']} -> {result_path}", flush=True)
+    rewards = [reward for _, reward in result["curve"]]
+    window = rewards[-smooth_window(len(rewards)):]  # the aggregate's "final reward": the trailing mean
+    print(f"   {attempts[-1]['wall_s']:.0f} s, train reward {sum(window) / len(window) if window else float('nan'):.3f} "
+          f"(mean of the last {len(window)} steps), held-out {last['solved']}/{last['questions']} -> {result_path}", flush=True)
     return result
 
 
@@ -432,7 +439,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     first = runs[0]
     results = summarise(by_method, task=str(first["task"]), model=str(first["model"]),
                         budget=int(first["budget_trajectories"]), n_boot=args.bootstrap,
-                        smooth_window=args.smooth or max(3, int(first["steps"]) // 4))
+                        smooth_window=args.smooth or smooth_window(int(first["steps"])))
     results.update(val_metric=VAL_METRIC, generation_backend=first["generation_backend"], **first["src"],
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    run_files=[r["path"] for r in runs])
