@@ -53,6 +53,10 @@ Reported per context (``contexts.<name>``):
   (mean over questions of the mean over its reply tokens; interval from a bootstrap over questions).
   A context that carries the answer's information scores high on both; a composer that fits its warm
   start without generalising, on train only (``n_reference_questions`` gives the two counts);
+- ``reference_nll_heldout`` / ``reference_nll_train`` and their ``_ci`` (top level): the start student's
+  own negative log-likelihood of those reference solutions with no context (nats per token, mean over
+  questions; interval from a bootstrap over questions): the room any context has to raise it. A student
+  fine-tuned on the train split's references has little left there;
 - ``latent_rms`` (latent contexts): the root-mean-square entry of the latents, against
   ``token_embedding_rms`` at the top level (their scale relative to what the backbone expects).
 """
@@ -218,6 +222,22 @@ def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[tupl
             sums = ((teacher - student) * mask).sum(dim=1)
             out[name] = list(zip((sums / counts).tolist(), sums.tolist(), mask.sum(dim=1).tolist(), strict=True))
     return out
+
+
+def student_reference_nll(module, batch) -> list[tuple[float, float, int]]:
+    """Per row of a batch of reference solutions, the student's own negative log-likelihood of its assistant
+    tokens with no context: (the mean over those tokens, in nats per token; their sum; the token count)."""
+    import torch
+
+    from lopd_lightning.lm import unpack
+    from lopd_lightning.losses import token_logps
+
+    targets, mask = module.shifted(batch)
+    with torch.no_grad():
+        logps = unpack(token_logps(module.student_logits(batch, mask)[None], targets[mask][None])[0], mask)
+    sums = -(logps * mask).sum(dim=1)
+    counts = mask.sum(dim=1)
+    return list(zip((sums / counts.clamp_min(1)).tolist(), sums.tolist(), counts.tolist(), strict=True))
 
 
 def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int) -> dict[str, Any]:
@@ -551,6 +571,9 @@ class Journal:
     def references(self, split: str) -> dict[int, dict[str, Any]]:
         return {line["batch"]: line for line in self.lines if line["kind"] == "reference" and line["split"] == split}
 
+    def reference_nll(self, split: str) -> dict[int, dict[str, Any]]:
+        return {line["batch"]: line for line in self.lines if line["kind"] == "reference_nll" and line["split"] == split}
+
     def greedy(self) -> dict[tuple[str, str], float]:
         return {(line["who"], line["id"]): line["reward"] for line in self.lines if line["kind"] == "greedy"}
 
@@ -711,23 +734,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     references: dict[str, dict[str, dict[str, list[Trajectory]]]] = {}
     solvable = [example for example in heldout if module.reference_trajectory(task, example)[1] >= 1.0]
     reference_sets = {"heldout": solvable, "train": warm_start_examples(module, dm, len(heldout))}
+    reference_nll: dict[str, dict[str, list[Trajectory]]] = {}  # the student's own, no context
     for split, examples in reference_sets.items():
-        done = journal.references(split)
+        done, done_nll = journal.references(split), journal.reference_nll(split)
         for b, i in enumerate(range(0, len(examples), args.batch_questions)):
-            if b in done:
+            if b in done and b in done_nll:
                 continue
             chunk = examples[i : i + args.batch_questions]
             with torch.no_grad():
                 batch = module.reference_batch(task, chunk)
                 batch.experiences = module.retrieve(task, chunk)
-                deltas = token_deltas(module, batch, teacher_contexts(module, batch, composers, seed=args.seed))
-            journal.append({"kind": "reference", "split": split, "batch": b, "rows": [
-                {"id": example_id, "deltas": {name: value[row] for name, value in deltas.items()}}
-                for row, example_id in enumerate(batch.example_ids)]})
+                if b not in done:
+                    deltas = token_deltas(module, batch, teacher_contexts(module, batch, composers, seed=args.seed))
+                    journal.append({"kind": "reference", "split": split, "batch": b, "rows": [
+                        {"id": example_id, "deltas": {name: value[row] for name, value in deltas.items()}}
+                        for row, example_id in enumerate(batch.example_ids)]})
+                if b not in done_nll:
+                    journal.append({"kind": "reference_nll", "split": split, "batch": b, "rows": [
+                        {"id": example_id, "nll": value}
+                        for example_id, value in zip(batch.example_ids, student_reference_nll(module, batch), strict=True)]})
         for line in journal.references(split).values():
             for row in line["rows"]:
                 for name, (mean, total, n) in row["deltas"].items():
                     references.setdefault(name, {}).setdefault(split, {})[row["id"]] = [(1.0, mean, total, int(n))]
+        for line in journal.reference_nll(split).values():
+            for row in line["rows"]:
+                mean, total, n = row["nll"]
+                reference_nll.setdefault(split, {})[row["id"]] = [(1.0, mean, total, int(n))]
     timings["references_s"] = time.perf_counter() - t0
 
     # greedy success: the student's own (the rollout code) and each teacher's (its context in the prompt)
@@ -777,6 +810,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "student_greedy_success": sum(r >= 1.0 for r in student_greedy) / len(heldout),
         "bank_size": n_bank,
         "n_reference_questions": {split: len(examples) for split, examples in reference_sets.items()},
+        **{key: value for split, per_reference in reference_nll.items() for key, value in (
+            (f"reference_nll_{split}", trajectory_stats(per_reference)),
+            (f"reference_nll_{split}_ci", bootstrap_ci(per_reference, resamples=args.resamples, seed=args.seed)))},
         "settings": {"samples": args.samples, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
                      "num_latents": args.num_latents, "num_experiences": args.num_experiences,
                      "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,

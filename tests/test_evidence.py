@@ -110,6 +110,9 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     data = margin.main(margin_args)
     assert json.loads(out.read_text())["n_questions"] == 3 == data["n_questions"]
     assert data["n_trajectories"] == 6 and data["contexts"]["latent_trained"] is None
+    for split in ("heldout", "train"):  # the student's own NLL of the reference solutions, no context
+        low, high = data[f"reference_nll_{split}_ci"]
+        assert 0 < data[f"reference_nll_{split}"] and low <= data[f"reference_nll_{split}"] <= high
     for name in ("text_nearest", "text_random", "latent_untrained", "latent_warm_start"):
         entry = data["contexts"][name]
         assert set(entry) >= {"delta_mean", "delta_ci", "delta_success", "delta_failure", "delta_mixed_groups",
@@ -192,5 +195,17 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     margin.fill_bank(built, task)
     replayed = margin.warm_start_examples(built, OnPolicyDataModule(task, examples_per_step=1, seed=0), 100)
     assert [e.id for e in replayed] == list(dict.fromkeys(warm)) and replayed
+    # the student's reference NLL against a naive one: a log-softmax of the plain forward under the student's weights
+    import torch
+
+    batch = built.reference_batch(task, replayed[:2])
+    with torch.no_grad(), built.student_context() as model:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logps = torch.log_softmax(logits[:, :-1].double(), dim=-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    mask = batch.assistant_mask[:, 1:].bool()
+    for row, (mean, total, n) in enumerate(margin.student_reference_nll(built, batch)):
+        want = -logps[row][mask[row]]
+        assert n == int(mask[row].sum()) > 0
+        assert mean == pytest.approx(float(want.mean()), abs=1e-5) and total == pytest.approx(float(want.sum()), abs=1e-4)
     with pytest.raises(SystemExit, match="--variants: unknown part 'gain2'"):
         margin.main([*margin_args, "--fresh", "--variants", "gain2"])
