@@ -236,25 +236,48 @@ def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_befo
     }
 
 
-def grpo_improvement(reward: list[float], window: int) -> str | None:
-    """Why the budget fraction is undefined when GRPO's smoothed training reward ends no higher than its
-    first full window (the start student's level, not something GRPO reached); None when GRPO improved."""
+def start_train_reward(methods: dict[str, Any], window: int) -> tuple[float | None, int]:
+    """The start student's training reward: the mean, over every run of every method (they all start from
+    the same student), of its first ``window`` steps' rewards; and the number of runs it pools (0: None)."""
+    firsts = [statistics.fmean(curve[:window]) for m in methods.values() for curve in m.get("reward_per_seed") or []
+              if len(curve) > window]
+    return (statistics.fmean(firsts) if firsts else None), len(firsts)
+
+
+def grpo_improvement(reward: list[float], window: int, start: tuple[float | None, int] = (None, 0)) -> str | None:
+    """Why the budget fraction is undefined when GRPO's smoothed training reward ends no higher than the
+    start student's level (the level every method begins at, not something GRPO reached); None when GRPO
+    improved.
+
+    Args:
+        reward: GRPO's training reward per step (the mean over its seeds).
+        window: the trailing-mean window (steps) of the final reward.
+        start: :func:`start_train_reward` ``(level, runs)``; without it (``(None, 0)``), GRPO's own first
+            full window is the start level.
+    """
     if not reward:
         return None
     if len(reward) <= window:
         return (f"GRPO's training-reward curve has {len(reward)} steps, not more than the {window}-step window: "
                 "no start and end to compare")
     curve = smooth(reward, window)
-    first, final = curve[min(window, len(curve)) - 1], curve[-1]
-    if final > first + 1e-9:
+    level, runs = start
+    if level is None:
+        level = curve[min(window, len(curve)) - 1]
+        where = f"its first {window}-step window's ({level:.3f})"
+    else:
+        where = (f"the start student's ({level:.3f}: the mean of the first {window} steps over all {runs} runs, "
+                 "every method starting from the same student)")
+    final = curve[-1]
+    if final > level + 1e-9:
         return None
-    return (f"GRPO's final smoothed training reward ({final:.3f}) is not above its first {window}-step window's "
-            f"({first:.3f}): GRPO did not improve, so reaching its final reward would measure the start student, "
-            "not LOPD's efficiency")
+    return (f"GRPO's final smoothed training reward ({final:.3f}) is not above {where}: GRPO did not improve, so "
+            "reaching its final reward would measure the start student, not LOPD's efficiency")
 
 
 def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dict[str, Any]:
-    """``lopd_budget_fraction_to_grpo_final`` (+ ``_reason`` when it is undefined because GRPO did not improve,
+    """``lopd_budget_fraction_to_grpo_final`` (+ ``_reason`` when it is undefined because GRPO did not improve
+    on the start student's training reward, ``start_train_reward`` over ``start_train_reward_runs`` runs,
     ``_ci``, ``_ci_reason``, ``_ci_method``), ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward``
     (over ``smooth_window`` steps) and ``reach_window`` (the trailing mean, min(3, smooth_window) steps, on
     which LOPD "reaches" it)."""
@@ -263,12 +286,15 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
                            "lopd_budget_fraction_to_grpo_final_ci_reason": "LOPD or GRPO has no run",
                            "lopd_budget_fraction_to_grpo_final_ci_method": FRACTION_CI, "grpo_final_reward": None,
                            "lopd_budget_fraction_never_reached_share": None,
-                           "reach_window": min(3, smooth_window)}
+                           "reach_window": min(3, smooth_window), "start_train_reward": None,
+                           "start_train_reward_runs": 0}
     if "lopd" not in methods or "grpo" not in methods:
         return out
     lopd, grpo = methods["lopd"], methods["grpo"]
     out["grpo_final_reward"] = smooth(grpo["reward"], smooth_window)[-1] if grpo["reward"] else None
-    improved = grpo_improvement(grpo["reward"], smooth_window)
+    start = start_train_reward(methods, smooth_window)
+    out["start_train_reward"], out["start_train_reward_runs"] = start
+    improved = grpo_improvement(grpo["reward"], smooth_window, start)
     if improved is not None:  # GRPO ended no higher than it began: reaching its final reward measures the start
         out.update(lopd_budget_fraction_to_grpo_final_reason=improved, lopd_budget_fraction_to_grpo_final_ci_reason=improved,
                    lopd_budget_fraction_never_reached_share=None)

@@ -341,6 +341,24 @@ def test_budget_fraction_is_undefined_when_grpo_did_not_improve(compare, tmp_pat
     assert "LOPD's budget to reach GRPO's final training reward: undefined (GRPO's final" in (out / "compare.md").read_text()
 
 
+def test_grpo_must_improve_on_the_start_student_every_method_shares(compare):
+    stats = compare.compare_stats
+    # GRPO's seed rose from 0 to 0.5 but LOPD's began at 1.0: the start student's level, pooled over both runs'
+    # first 2 steps, is (0 + 1) / 2 = 0.5, which GRPO's final 0.5 does not pass
+    methods = {"grpo": {"reward_per_seed": [[0.0, 0.0, 0.5, 0.5]]}, "lopd": {"reward_per_seed": [[1.0, 1.0, 0.75, 0.75]]}}
+    assert stats.start_train_reward(methods, 2) == (0.5, 2)
+    assert stats.grpo_improvement([0.0, 0.0, 0.5, 0.5], 2) is None  # against its own first window it "improved"
+    reason = stats.grpo_improvement([0.0, 0.0, 0.5, 0.5], 2, stats.start_train_reward(methods, 2))
+    assert reason.startswith("GRPO's final smoothed training reward (0.500) is not above the start student's (0.500: "
+                             "the mean of the first 2 steps over all 2 runs, every method starting from the same student)")
+    # three runs, a curve too short for the window left out: (0.25 + 0.75 + 0.5) / 3
+    methods["sdpo"] = {"reward_per_seed": [[0.5, 0.5, 0.5], [0.0, 1.0]]}
+    methods["lopd"]["reward_per_seed"] = [[0.5, 1.0, 0.0]]
+    methods["grpo"]["reward_per_seed"] = [[0.0, 0.5, 1.0]]
+    assert stats.start_train_reward(methods, 2) == (pytest.approx(0.5), 3)
+    assert stats.grpo_improvement([0.0, 0.5, 1.0], 2, stats.start_train_reward(methods, 2)) is None  # 0.75 > 0.5
+
+
 def test_budget_fraction_ci_is_null_with_a_reason_when_lopd_never_reaches_grpo(compare):
     stats = compare.compare_stats
     grpo = {"rollouts": [4, 8], "per_seed": [[0.5, 1.0], [0.5, 1.0]]}  # final reward 1.0 (window 1)
