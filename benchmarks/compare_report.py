@@ -77,8 +77,8 @@ def _interval(pair: list[float | None] | None) -> str:
     return "[" + ", ".join("n/a" if v is None else f"{v:.3f}" for v in pair) + "]"
 
 
-def _paired(m: dict[str, Any]) -> str:
-    p = m.get("paired_vs_grpo")
+def _paired(m: dict[str, Any], key: str = "paired_vs_grpo") -> str:
+    p = m.get(key)
     if not p:
         return "-"
     verdict = "excludes 0" if p["excludes_zero"] else "within noise"
@@ -110,18 +110,19 @@ def table(results: dict[str, Any]) -> str:
         f"trajectories per run, {results.get('val_examples')} held-out questions (greedy, start "
         f"{_fmt(results.get('start_val_success'))}), src {results.get('src_hash')}, backend "
         f"{results.get('generation_backend')}. Mean ± std across seeds; final reward = trailing mean over "
-        f"{results['smooth_window']} steps; held-out interval: Student's t over seeds; vs GRPO: per-question "
-        "paired difference of final held-out success, 95% bootstrap over questions (seed-to-seed variation not included).",
+        f"{results['smooth_window']} steps; held-out interval: Student's t over seeds; vs start / vs GRPO: "
+        "per-question paired difference of final held-out success against the method's own start evaluation / "
+        "against GRPO's, 95% bootstrap over questions (seed-to-seed variation not included).",
         "",
         "| method | seeds | trajectories | final train reward | held-out before | held-out after [95% CI] "
-        "| vs GRPO (won / lost) | wall s / run | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| vs start (won / lost) | vs GRPO (won / lost) | wall s / run | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in results["methods"].items():
         lines.append(
             f"| {name} | {','.join(map(str, m['seeds']))} | {m['rollouts'][-1] if m['rollouts'] else 0} | "
             f"{_fmt(m['final_reward'], m['final_reward_std'])} | {_fmt(m['val_before'])} | "
-            f"{_fmt(m['val_after'], m['val_after_std'])} {_interval(m.get('val_after_ci'))} | {_paired(m)} | "
+            f"{_fmt(m['val_after'], m['val_after_std'])} {_interval(m.get('val_after_ci'))} | {_paired(m, 'paired_vs_start')} | {_paired(m)} | "
             f"{m['wall_s']:.0f} | {m['peak_mem_mb']:.0f} |"
         )
     return "\n".join(lines + _efficiency_line(results)) + "\n"

@@ -184,11 +184,13 @@ def heldout_summary(seed_runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Held-out keys of one method from its runs' ``evaluations`` (:func:`compare_runs.heldout_evaluations`):
     ``val_before`` (mean over seeds of the step-0 evaluation), ``val_after`` (of the last one), its std,
     ``val_after_per_seed``, ``val_after_ci`` (:func:`t_interval`) with ``val_after_ci_reason`` when null,
-    ``val_curve`` (``trajectories``, ``mean``, ``std``, ``per_seed``) and ``val_after_per_question``
-    (question id -> success, mean over seeds)."""
+    ``val_curve`` (``trajectories``, ``mean``, ``std``, ``per_seed``), ``val_after_per_question`` and
+    ``val_before_per_question`` (question id -> success, mean over seeds; the latter None without step-0
+    evaluations)."""
     evaluations = [r["evaluations"] for r in seed_runs]
     afters = [e[-1]["success"] for e in evaluations]
-    befores = [e[0]["success"] for e in evaluations if e[0]["step"] == 0]
+    starts = [e[0] for e in evaluations if e[0]["step"] == 0]
+    befores = [ev["success"] for ev in starts]
     xs, per_seed = aligned([[(ev["trajectories"], ev["success"]) for ev in e] for e in evaluations])
     questions = sorted(set.intersection(*(set(e[-1]["per_question"]) for e in evaluations)))
     ci = t_interval(afters)
@@ -202,6 +204,8 @@ def heldout_summary(seed_runs: list[dict[str, Any]]) -> dict[str, Any]:
         "val_curve": _band(xs, per_seed),
         "val_after_per_question": {q: statistics.fmean(float(e[-1]["per_question"][q]) for e in evaluations)
                                    for q in questions},
+        "val_before_per_question": {q: statistics.fmean(float(ev["per_question"][q]) for ev in starts)
+                                    for q in questions if all(q in ev["per_question"] for ev in starts)} if starts else None,
     }
 
 
@@ -220,7 +224,7 @@ def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_befo
                    "val_after_std": mean_std(known)[1] if known else None, "val_after_per_seed": afters,
                    "val_after_ci": list(ci) if ci else None,
                    "val_after_ci_reason": None if ci else "fewer than two seeds with a held-out result",
-                   "val_curve": None, "val_after_per_question": None}
+                   "val_curve": None, "val_after_per_question": None, "val_before_per_question": None}
     return {
         "rollouts": xs,
         "reward": band["mean"],
@@ -319,8 +323,9 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
     ``smooth_window`` steps), ``val_before``, ``val_after`` (mean over seeds of the last held-out
     evaluation) with ``val_after_std``, ``val_after_per_seed`` and ``val_after_ci`` (:data:`VAL_AFTER_CI`),
     ``val_curve`` (held-out success against trajectories: ``trajectories``, ``mean``, ``std``,
-    ``per_seed``), ``val_after_per_question``, ``paired_vs_grpo`` (:func:`paired_differences`; not for
-    GRPO itself), ``wall_s`` (mean over seeds, every attempt), ``peak_mem_mb``, ``seeds``,
+    ``per_seed``), ``val_after_per_question``, ``val_before_per_question``, ``paired_vs_grpo``
+    (:func:`paired_differences`; not for GRPO itself), ``paired_vs_start`` (the same against the method's
+    own step-0 evaluation: did it move held-out success at all), ``wall_s`` (mean over seeds, every attempt), ``peak_mem_mb``, ``seeds``,
     ``seconds_per_step``. Top level: ``val_examples``, ``start_val_success`` (mean over runs of the
     step-0 evaluation), the efficiency keys of :func:`_efficiency`, ``task``, ``model``,
     ``budget_trajectories``, ``smooth_window``, ``intervals`` (how each interval is made) and ``seeds``.
@@ -330,6 +335,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
     for name, m in methods.items():
         m["paired_vs_grpo"] = (paired_differences(m["val_after_per_question"], grpo_q, n_boot=n_boot)
                                if name != "grpo" and grpo_q and m["val_after_per_question"] else None)
+        m["paired_vs_start"] = (paired_differences(m["val_after_per_question"], m["val_before_per_question"], n_boot=n_boot)
+                                if m["val_after_per_question"] and m["val_before_per_question"] else None)
     all_runs = [r for rs in runs.values() for r in rs]
     starts = [r["evaluations"][0]["success"] for r in all_runs if r.get("evaluations") and r["evaluations"][0]["step"] == 0]
     finals = [r["evaluations"][-1]["questions"] for r in all_runs if r.get("evaluations")]

@@ -308,11 +308,16 @@ def test_aggregation_of_run_files_writes_the_issue_17_keys(compare, tmp_path):
     paired = lopd_m["paired_vs_grpo"]
     assert (paired["mean_difference"], paired["won"], paired["lost"], paired["tied"]) == (0.5, 4, 0, 4)
     assert data["methods"]["grpo"]["paired_vs_grpo"] is None and sdpo_m["paired_vs_grpo"]["mean_difference"] == 0.0
+    # against its own start: LOPD began with q0 and ends with q0-q5 (5 gained), GRPO began with none (2 gained)
+    since = lopd_m["paired_vs_start"]
+    assert (since["mean_difference"], since["won"], since["lost"], since["tied"]) == (5 / 8, 5, 0, 3)
+    assert since["excludes_zero"] and data["methods"]["grpo"]["paired_vs_start"]["mean_difference"] == 2 / 8
+    assert lopd_m["val_before_per_question"] == {q: float(i < 1) for i, q in enumerate(questions)}
     # LOPD's reward (0.5 at 4 trajectories) reaches GRPO's final reward (0.5) after 4 of its 8 trajectories
     assert data["lopd_budget_fraction_to_grpo_final"] == 0.5 and data["lopd_budget_fraction_to_grpo_final_ci"] == [0.5, 0.5]
     assert "Student's t" in data["intervals"]["val_after_ci"] and "bootstrap over questions" in data["intervals"]["paired_vs_grpo.ci"]
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "+0.500 [" in (out / "compare.md").read_text()
+    assert "+0.500 [" in (out / "compare.md").read_text() and "+0.625 [" in (out / "compare.md").read_text()
 
 
 def test_budget_fraction_reaches_on_a_short_window_and_compares_with_grpos_long_one(compare):
