@@ -330,8 +330,10 @@ def finished_result(spec: RunSpec, config: dict[str, Any], run_dir: Path, attemp
 
 
 def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: Path, in_process: bool,
-            threads: int | None, rerun: bool = False) -> dict[str, Any]:
+            threads: int | None, rerun: bool = False, window: int | None = None) -> dict[str, Any]:
     """Run (or resume, or read back) one run; returns its result, also written to ``result_path``.
+    ``window``: the trailing-mean window (steps) of the train reward its progress line prints, the one
+    its aggregate uses (default :func:`smooth_window` of its steps).
 
     Raises:
         SystemExit: ``result_path`` holds a finished run of another config (``rerun`` replaces it).
@@ -369,9 +371,9 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
     write_json_atomic(result, result_path)
     last = result["evaluations"][-1]
     rewards = [reward for _, reward in result["curve"]]
-    window = rewards[-smooth_window(len(rewards)):]  # the aggregate's "final reward": the trailing mean
-    print(f"   {attempts[-1]['wall_s']:.0f} s, train reward {sum(window) / len(window) if window else float('nan'):.3f} "
-          f"(mean of the last {len(window)} steps), held-out {last['solved']}/{last['questions']} -> {result_path}", flush=True)
+    recent = rewards[-(window or smooth_window(len(rewards))):]  # the aggregate's "final reward": the trailing mean
+    print(f"   {attempts[-1]['wall_s']:.0f} s, train reward {sum(recent) / len(recent) if recent else float('nan'):.3f} "
+          f"(mean of the last {len(recent)} steps), held-out {last['solved']}/{last['questions']} -> {result_path}", flush=True)
     return result
 
 
@@ -391,7 +393,7 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], stud
     results: dict[str, dict[float, dict[str, Any]]] = {}
     for spec, config in zip(specs, full):
         result = run_one(spec, config, root=root, result_path=root / spec.method / f"{spec.name}.json",
-                         in_process=args.in_process, threads=args.threads, rerun=args.rerun)
+                         in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth or 3)
         results.setdefault(spec.method, {})[spec.learning_rate] = result
     first = next(iter(results.values()))[rates[0]]
     document = sweep_document(
@@ -543,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return dry_run(specs, full, args.root, [run_file(args.runs_dir, s.method, s.seed) for s in specs])
     for spec, config in zip(specs, full):
         run_one(spec, config, root=args.root, result_path=run_file(args.runs_dir, spec.method, spec.seed),
-                in_process=args.in_process, threads=args.threads, rerun=args.rerun)
+                in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth)
     return aggregate(args)
 
 

@@ -81,6 +81,8 @@ def _paired(m: dict[str, Any], key: str = "paired_vs_grpo") -> str:
     p = m.get(key)
     if not p:
         return "-"
+    if p["won"] == p["lost"] == 0:
+        return f"no change ({p['n_questions']} questions tied)"
     verdict = "excludes 0" if p["excludes_zero"] else "within noise"
     return (f"{p['mean_difference']:+.3f} {_interval(p['ci'])} (+{p['won']} / -{p['lost']} of "
             f"{p['n_questions']}; {verdict})")
@@ -103,8 +105,8 @@ def _efficiency_line(results: dict[str, Any]) -> list[str]:
 
 def table(results: dict[str, Any]) -> str:
     """The Markdown table of the results: per method the seeds, the final training reward, held-out
-    success before and after (with its interval over seeds), the paired difference against GRPO, wall
-    time and peak memory; then the efficiency number."""
+    success before and after (with its interval over seeds), the paired differences against the method's
+    own start and against GRPO, wall time and peak memory; then the efficiency number."""
     lines = [
         f"Task `{results['task']}`, student `{results['model']}`, budget {results['budget_trajectories']} "
         f"trajectories per run, {results.get('val_examples')} held-out questions (greedy, start "

@@ -3,8 +3,8 @@
 - :func:`t_interval`: the 95% interval of a mean over seeds (Student's t; a bootstrap over 2-3 seeds has
   too few distinct resamples to mean anything).
 - :func:`bootstrap_ci`: a percentile bootstrap interval of a mean (used over questions).
-- :func:`paired_differences`: per-question held-out success of a method minus GRPO's on the same
-  questions, with a paired bootstrap over questions.
+- :func:`paired_differences`: per-question held-out success of a method minus a reference's (GRPO's, or
+  the method's own start) on the same questions, with a paired bootstrap over questions.
 - :func:`budget_fraction` / :func:`budget_fraction_ci`: the trajectories LOPD needs to reach GRPO's final
   training reward, as a fraction of GRPO's budget, with a bootstrap over seeds.
 - :func:`summarise`: the ``compare.json`` document.
@@ -26,6 +26,9 @@ T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
 VAL_AFTER_CI = "Student's t over seeds (mean +- t(0.975, n-1) x sd / sqrt(n)), clipped to [0, 1]; null for one seed"
 PAIRED_CI = ("paired bootstrap over questions: per question, the method's final held-out success (mean over its "
              "seeds) minus GRPO's; questions resampled with replacement; 95% percentile interval")
+PAIRED_START_CI = ("paired bootstrap over questions: per question, the method's final held-out success minus its "
+                   "step-0 success (each a mean over its seeds); questions resampled with replacement; 95% "
+                   "percentile interval (seed-to-seed variation not included)")
 FRACTION_CI = ("bootstrap over seeds: LOPD's and GRPO's seeds resampled with replacement, the fraction recomputed "
                "on the resampled seed means; 95% percentile interval (a resample where LOPD never reaches the "
                "target counts as infinite)")
@@ -185,12 +188,13 @@ def heldout_summary(seed_runs: list[dict[str, Any]]) -> dict[str, Any]:
     ``val_before`` (mean over seeds of the step-0 evaluation), ``val_after`` (of the last one), its std,
     ``val_after_per_seed``, ``val_after_ci`` (:func:`t_interval`) with ``val_after_ci_reason`` when null,
     ``val_curve`` (``trajectories``, ``mean``, ``std``, ``per_seed``), ``val_after_per_question`` and
-    ``val_before_per_question`` (question id -> success, mean over seeds; the latter None without step-0
-    evaluations)."""
+    ``val_before_per_question`` (question id -> success, mean over seeds; the latter None unless every
+    seed has a step-0 evaluation)."""
     evaluations = [r["evaluations"] for r in seed_runs]
     afters = [e[-1]["success"] for e in evaluations]
     starts = [e[0] for e in evaluations if e[0]["step"] == 0]
     befores = [ev["success"] for ev in starts]
+    every_start = len(starts) == len(evaluations)  # per question, before and after average the same seeds
     xs, per_seed = aligned([[(ev["trajectories"], ev["success"]) for ev in e] for e in evaluations])
     questions = sorted(set.intersection(*(set(e[-1]["per_question"]) for e in evaluations)))
     ci = t_interval(afters)
@@ -205,7 +209,8 @@ def heldout_summary(seed_runs: list[dict[str, Any]]) -> dict[str, Any]:
         "val_after_per_question": {q: statistics.fmean(float(e[-1]["per_question"][q]) for e in evaluations)
                                    for q in questions},
         "val_before_per_question": {q: statistics.fmean(float(ev["per_question"][q]) for ev in starts)
-                                    for q in questions if all(q in ev["per_question"] for ev in starts)} if starts else None,
+                                    for q in questions if all(q in ev["per_question"] for ev in starts)}
+                                   if starts and every_start else None,
     }
 
 
@@ -242,9 +247,14 @@ def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_befo
 
 def start_train_reward(methods: dict[str, Any], window: int) -> tuple[float | None, int]:
     """The start student's training reward: the mean, over every run of every method (they all start from
-    the same student), of its first ``window`` steps' rewards; and the number of runs it pools (0: None)."""
+    the same student) with at least ``window`` steps, of its first ``window`` steps' rewards; and the number
+    of runs it pools (0: None).
+
+    An estimate with caveats: those steps already include ``window - 1`` updates; every run weighs the same
+    whatever its layout (GRPO's one question a step is far noisier than LOPD's four); and the level moves
+    as runs of other methods are added. No interval is attached."""
     firsts = [statistics.fmean(curve[:window]) for m in methods.values() for curve in m.get("reward_per_seed") or []
-              if len(curve) > window]
+              if len(curve) >= window]
     return (statistics.fmean(firsts) if firsts else None), len(firsts)
 
 
@@ -270,8 +280,8 @@ def grpo_improvement(reward: list[float], window: int, start: tuple[float | None
         level = curve[min(window, len(curve)) - 1]
         where = f"its first {window}-step window's ({level:.3f})"
     else:
-        where = (f"the start student's ({level:.3f}: the mean of the first {window} steps over all {runs} runs, "
-                 "every method starting from the same student)")
+        where = (f"the start student's ({level:.3f}: the mean of the first {window} steps over {runs} runs of "
+                 "every method, all starting from the same student)")
     final = curve[-1]
     if final > level + 1e-9:
         return None
@@ -280,11 +290,11 @@ def grpo_improvement(reward: list[float], window: int, start: tuple[float | None
 
 
 def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dict[str, Any]:
-    """``lopd_budget_fraction_to_grpo_final`` (+ ``_reason`` when it is undefined because GRPO did not improve
-    on the start student's training reward, ``start_train_reward`` over ``start_train_reward_runs`` runs,
-    ``_ci``, ``_ci_reason``, ``_ci_method``), ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward``
-    (over ``smooth_window`` steps) and ``reach_window`` (the trailing mean, min(3, smooth_window) steps, on
-    which LOPD "reaches" it)."""
+    """``lopd_budget_fraction_to_grpo_final`` (+ ``_reason``, ``_ci``, ``_ci_reason``, ``_ci_method``),
+    ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward`` (over ``smooth_window`` steps),
+    ``reach_window`` (the trailing mean, min(3, smooth_window) steps, on which LOPD "reaches" it) and
+    ``start_train_reward`` / ``start_train_reward_runs`` (:func:`start_train_reward`). The fraction is
+    undefined, with the reason, when GRPO's final reward does not pass the start student's."""
     out: dict[str, Any] = {"lopd_budget_fraction_to_grpo_final": None, "lopd_budget_fraction_to_grpo_final_ci": None,
                            "lopd_budget_fraction_to_grpo_final_reason": None,
                            "lopd_budget_fraction_to_grpo_final_ci_reason": "LOPD or GRPO has no run",
@@ -350,7 +360,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
         "model": model,
         "budget_trajectories": budget,
         "smooth_window": smooth_window,
-        "intervals": {"val_after_ci": VAL_AFTER_CI, "paired_vs_grpo.ci": PAIRED_CI,
+        "intervals": {"val_after_ci": VAL_AFTER_CI, "paired_vs_grpo.ci": PAIRED_CI, "paired_vs_start.ci": PAIRED_START_CI,
                       "lopd_budget_fraction_to_grpo_final_ci": FRACTION_CI, "bootstrap_resamples": n_boot},
         "seeds": sorted({r["seed"] for r in all_runs}),
     }

@@ -55,8 +55,8 @@ Reported per context (``contexts.<name>``):
   start without generalising, on train only (``n_reference_questions`` gives the two counts);
 - ``reference_nll_heldout`` / ``reference_nll_train`` and their ``_ci`` (top level): the start student's
   own negative log-likelihood of those reference solutions with no context (nats per token, mean over
-  questions; interval from a bootstrap over questions): the room any context has to raise it. A student
-  fine-tuned on the train split's references has little left there;
+  questions; interval from a bootstrap over questions; None for a split without references): the room
+  any context has to raise it;
 - ``latent_rms`` (latent contexts): the root-mean-square entry of the latents, against
   ``token_embedding_rms`` at the top level (their scale relative to what the backbone expects).
 """
@@ -68,6 +68,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -191,23 +192,36 @@ def fill_bank(module, task) -> int:
     return len(records)
 
 
-def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[tuple[float, float, int]]]:
-    """Per trajectory and context, (the mean over its assistant tokens of log pi_T - log pi_S, their sum,
-    the token count).
-
-    ``contexts`` maps a name to ``("text", [ids per row])`` or ``("latent", composer)``.
-    """
+def student_token_logps(module, batch):
+    """The student's log-probability of each of the batch's assistant tokens, no context: ``(logps, mask)``,
+    both (B, T-1) in shifted coordinates (logps 0 off the mask)."""
     import torch
 
     from lopd_lightning.lm import unpack
     from lopd_lightning.losses import token_logps
 
     targets, mask = module.shifted(batch)
-    tokens = targets[mask]
+    with torch.no_grad():
+        return unpack(token_logps(module.student_logits(batch, mask)[None], targets[mask][None])[0], mask), mask
+
+
+def token_deltas(module, batch, contexts: dict[str, Any], *, student=None) -> dict[str, list[tuple[float, float, int]]]:
+    """Per trajectory and context, (the mean over its assistant tokens of log pi_T - log pi_S, their sum,
+    the token count).
+
+    ``contexts`` maps a name to ``("text", [ids per row])`` or ``("latent", composer)``; ``student``: the
+    batch's :func:`student_token_logps`, when already computed.
+    """
+    import torch
+
+    from lopd_lightning.lm import unpack
+    from lopd_lightning.losses import token_logps
+
+    student, mask = student if student is not None else student_token_logps(module, batch)
+    tokens = module.shifted(batch)[0][mask]
     counts = mask.sum(dim=1).clamp_min(1).float()
     out: dict[str, list[float]] = {}
     with torch.no_grad():
-        student = unpack(token_logps(module.student_logits(batch, mask)[None], tokens[None])[0], mask)
         for name, (kind, value) in contexts.items():
             kwargs: dict[str, Any] = {"positions": module.unshift(mask)}
             if kind == "text":
@@ -224,17 +238,11 @@ def token_deltas(module, batch, contexts: dict[str, Any]) -> dict[str, list[tupl
     return out
 
 
-def student_reference_nll(module, batch) -> list[tuple[float, float, int]]:
+def student_reference_nll(module, batch, *, student=None) -> list[tuple[float, float, int]]:
     """Per row of a batch of reference solutions, the student's own negative log-likelihood of its assistant
-    tokens with no context: (the mean over those tokens, in nats per token; their sum; the token count)."""
-    import torch
-
-    from lopd_lightning.lm import unpack
-    from lopd_lightning.losses import token_logps
-
-    targets, mask = module.shifted(batch)
-    with torch.no_grad():
-        logps = unpack(token_logps(module.student_logits(batch, mask)[None], targets[mask][None])[0], mask)
+    tokens with no context: (the mean over those tokens, in nats per token; their sum; the token count).
+    ``student``: the batch's :func:`student_token_logps`, when already computed."""
+    logps, mask = student if student is not None else student_token_logps(module, batch)
     sums = -(logps * mask).sum(dim=1)
     counts = mask.sum(dim=1)
     return list(zip((sums / counts.clamp_min(1)).tolist(), sums.tolist(), counts.tolist(), strict=True))
@@ -375,19 +383,12 @@ def parse_variant(spec: str, *, warm_start_steps: int, num_latents: int) -> dict
             options["warm_start_steps"] = int(part[5:])
         elif part.startswith("k") and part[1:].isdigit() and int(part[1:]) >= 1:
             options["num_latents"] = int(part[1:])
-        elif part.startswith("lr") and _positive_float(part[2:]):
+        elif re.fullmatch(r"lr\d+(\.\d+)?(e-?\d+)?", part) and 0 < float(part[2:]) < math.inf:
             options["composer_lr"] = float(part[2:])  # only when named: the kept composers' keys stay as they were
         else:
             raise SystemExit(f"error: --variants: unknown part {part!r} of {spec!r}; use gain_embedding, warm_<steps>, "
                              "k<latents>, lr<learning rate>, joined by +")
     return options
-
-
-def _positive_float(text: str) -> bool:
-    try:
-        return math.isfinite(value := float(text)) and value > 0
-    except ValueError:
-        return False
 
 
 def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any], *, seed: int,
@@ -743,16 +744,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             chunk = examples[i : i + args.batch_questions]
             with torch.no_grad():
                 batch = module.reference_batch(task, chunk)
-                batch.experiences = module.retrieve(task, chunk)
+                student = student_token_logps(module, batch)
                 if b not in done:
-                    deltas = token_deltas(module, batch, teacher_contexts(module, batch, composers, seed=args.seed))
+                    batch.experiences = module.retrieve(task, chunk)
+                    contexts = teacher_contexts(module, batch, composers, seed=args.seed)
+                    deltas = token_deltas(module, batch, contexts, student=student)
                     journal.append({"kind": "reference", "split": split, "batch": b, "rows": [
                         {"id": example_id, "deltas": {name: value[row] for name, value in deltas.items()}}
                         for row, example_id in enumerate(batch.example_ids)]})
                 if b not in done_nll:
+                    nll = student_reference_nll(module, batch, student=student)
                     journal.append({"kind": "reference_nll", "split": split, "batch": b, "rows": [
-                        {"id": example_id, "nll": value}
-                        for example_id, value in zip(batch.example_ids, student_reference_nll(module, batch), strict=True)]})
+                        {"id": example_id, "nll": value} for example_id, value in zip(batch.example_ids, nll, strict=True)]})
         for line in journal.references(split).values():
             for row in line["rows"]:
                 for name, (mean, total, n) in row["deltas"].items():
@@ -810,9 +813,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "student_greedy_success": sum(r >= 1.0 for r in student_greedy) / len(heldout),
         "bank_size": n_bank,
         "n_reference_questions": {split: len(examples) for split, examples in reference_sets.items()},
-        **{key: value for split, per_reference in reference_nll.items() for key, value in (
-            (f"reference_nll_{split}", trajectory_stats(per_reference)),
-            (f"reference_nll_{split}_ci", bootstrap_ci(per_reference, resamples=args.resamples, seed=args.seed)))},
+        **{key: value for split in reference_sets for key, value in (
+            (f"reference_nll_{split}", trajectory_stats(reference_nll[split]) if reference_nll.get(split) else None),
+            (f"reference_nll_{split}_ci", bootstrap_ci(reference_nll[split], resamples=args.resamples, seed=args.seed)
+             if reference_nll.get(split) else None))},
         "settings": {"samples": args.samples, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
                      "num_latents": args.num_latents, "num_experiences": args.num_experiences,
                      "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,

@@ -296,11 +296,11 @@ def test_aggregation_of_run_files_writes_the_issue_17_keys(compare, tmp_path):
     lopd = {q: i < 6 for i, q in enumerate(questions)}
     write_runs(out / "compare_runs", *(fake_run("grpo", s, final=grpo, curve=(0.0, 0.5)) for s in (0, 1, 2)),
                *(fake_run("lopd", s, final=lopd, curve=(0.5, 0.75), start={q: i < 1 for i, q in enumerate(questions)})
-                 for s in (0, 1, 2)), fake_run("sdpo", 0, final=grpo))
+                 for s in (0, 1, 2)), fake_run("sdpo", 0, final=grpo, start=grpo))
     data = compare.main(["--aggregate-only", "--out-dir", str(out), "--bootstrap", "1000", "--smooth", "1"])
     assert json.loads((out / "compare.json").read_text())["val_examples"] == data["val_examples"] == 8
     assert list(data["methods"]) == ["lopd", "grpo", "sdpo"]  # the plan's order
-    assert data["start_val_success"] == pytest.approx((3 * 1 / 8 + 4 * 0) / 7)
+    assert data["start_val_success"] == pytest.approx((3 * 1 / 8 + 3 * 0 + 2 / 8) / 7)
     lopd_m, sdpo_m = data["methods"]["lopd"], data["methods"]["sdpo"]
     assert lopd_m["val_after"] == 0.75 and lopd_m["val_after_ci"] == [0.75, 0.75]  # identical seeds: no spread
     assert sdpo_m["val_after_ci"] is None and "one seed" in sdpo_m["val_after_ci_reason"]
@@ -313,6 +313,8 @@ def test_aggregation_of_run_files_writes_the_issue_17_keys(compare, tmp_path):
     assert (since["mean_difference"], since["won"], since["lost"], since["tied"]) == (5 / 8, 5, 0, 3)
     assert since["excludes_zero"] and data["methods"]["grpo"]["paired_vs_start"]["mean_difference"] == 2 / 8
     assert lopd_m["val_before_per_question"] == {q: float(i < 1) for i, q in enumerate(questions)}
+    assert "step-0 success" in data["intervals"]["paired_vs_start.ci"]
+    assert "no change (8 questions tied)" in (out / "compare.md").read_text()  # SDPO's run began where it ended
     # LOPD's reward (0.5 at 4 trajectories) reaches GRPO's final reward (0.5) after 4 of its 8 trajectories
     assert data["lopd_budget_fraction_to_grpo_final"] == 0.5 and data["lopd_budget_fraction_to_grpo_final_ci"] == [0.5, 0.5]
     assert "Student's t" in data["intervals"]["val_after_ci"] and "bootstrap over questions" in data["intervals"]["paired_vs_grpo.ci"]
@@ -355,12 +357,13 @@ def test_grpo_must_improve_on_the_start_student_every_method_shares(compare):
     assert stats.grpo_improvement([0.0, 0.0, 0.5, 0.5], 2) is None  # against its own first window it "improved"
     reason = stats.grpo_improvement([0.0, 0.0, 0.5, 0.5], 2, stats.start_train_reward(methods, 2))
     assert reason.startswith("GRPO's final smoothed training reward (0.500) is not above the start student's (0.500: "
-                             "the mean of the first 2 steps over all 2 runs, every method starting from the same student)")
-    # three runs, a curve too short for the window left out: (0.25 + 0.75 + 0.5) / 3
-    methods["sdpo"] = {"reward_per_seed": [[0.5, 0.5, 0.5], [0.0, 1.0]]}
+                             "the mean of the first 2 steps over 2 runs of every method, all starting from the same student)")
+    # four runs (one exactly the window long), a curve shorter than the window left out: (0.25 + 0.75 + 0.5 + 0.5) / 4
+    methods["sdpo"] = {"reward_per_seed": [[0.5, 0.5, 0.5], [1.0]]}
+    methods["opsd"] = {"reward_per_seed": [[0.0, 1.0]]}
     methods["lopd"]["reward_per_seed"] = [[0.5, 1.0, 0.0]]
     methods["grpo"]["reward_per_seed"] = [[0.0, 0.5, 1.0]]
-    assert stats.start_train_reward(methods, 2) == (pytest.approx(0.5), 3)
+    assert stats.start_train_reward(methods, 2) == (pytest.approx(0.5), 4)
     assert stats.grpo_improvement([0.0, 0.5, 1.0], 2, stats.start_train_reward(methods, 2)) is None  # 0.75 > 0.5
 
 
