@@ -258,7 +258,7 @@ def start_train_reward(methods: dict[str, Any], window: int) -> tuple[float | No
     return (statistics.fmean(firsts) if firsts else None), len(firsts)
 
 
-def grpo_improvement(reward: list[float], window: int, start: tuple[float | None, int] = (None, 0)) -> str | None:
+def grpo_improvement(reward: list[float], window: int, start: tuple[float | None, int]) -> str | None:
     """Why the budget fraction is undefined when GRPO's smoothed training reward ends no higher than the
     start student's level (the level every method begins at, not something GRPO reached); None when GRPO
     improved.
@@ -266,8 +266,8 @@ def grpo_improvement(reward: list[float], window: int, start: tuple[float | None
     Args:
         reward: GRPO's training reward per step (the mean over its seeds).
         window: the trailing-mean window (steps) of the final reward.
-        start: :func:`start_train_reward` ``(level, runs)``; without it (``(None, 0)``), GRPO's own first
-            full window is the start level.
+        start: :func:`start_train_reward` ``(level, runs)`` (GRPO's own runs are among them, so the level
+            exists whenever GRPO's curve is longer than the window).
     """
     if not reward:
         return None
@@ -276,12 +276,8 @@ def grpo_improvement(reward: list[float], window: int, start: tuple[float | None
                 "no start and end to compare")
     curve = smooth(reward, window)
     level, runs = start
-    if level is None:
-        level = curve[min(window, len(curve)) - 1]
-        where = f"its first {window}-step window's ({level:.3f})"
-    else:
-        where = (f"the start student's ({level:.3f}: the mean of the first {window} steps over {runs} runs of "
-                 "every method, all starting from the same student)")
+    where = (f"the start student's ({level:.3f}: the mean of the first {window} steps over {runs} runs of "
+             "every method, all starting from the same student)")
     final = curve[-1]
     if final > level + 1e-9:
         return None

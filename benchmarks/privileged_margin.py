@@ -813,10 +813,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "student_greedy_success": sum(r >= 1.0 for r in student_greedy) / len(heldout),
         "bank_size": n_bank,
         "n_reference_questions": {split: len(examples) for split, examples in reference_sets.items()},
-        **{key: value for split in reference_sets for key, value in (
-            (f"reference_nll_{split}", trajectory_stats(reference_nll[split]) if reference_nll.get(split) else None),
-            (f"reference_nll_{split}_ci", bootstrap_ci(reference_nll[split], resamples=args.resamples, seed=args.seed)
-             if reference_nll.get(split) else None))},
         "settings": {"samples": args.samples, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
                      "num_latents": args.num_latents, "num_experiences": args.num_experiences,
                      "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
@@ -826,6 +822,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "contexts": {},
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
+    for split in reference_sets:  # the student's own NLL of the references: a plain mean over questions
+        per_reference = reference_nll.get(split)
+        results[f"reference_nll_{split}"] = trajectory_stats(per_reference) if per_reference else None
+        results[f"reference_nll_{split}_ci"] = (bootstrap_ci(per_reference, resamples=args.resamples, seed=args.seed)
+                                                if per_reference else None)
     for name in names:
         if not per_question.get(name) and name.startswith("latent"):
             results["contexts"][name] = None

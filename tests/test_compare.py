@@ -329,14 +329,16 @@ def test_budget_fraction_reaches_on_a_short_window_and_compares_with_grpos_long_
     assert compare.budget_fraction(lopd, grpo, 4, 1) == pytest.approx(4 / 32)
     # ...but only after 4 steps (16 of 32) if it also had to fill the 4-step window: a floor of a quarter
     assert compare.budget_fraction(lopd, grpo, 4) == pytest.approx(16 / 32)
-    assert "not more than the 4-step window" in compare.compare_stats.grpo_improvement([0.0, 0.5, 0.5], 4)
+    assert "not more than the 4-step window" in compare.compare_stats.grpo_improvement([0.0, 0.5, 0.5], 4, (0.0, 1))
 
 
 def test_budget_fraction_is_undefined_when_grpo_did_not_improve(compare, tmp_path):
     stats = compare.compare_stats
-    reason = stats.grpo_improvement([0.5, 0.25, 0.25, 0.5, 0.0], 2)  # first full window (0.5 + 0.25) / 2, final 0.25
-    assert reason.startswith("GRPO's final smoothed training reward (0.250) is not above its first 2-step window's (0.375)")
-    assert stats.grpo_improvement([0.0, 0.25, 0.5, 0.75], 2) is None
+    start = stats.start_train_reward({"grpo": {"reward_per_seed": [[0.5, 0.25, 0.25, 0.5, 0.0]]}}, 2)  # (0.5 + 0.25) / 2
+    reason = stats.grpo_improvement([0.5, 0.25, 0.25, 0.5, 0.0], 2, start)  # final 0.25
+    assert reason.startswith("GRPO's final smoothed training reward (0.250) is not above the start student's (0.375: "
+                             "the mean of the first 2 steps over 1 runs")
+    assert stats.grpo_improvement([0.0, 0.25, 0.5, 0.75], 2, (0.125, 1)) is None
     # in compare.json: the fraction, its interval and the line in compare.md say why there is no number
     questions = [f"q{i}" for i in range(4)]
     out = tmp_path / "flat"
@@ -354,7 +356,7 @@ def test_grpo_must_improve_on_the_start_student_every_method_shares(compare):
     # first 2 steps, is (0 + 1) / 2 = 0.5, which GRPO's final 0.5 does not pass
     methods = {"grpo": {"reward_per_seed": [[0.0, 0.0, 0.5, 0.5]]}, "lopd": {"reward_per_seed": [[1.0, 1.0, 0.75, 0.75]]}}
     assert stats.start_train_reward(methods, 2) == (0.5, 2)
-    assert stats.grpo_improvement([0.0, 0.0, 0.5, 0.5], 2) is None  # against its own first window it "improved"
+    assert stats.grpo_improvement([0.0, 0.0, 0.5, 0.5], 2, (0.0, 1)) is None  # against its own first window it "improved"
     reason = stats.grpo_improvement([0.0, 0.0, 0.5, 0.5], 2, stats.start_train_reward(methods, 2))
     assert reason.startswith("GRPO's final smoothed training reward (0.500) is not above the start student's (0.500: "
                              "the mean of the first 2 steps over 2 runs of every method, all starting from the same student)")
