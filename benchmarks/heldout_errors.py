@@ -22,7 +22,9 @@ import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -101,10 +103,29 @@ def has_repetition_loop(record: dict[str, Any]) -> bool:
                for m in record.get("messages") or [])
 
 
-def evaluation_counts(path: Path) -> dict[str, int]:
-    """``{kind: episodes}`` over :data:`KINDS`, plus ``questions``, ``copies_format_example`` and
-    ``repetition_loop`` (episodes, each counted once; they cut across the kinds)."""
-    counts = dict.fromkeys(KINDS, 0) | {"questions": 0, "copies_format_example": 0, "repetition_loop": 0}
+def cut_at_length(record: dict[str, Any], count_tokens: Callable[[str], int] | None = None,
+                  max_new_tokens: int | None = None) -> bool | None:
+    """Whether a reply of the episode was cut at the token limit.
+
+    From the record's ``stop_reasons`` (``"length"``) when it has them; records written before they
+    existed are re-tokenized instead, when ``count_tokens`` (text -> tokens, the run's tokenizer) and the
+    run's ``max_new_tokens`` are given (a reply of at least that many tokens was cut; decoding and
+    re-encoding can differ by a token). None when neither is possible."""
+    if "stop_reasons" in record:
+        return "length" in record["stop_reasons"]
+    if count_tokens is None or max_new_tokens is None:
+        return None
+    return any(m.get("role") == "assistant" and count_tokens(str(m.get("content") or "")) >= max_new_tokens
+               for m in record.get("messages") or [])
+
+
+def evaluation_counts(path: Path, count_tokens: Callable[[str], int] | None = None,
+                      max_new_tokens: int | None = None) -> dict[str, int | None]:
+    """``{kind: episodes}`` over :data:`KINDS`, plus ``questions``, ``copies_format_example``,
+    ``repetition_loop`` and ``cut_at_length`` (episodes, each counted once; these three cut across the
+    kinds; ``cut_at_length`` is None when some record cannot tell, see :func:`cut_at_length`)."""
+    counts: dict[str, int | None] = dict.fromkeys(KINDS, 0) | {
+        "questions": 0, "copies_format_example": 0, "repetition_loop": 0, "cut_at_length": 0}
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
@@ -113,29 +134,43 @@ def evaluation_counts(path: Path) -> dict[str, int]:
         counts["questions"] += 1
         counts["copies_format_example"] += copies_format_example(record)
         counts["repetition_loop"] += has_repetition_loop(record)
+        cut = cut_at_length(record, count_tokens, max_new_tokens)
+        counts["cut_at_length"] = None if cut is None or counts["cut_at_length"] is None else counts["cut_at_length"] + cut
     return counts
 
 
-def read_grid(runs_roots: list[Path], run_files: Path | None = None,
-              split: str = "val") -> dict[str, dict[str, dict[int, dict[str, int]]]]:
+def run_max_new_tokens(run_dir: Path) -> int | None:
+    """The held-out token limit per reply of a run: ``val_max_new_tokens``, else ``max_new_tokens``, of
+    ``model.init_args`` in its ``config.yaml`` (None without one)."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    init_args = ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("model") or {}).get("init_args") or {}
+    value = init_args.get("val_max_new_tokens") or init_args.get("max_new_tokens")
+    return int(value) if value is not None else None
+
+
+def read_grid(runs_roots: list[Path], run_files: Path | None = None, split: str = "val",
+              count_tokens: Callable[[str], int] | None = None) -> dict[str, dict[str, dict[int, dict[str, int]]]]:
     """``{method: {"seed_<s>": {step: evaluation_counts}}}`` from every ``<root>/<method>/seed_<s>/``
     with ``generations/<split>_step_<k>.jsonl`` files.
 
     With ``run_files`` (compare.py's ``<method>/seed_<s>.json``), only finished runs are read, and a
     folder only when its solved count at every step equals its run file's ``evaluations`` (an aborted
     attempt or an older run left in another root is not the run that was reported); the first such root
-    wins."""
+    wins. ``count_tokens`` re-tokenizes replies of records without ``stop_reasons`` (:func:`cut_at_length`,
+    with each run's :func:`run_max_new_tokens`)."""
     grid: dict[str, dict[str, dict[int, dict[str, int]]]] = {}
     for root in runs_roots:
         for folder in sorted(root.glob("*/seed_*/generations")):
             method, seed = folder.parent.parent.name, folder.parent.name
             if seed in grid.get(method, {}):
                 continue
-            steps = {}
+            steps, limit = {}, run_max_new_tokens(folder.parent)
             for path in folder.glob(f"{split}_step_*.jsonl"):
                 match = re.fullmatch(rf"{re.escape(split)}_step_(\d+)\.jsonl", path.name)
                 if match:
-                    steps[int(match.group(1))] = evaluation_counts(path)
+                    steps[int(match.group(1))] = evaluation_counts(path, count_tokens, limit)
             reported = run_files / method / f"{seed}.json" if run_files else None
             if reported is not None:
                 if not reported.is_file():  # still running, or never reported
@@ -160,7 +195,8 @@ def summarise(grid: dict[str, dict[str, dict[int, dict[str, int]]]]) -> dict[str
         out[method] = {"seeds": sorted(seeds), "steps": [shared[0], shared[-1]]}
         for label, step in (("first", shared[0]), ("last", shared[-1])):
             keys = seeds[next(iter(seeds))][step]
-            out[method][label] = {k: statistics.fmean(s[step][k] for s in seeds.values()) for k in keys}
+            out[method][label] = {k: None if any(s[step][k] is None for s in seeds.values())
+                                  else statistics.fmean(s[step][k] for s in seeds.values()) for k in keys}
     return out
 
 
@@ -174,13 +210,15 @@ def runs_without_generations(grid: dict[str, Any], run_files: Path) -> list[str]
 def markdown(grid: dict[str, Any], summary: dict[str, Any], missing: list[str]) -> str:
     """The report: per method, the mean episodes of each kind at the first -> last evaluation, then
     each seed's template copies at every evaluation, then the finished runs it could not read."""
-    header = ["method", "seeds", "steps", *KINDS, "copies format example", "repetition loop"]
+    columns = (*KINDS, "copies_format_example", "repetition_loop", "cut_at_length")
+    header = ["method", "seeds", "steps", *(c.replace("_", " ") for c in columns)]
     lines = ["# Held-out failures by kind (mean episodes over seeds, first -> last evaluation)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method, s in summary.items():
         if s is None:
             continue
-        cells = [f"{s['first'][k]:.1f} -> {s['last'][k]:.1f}" for k in (*KINDS, "copies_format_example", "repetition_loop")]
+        cells = [" -> ".join("n/a" if s[end][k] is None else f"{s[end][k]:.1f}" for end in ("first", "last"))
+                 for k in columns]
         lines.append(f"| {method} | {len(s['seeds'])} | {s['steps'][0]} -> {s['steps'][1]} | " + " | ".join(cells) + " |")
     lines += ["", "Replies copying the format example, per evaluation step (solved in brackets):", ""]
     for method, seeds in grid.items():
@@ -200,13 +238,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--run-files", type=Path, default=Path("benchmarks/results/compare_runs"),
                         help="compare.py's run files; finished runs without generations are listed")
     parser.add_argument("--split", default="val")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="the runs' tokenizer folder (e.g. runs/evidence/sft_student): counts the replies "
+                             "cut at the token limit in records written before they carried stop_reasons")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/heldout_errors"),
                         help="output path without suffix: writes <out>.json and <out>.md")
     args = parser.parse_args(argv)
     for root in args.runs_root:
         if not root.is_dir():
             parser.error(f"--runs-root {root} is not a folder; pass compare.py's --root (runs/compare)")
-    grid = read_grid(args.runs_root, args.run_files, args.split)
+    count_tokens = None
+    if args.tokenizer is not None:
+        if not (args.tokenizer / "tokenizer_config.json").is_file():
+            parser.error(f"--tokenizer {args.tokenizer} has no tokenizer_config.json; pass the runs' model folder")
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+        def count_tokens(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False).input_ids)
+    grid = read_grid(args.runs_root, args.run_files, args.split, count_tokens)
     if not grid:
         parser.error(f"no {args.split}_step_<k>.jsonl under <runs-root>/<method>/seed_<s>/generations/ of "
                      f"{', '.join(map(str, args.runs_root))}; were the runs made by benchmarks/compare.py?")

@@ -117,3 +117,20 @@ def test_bad_roots_get_one_line(he, tmp_path, capsys):
     with pytest.raises(SystemExit):
         he.main(["--runs-root", str(tmp_path), "--run-files", str(tmp_path), "--out", str(tmp_path / "he")])
     assert "no val_step_<k>.jsonl" in capsys.readouterr().err
+
+
+def test_replies_cut_at_the_token_limit(he, tmp_path):
+    rec = record("<tool_call>[{")
+    assert he.cut_at_length(rec) is None  # an old record and no tokenizer: unknown, not 0
+    words = len  # one "token" per character; the reply has 13
+    assert he.cut_at_length(rec, words, max_new_tokens=13) is True and he.cut_at_length(rec, words, 14) is False
+    assert he.cut_at_length(dict(rec, stop_reasons=["eos", "length"]), words, 100) is True  # recorded reasons win
+    assert he.cut_at_length(dict(rec, stop_reasons=["eos"])) is False
+    (tmp_path / "config.yaml").write_text("model:\n  init_args:\n    max_new_tokens: 96\n    val_max_new_tokens: null\n")
+    assert he.run_max_new_tokens(tmp_path) == 96
+    (tmp_path / "config.yaml").write_text("model:\n  init_args:\n    max_new_tokens: 96\n    val_max_new_tokens: 128\n")
+    assert he.run_max_new_tokens(tmp_path) == 128 and he.run_max_new_tokens(tmp_path / "none") is None
+    path = tmp_path / "val_step_0.jsonl"
+    path.write_text(json.dumps(dict(rec, stop_reasons=["length"])) + "\n" + json.dumps(rec) + "\n")
+    assert he.evaluation_counts(path)["cut_at_length"] is None  # one record cannot tell
+    assert he.evaluation_counts(path, words, 13)["cut_at_length"] == 2

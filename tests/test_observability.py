@@ -142,6 +142,12 @@ def test_every_validation_episode_is_written_to_jsonl(run):
             assert r["step"] == step and r["split"] == "val"
             assert r["reward"] == even(r["example_id"]) and r["success"] == (r["reward"] == 1.0)
             assert r["turns"] == 1 and r["done"] is True and r["truncation"] is None
+            # one entry per reply: how many tokens, and why it ended (a cut reply has the full budget)
+            assert len(r["reply_tokens"]) == len(r["stop_reasons"]) == 1
+            assert r["stop_reasons"][0] in {"eos", "stop_string", "length"}
+            max_new = run["module"].hparams.val_max_new_tokens or run["module"].hparams.max_new_tokens
+            cut = r["stop_reasons"][0] == "length"
+            assert r["reply_tokens"][0] == max_new if cut else 0 < r["reply_tokens"][0] <= max_new
             assert r["messages"][0] == {"role": "user", "content": run["dm"].example(r["example_id"]).text}
             assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
 

@@ -112,8 +112,11 @@ class ObservabilityMixin(LightningModule):
     # ------------------------------------------------------------------ samples and generations
     def trajectory_records(self, batch: RolloutBatch, prefix: str, step: int, rows: int | None = None) -> list[dict[str, Any]]:
         """One JSON-ready dict per trajectory of ``batch`` (its first ``rows``): ``step``, ``split``,
-        ``example_id``, ``reward``, ``success``, ``turns``, ``done``, ``truncation``, ``errors`` (the
-        checker's verdicts), ``info`` (the last step's ``StepResult.info``) and ``messages``."""
+        ``example_id``, ``reward``, ``success``, ``turns``, ``done``, ``truncation``, ``reply_tokens`` and
+        ``stop_reasons`` (per assistant turn: tokens generated, and ``"eos"``, ``"stop_string"`` or
+        ``"length"``, a reply cut at the token limit; empty for a batch that was not generated),
+        ``errors`` (the checker's verdicts), ``info`` (the last step's ``StepResult.info``) and
+        ``messages``."""
         out = []
         for i in range(len(batch) if rows is None else min(rows, len(batch))):
             meta = batch.metadata[i]
@@ -127,6 +130,8 @@ class ObservabilityMixin(LightningModule):
                 "turns": meta.get("turns"),
                 "done": meta.get("done"),
                 "truncation": meta.get("truncation"),
+                "reply_tokens": [int(n) for n in meta.get("reply_tokens") or []],
+                "stop_reasons": [str(r) for r in meta.get("stop_reasons") or []],
                 "errors": list(meta.get("errors") or []),
                 "info": dict(meta.get("info") or {}),
                 "messages": [dict(m) for m in batch.messages[i]],
