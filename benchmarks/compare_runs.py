@@ -127,6 +127,16 @@ def method_curves(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: curve for tag in METHOD_TAGS if (curve := reward_curve(log_dir, tag))}
 
 
+def generation_files(log_dir: Path, split: str = "val") -> list[tuple[int, Path]]:
+    """``(k, path)`` of every ``<log_dir>/generations/<split>_step_<k>.jsonl``, by step (empty without any)."""
+    found = []
+    for path in (Path(log_dir) / "generations").glob(f"{split}_step_*.jsonl"):
+        match = re.fullmatch(rf"{re.escape(split)}_step_(\d+)\.jsonl", path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
 def heldout_evaluations(log_dir: Path, trajectories_per_step: int, split: str = "val") -> list[dict[str, Any]]:
     """Every greedy evaluation the run wrote to ``<log_dir>/generations/<split>_step_<k>.jsonl``, by step.
 
@@ -135,14 +145,8 @@ def heldout_evaluations(log_dir: Path, trajectories_per_step: int, split: str = 
         step), ``questions`` and ``solved`` (counts), ``success`` (their fraction) and ``per_question``
         (example id -> solved, bool, from each record's ``success``).
     """
-    folder = Path(log_dir) / "generations"
-    found = []
-    for path in folder.glob(f"{split}_step_*.jsonl"):
-        match = re.fullmatch(rf"{re.escape(split)}_step_(\d+)\.jsonl", path.name)
-        if match:
-            found.append((int(match.group(1)), path))
     evaluations = []
-    for step, path in sorted(found):
+    for step, path in generation_files(log_dir, split):
         records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         per_question = {str(r["example_id"]): bool(r["success"]) for r in records}
         solved = sum(per_question.values())

@@ -4,14 +4,17 @@
 ``<runs-root>/<method>/seed_<s>/generations/val_step_<k>.jsonl`` files (one JSON line per greedy episode,
 written by ``lopd_lightning.modules.observability``) and sorts every unsolved episode by the first reason
 the BFCL checker gave (:func:`failure_kind`), so a fall in success can be traced to what changed in the
-replies. It also counts the replies that loop (:func:`has_repetition_loop`) and those that copy the system prompt's format example instead of the tools'
-schemas (:func:`copies_format_example`: e.g. ``{"argument1": ...}`` where the schema names ``todo``).
+replies. Three counts cut across the kinds: replies that copy the system prompt's format example
+instead of the tools' schemas (:func:`copies_format_example`: ``{"argument1": ...}`` where the schema
+names ``todo``), repetition loops (:func:`has_repetition_loop`) and replies cut at the token limit
+(:func:`cut_at_length`).
 
-Writes ``<out>.json`` (every run and evaluation, plus :func:`common.run_metadata`) and ``<out>.md`` (the
-mean over seeds per method at its first and last evaluation, each seed's template copies, and the
-finished runs of ``--run-files`` whose generations folder is gone).
+Writes ``<out>.json`` (every run's evaluations, plus :func:`common.run_metadata`) and ``<out>.md`` (the
+mean over seeds per method at its first and last evaluation, each seed's counts at every evaluation, and
+the finished runs it could not read, with why).
 
-    python benchmarks/heldout_errors.py --runs-root runs/compare [more roots] --out benchmarks/results/heldout_errors
+    python benchmarks/heldout_errors.py --runs-root runs/compare [more roots] \
+        [--tokenizer runs/evidence/sft_student] --out benchmarks/results/heldout_errors
 """
 
 from __future__ import annotations
@@ -29,31 +32,34 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import run_metadata, write_json_atomic  # noqa: E402
+from compare_runs import generation_files, heldout_evaluations  # noqa: E402
 
-#: Failure kinds, in report order; an unsolved episode gets the first whose prefixes start its first error.
-FAILURE_KINDS: dict[str, tuple[str, ...]] = {
-    "no call": ("no function call", "no tool call", "empty reply"),
-    "malformed": ("malformed",),
-    "wrong function": ("function name", "wrong number of functions", "no model call matches", "no schema"),
-    "missing argument": ("missing required parameter", "parameter "),  # "parameter 'x' not provided ..."
-    "unexpected argument": ("unexpected parameter",),
-    "wrong type": ("wrong type for",),
-    "wrong value": ("invalid value for",),
+#: Failure kinds, in report order: an unsolved episode gets the first whose pattern matches the start of
+#: its first error (the messages of ``lopd_lightning.tasks.bfcl.checker`` and ``.calls``).
+FAILURE_KINDS: dict[str, str] = {
+    "no call": r"no function call|no tool call|empty reply",
+    "malformed": r"malformed",
+    "wrong function": r"function name |wrong number of functions",
+    "no matching call": r"no model call matches",  # parallel categories: some expected call has no match
+    "missing argument": r"missing required parameter|parameter '.*' not provided",
+    "unexpected argument": r"unexpected parameter",
+    "wrong type": r"wrong type for",
+    "wrong value": r"invalid value for",
 }
 KINDS = ("solved", *FAILURE_KINDS, "other")
+#: The counts that cut across :data:`KINDS` (each episode at most once in each).
+FLAGS = ("copies_format_example", "repetition_loop", "cut_at_length")
 
 
 def failure_kind(record: dict[str, Any]) -> str:
-    """``"solved"``, one of :data:`FAILURE_KINDS`, or ``"other"`` (an error no prefix matches), from the
-    record's ``success`` and its first ``errors`` entry (``info["error"]`` when ``errors`` is empty)."""
+    """``"solved"``, one of :data:`FAILURE_KINDS`, or ``"other"`` (an error no pattern matches, e.g. a
+    dataset without the expected function's schema), from the record's ``success`` and its first
+    ``errors`` entry (``info["error"]`` when ``errors`` is empty)."""
     if record.get("success"):
         return "solved"
     errors = record.get("errors") or [(record.get("info") or {}).get("error") or ""]
     first = str(errors[0])
-    for kind, prefixes in FAILURE_KINDS.items():
-        if first.startswith(prefixes):
-            return kind
-    return "other"
+    return next((kind for kind, pattern in FAILURE_KINDS.items() if re.match(pattern, first)), "other")
 
 
 def format_example_names(system_text: str) -> tuple[set[str], set[str]]:
@@ -93,14 +99,16 @@ def copies_format_example(record: dict[str, Any]) -> bool:
     return any(m.get("role") == "assistant" and found.search(str(m.get("content") or "")) for m in messages)
 
 
-#: A unit of 3-40 characters repeated at least 5 times in a row: a degenerate decoding loop.
-REPETITION = re.compile(r"(.{3,40}?)\1{4,}", re.S)
+#: A unit of 3-40 characters, not starting with whitespace, that occurs at least 5 times in a row.
+REPETITION = re.compile(r"(\S.{2,39}?)\1{4,}", re.S)
 
 
 def has_repetition_loop(record: dict[str, Any]) -> bool:
-    """Whether an assistant reply contains :data:`REPETITION` (e.g. ``-100-100-100-100-100``)."""
-    return any(m.get("role") == "assistant" and REPETITION.search(str(m.get("content") or ""))
-               for m in record.get("messages") or [])
+    """Whether an assistant reply has a degenerate decoding loop: a :data:`REPETITION` whose unit is not
+    one character repeated (``-100-100-100-100-100`` counts; runs of dashes or zeros do not)."""
+    return any(len(set(match.group(1))) > 1
+               for m in record.get("messages") or [] if m.get("role") == "assistant"
+               for match in REPETITION.finditer(str(m.get("content") or "")))
 
 
 def cut_at_length(record: dict[str, Any], count_tokens: Callable[[str], int] | None = None,
@@ -111,7 +119,7 @@ def cut_at_length(record: dict[str, Any], count_tokens: Callable[[str], int] | N
     existed are re-tokenized instead, when ``count_tokens`` (text -> tokens, the run's tokenizer) and the
     run's ``max_new_tokens`` are given (a reply of at least that many tokens was cut; decoding and
     re-encoding can differ by a token). None when neither is possible."""
-    if "stop_reasons" in record:
+    if record.get("stop_reasons"):  # absent, or empty for a batch that was not generated: unknown
         return "length" in record["stop_reasons"]
     if count_tokens is None or max_new_tokens is None:
         return None
@@ -123,9 +131,11 @@ def evaluation_counts(path: Path, count_tokens: Callable[[str], int] | None = No
                       max_new_tokens: int | None = None) -> dict[str, int | None]:
     """``{kind: episodes}`` over :data:`KINDS`, plus ``questions``, ``copies_format_example``,
     ``repetition_loop`` and ``cut_at_length`` (episodes, each counted once; these three cut across the
-    kinds; ``cut_at_length`` is None when some record cannot tell, see :func:`cut_at_length`)."""
-    counts: dict[str, int | None] = dict.fromkeys(KINDS, 0) | {
-        "questions": 0, "copies_format_example": 0, "repetition_loop": 0, "cut_at_length": 0}
+    kinds; ``cut_at_length`` is None when some record cannot tell, see :func:`cut_at_length`).
+
+    Raises:
+        json.JSONDecodeError: a line that is not JSON (a file still being written)."""
+    counts: dict[str, int | None] = dict.fromkeys(KINDS, 0) | {"questions": 0} | dict.fromkeys(FLAGS, 0)
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
@@ -150,67 +160,94 @@ def run_max_new_tokens(run_dir: Path) -> int | None:
     return int(value) if value is not None else None
 
 
-def read_grid(runs_roots: list[Path], run_files: Path | None = None, split: str = "val",
-              count_tokens: Callable[[str], int] | None = None) -> dict[str, dict[str, dict[int, dict[str, int]]]]:
-    """``{method: {"seed_<s>": {step: evaluation_counts}}}`` from every ``<root>/<method>/seed_<s>/``
-    with ``generations/<split>_step_<k>.jsonl`` files.
+class GridError(ValueError):
+    """No run could be read (the message says what was found and why none was used)."""
 
-    With ``run_files`` (compare.py's ``<method>/seed_<s>.json``), only finished runs are read, and a
-    folder only when its solved count at every step equals its run file's ``evaluations`` (an aborted
-    attempt or an older run left in another root is not the run that was reported); the first such root
-    wins. ``count_tokens`` re-tokenizes replies of records without ``stop_reasons`` (:func:`cut_at_length`,
-    with each run's :func:`run_max_new_tokens`)."""
-    grid: dict[str, dict[str, dict[int, dict[str, int]]]] = {}
+
+def _reported_per_question(path: Path) -> dict[int, dict[str, bool]]:
+    """``{step: per_question}`` of a compare.py run file's ``evaluations``.
+
+    Raises:
+        GridError: the file is not JSON or has no ``evaluations`` with ``step`` and ``per_question``."""
+    try:
+        return {int(e["step"]): dict(e["per_question"]) for e in json.loads(path.read_text())["evaluations"]}
+    except (ValueError, KeyError, TypeError) as err:
+        raise GridError(f"{path} is not a compare.py run file ({type(err).__name__}: {err})") from err
+
+
+def read_grid(runs_roots: list[Path], run_files: Path, split: str = "val",
+              count_tokens: Callable[[str], int] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The finished runs' evaluations, and the run folders not used with why.
+
+    A folder ``<root>/<method>/seed_<s>/`` is used when ``run_files`` (compare.py's ``--runs-dir``) has
+    its ``<method>/seed_<s>.json`` and every question's outcome at every step of its
+    ``generations/<split>_step_<k>.jsonl`` equals that file's ``evaluations`` (an aborted attempt, or
+    an older run left in another root, is not the run that was reported); the first such root wins.
+    ``count_tokens`` re-tokenizes replies of records without ``stop_reasons`` (:func:`cut_at_length`,
+    with each run's :func:`run_max_new_tokens`).
+
+    Returns:
+        ``({method: {"seed_<s>": [{"step": k, **evaluation_counts}, ...]}}, {"<method>/seed_<s>": why})``
+        (steps ascending, as the run files write ``evaluations``).
+
+    Raises:
+        GridError: a run file that does not read (see :func:`_reported_per_question`).
+    """
+    grid: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    skipped: dict[str, str] = {}
     for root in runs_roots:
-        for folder in sorted(root.glob("*/seed_*/generations")):
-            method, seed = folder.parent.parent.name, folder.parent.name
-            if seed in grid.get(method, {}):
+        for run_dir in sorted(p.parent for p in root.glob("*/seed_*/generations")):
+            method, seed, name = run_dir.parent.name, run_dir.name, f"{run_dir.parent.name}/{run_dir.name}"
+            files = generation_files(run_dir, split)
+            if seed in grid.get(method, {}) or not files:
                 continue
-            steps, limit = {}, run_max_new_tokens(folder.parent)
-            for path in folder.glob(f"{split}_step_*.jsonl"):
-                match = re.fullmatch(rf"{re.escape(split)}_step_(\d+)\.jsonl", path.name)
-                if match:
-                    steps[int(match.group(1))] = evaluation_counts(path, count_tokens, limit)
-            reported = run_files / method / f"{seed}.json" if run_files else None
-            if reported is not None:
-                if not reported.is_file():  # still running, or never reported
-                    continue
-                solved = {e["step"]: e["solved"] for e in json.loads(reported.read_text())["evaluations"]}
-                if solved != {k: c["solved"] for k, c in steps.items()}:
-                    continue
-            if steps:
-                grid.setdefault(method, {})[seed] = dict(sorted(steps.items()))
-    return {method: dict(sorted(seeds.items())) for method, seeds in sorted(grid.items())}
+            reported = run_files / method / f"{seed}.json"
+            if not reported.is_file():
+                skipped[name] = f"{run_dir}: no run file {reported} (still running, or never finished)"
+                continue
+            found = {e["step"]: e["per_question"] for e in heldout_evaluations(run_dir, 1, split)}
+            if found != _reported_per_question(reported):
+                skipped[name] = f"{run_dir}: its held-out outcomes differ from {reported} (not the reported run)"
+                continue
+            limit = run_max_new_tokens(run_dir)
+            grid.setdefault(method, {})[seed] = [
+                {"step": step, **evaluation_counts(path, count_tokens, limit)} for step, path in files]
+            skipped.pop(name, None)
+    grid = {method: dict(sorted(seeds.items())) for method, seeds in sorted(grid.items())}
+    return grid, dict(sorted(skipped.items()))
 
 
-def summarise(grid: dict[str, dict[str, dict[int, dict[str, int]]]]) -> dict[str, Any]:
-    """Per method, the mean over seeds of every count at the first and the last evaluation step that
-    all its seeds share (``None`` for a method whose seeds share fewer than two steps)."""
+def summarise(grid: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Per method, ``seeds``, ``steps`` (the first and last evaluation step all its seeds share) and the
+    mean over seeds of every count at each (``first``, ``last``; a count is None when some seed's is).
+    A method whose seeds share fewer than two steps gets None."""
     out: dict[str, Any] = {}
     for method, seeds in grid.items():
-        shared = sorted(set.intersection(*(set(steps) for steps in seeds.values())))
+        by_step = {seed: {e["step"]: e for e in evaluations} for seed, evaluations in seeds.items()}
+        shared = sorted(set.intersection(*(set(steps) for steps in by_step.values())))
         if len(shared) < 2:
             out[method] = None
             continue
         out[method] = {"seeds": sorted(seeds), "steps": [shared[0], shared[-1]]}
         for label, step in (("first", shared[0]), ("last", shared[-1])):
-            keys = seeds[next(iter(seeds))][step]
-            out[method][label] = {k: None if any(s[step][k] is None for s in seeds.values())
-                                  else statistics.fmean(s[step][k] for s in seeds.values()) for k in keys}
+            at = [steps[step] for steps in by_step.values()]
+            out[method][label] = {k: None if any(e[k] is None for e in at) else statistics.fmean(e[k] for e in at)
+                                  for k in at[0] if k != "step"}
     return out
 
 
-def runs_without_generations(grid: dict[str, Any], run_files: Path) -> list[str]:
-    """``<method>/seed_<s>`` of every finished run file under ``run_files`` (compare.py's
-    ``compare_runs/<method>/seed_<s>.json``) whose generations are not in ``grid``."""
+def runs_without_generations(grid: dict[str, Any], run_files: Path, skipped: dict[str, str]) -> list[str]:
+    """``<method>/seed_<s>`` of every run file under ``run_files`` whose run folder was found in no root
+    (neither read into ``grid`` nor ``skipped``)."""
     finished = sorted(f"{p.parent.name}/{p.stem}" for p in run_files.glob("*/seed_*.json"))
-    return [run for run in finished if run.split("/")[1] not in grid.get(run.split("/")[0], {})]
+    return [run for run in finished
+            if run.split("/")[1] not in grid.get(run.split("/")[0], {}) and run not in skipped]
 
 
-def markdown(grid: dict[str, Any], summary: dict[str, Any], missing: list[str]) -> str:
-    """The report: per method, the mean episodes of each kind at the first -> last evaluation, then
-    each seed's template copies at every evaluation, then the finished runs it could not read."""
-    columns = (*KINDS, "copies_format_example", "repetition_loop", "cut_at_length")
+def markdown(grid: dict[str, Any], summary: dict[str, Any], missing: list[str], skipped: dict[str, str]) -> str:
+    """The report: per method, the mean episodes of each kind at the first -> last evaluation; each
+    seed's solved, malformed and :data:`FLAGS` counts at every evaluation; the runs it could not read."""
+    columns = (*KINDS, *FLAGS)
     header = ["method", "seeds", "steps", *(c.replace("_", " ") for c in columns)]
     lines = ["# Held-out failures by kind (mean episodes over seeds, first -> last evaluation)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -220,13 +257,21 @@ def markdown(grid: dict[str, Any], summary: dict[str, Any], missing: list[str]) 
         cells = [" -> ".join("n/a" if s[end][k] is None else f"{s[end][k]:.1f}" for end in ("first", "last"))
                  for k in columns]
         lines.append(f"| {method} | {len(s['seeds'])} | {s['steps'][0]} -> {s['steps'][1]} | " + " | ".join(cells) + " |")
-    lines += ["", "Replies copying the format example, per evaluation step (solved in brackets):", ""]
+    short = [m for m, s in summary.items() if s is None]
+    if short:
+        lines += ["", "Not in the table (its seeds share fewer than two evaluations): " + ", ".join(short)]
+    lines += ["", "Per seed and evaluation step: solved / malformed / " + " / ".join(f.replace("_", " ") for f in FLAGS)
+              + " (episodes; n/a: the records cannot tell):", ""]
     for method, seeds in grid.items():
-        for seed, steps in seeds.items():
-            row = ", ".join(f"{k}: {c['copies_format_example']} ({c['solved']})" for k, c in steps.items())
+        for seed, evaluations in seeds.items():
+            row = ", ".join(f"{e['step']}: " + " / ".join("n/a" if e[k] is None else str(e[k])
+                                                          for k in ("solved", "malformed", *FLAGS))
+                            for e in evaluations)
             lines.append(f"- {method} {seed}: {row}")
     if missing:
-        lines += ["", "Finished runs whose generations files are gone (not counted above): " + ", ".join(missing)]
+        lines += ["", "Finished runs whose generations folder is in no root (not counted): " + ", ".join(missing)]
+    if skipped:
+        lines += ["", "Run folders not used:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -236,8 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the grid's run folders, <runs-root>/<method>/seed_<s>/ (compare.py's --root); "
                              "several roots are searched in order")
     parser.add_argument("--run-files", type=Path, default=Path("benchmarks/results/compare_runs"),
-                        help="compare.py's run files; finished runs without generations are listed")
-    parser.add_argument("--split", default="val")
+                        help="compare.py's --runs-dir: <method>/seed_<s>.json of every finished run")
+    parser.add_argument("--split", default="val", help="the generations files' split: <split>_step_<k>.jsonl")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="the runs' tokenizer folder (e.g. runs/evidence/sft_student): counts the replies "
                              "cut at the token limit in records written before they carried stop_reasons")
@@ -247,24 +292,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for root in args.runs_root:
         if not root.is_dir():
             parser.error(f"--runs-root {root} is not a folder; pass compare.py's --root (runs/compare)")
+    if not args.run_files.is_dir():
+        parser.error(f"--run-files {args.run_files} is not a folder; pass compare.py's --runs-dir "
+                     "(benchmarks/results/compare_runs)")
     count_tokens = None
     if args.tokenizer is not None:
         if not (args.tokenizer / "tokenizer_config.json").is_file():
             parser.error(f"--tokenizer {args.tokenizer} has no tokenizer_config.json; pass the runs' model folder")
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+
         def count_tokens(text: str) -> int:
             return len(tokenizer(text, add_special_tokens=False).input_ids)
-    grid = read_grid(args.runs_root, args.run_files, args.split, count_tokens)
+    try:
+        grid, skipped = read_grid(args.runs_root, args.run_files, args.split, count_tokens)
+    except GridError as err:
+        parser.error(str(err))
     if not grid:
+        roots = ", ".join(map(str, args.runs_root))
+        if skipped:
+            parser.error(f"{len(skipped)} run folders under {roots}, none a finished run matching its file in "
+                         f"--run-files {args.run_files}; the first: {next(iter(skipped.values()))}")
         parser.error(f"no {args.split}_step_<k>.jsonl under <runs-root>/<method>/seed_<s>/generations/ of "
-                     f"{', '.join(map(str, args.runs_root))}; were the runs made by benchmarks/compare.py?")
+                     f"{roots}; were the runs made by benchmarks/compare.py?")
     summary = summarise(grid)
-    missing = runs_without_generations(grid, args.run_files)
-    result = {"runs_roots": [str(r) for r in args.runs_root], "split": args.split, "kinds": list(KINDS), "summary": summary,
-              "runs": grid, "runs_without_generations": missing, **run_metadata(seed=0, argv=argv)}
+    missing = runs_without_generations(grid, args.run_files, skipped)
+    result = {"runs_roots": [str(r) for r in args.runs_root], "split": args.split, "kinds": list(KINDS),
+              "flags": list(FLAGS), "summary": summary, "runs": grid, "runs_without_generations": missing,
+              "run_folders_not_used": skipped, **run_metadata(seed=0, argv=argv)}
     write_json_atomic(result, args.out.with_suffix(".json"))
-    args.out.with_suffix(".md").write_text(markdown(grid, summary, missing), encoding="utf-8")
+    args.out.with_suffix(".md").write_text(markdown(grid, summary, missing, skipped), encoding="utf-8")
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.md')}")
     return result
 

@@ -35,21 +35,40 @@ def verdict(args: dict) -> str:
     return check_tool_calls([ToolCall("todo_add", args)], TRUTH, FUNCTIONS, category="simple").error
 
 
+def check(calls: list[ToolCall], truth: list = TRUTH, category: str = "simple") -> str:
+    return check_tool_calls(calls, truth, FUNCTIONS, category=category).error
+
+
+CALL = ToolCall("todo_add", {"content": "buy milk"})
+
+
 @pytest.mark.parametrize("error, kind", [
     (lambda: unparsed_reason("<tool_call>[{oops</tool_call>"), "malformed"),
+    (lambda: unparsed_reason("[{oops"), "malformed"),
+    (lambda: unparsed_reason(3), "malformed"),
     (lambda: unparsed_reason("I cannot help."), "no call"),
-    (lambda: check_tool_calls([], TRUTH, FUNCTIONS, category="simple").error, "no call"),
-    (lambda: check_tool_calls([ToolCall("other", {})], TRUTH, FUNCTIONS, category="simple").error, "wrong function"),
+    (lambda: unparsed_reason("  "), "no call"),
+    (lambda: check([]), "no call"),
+    (lambda: check([ToolCall("other", {})]), "wrong function"),
+    (lambda: check([CALL, CALL]), "wrong function"),
+    (lambda: check([CALL], TRUTH * 2, "parallel"), "wrong function"),
+    (lambda: check([CALL, ToolCall("todo_add", {"content": "x"})], TRUTH * 2, "parallel"), "no matching call"),
     (lambda: verdict({}), "missing argument"),
+    (lambda: check([CALL], [{"todo_add": {"content": ["buy milk"], "urgent": [True]}}]), "missing argument"),
     (lambda: verdict({"content": "buy milk", "argument1": "x"}), "unexpected argument"),
     (lambda: verdict({"content": 3}), "wrong type"),
     (lambda: verdict({"content": "buy bread"}), "wrong value"),
+    (lambda: check([CALL], [{"gone": {}}]), "other"),  # the dataset lacks the expected schema
     (lambda: "the sandbox timed out", "other"),
 ])
 def test_every_checker_reason_gets_its_kind(he, error, kind):
     assert he.failure_kind(record("...", error=error())) == kind
-    assert he.failure_kind(record("...", success=True)) == "solved"
+
+
+def test_solved_and_info_only_records(he):
+    assert he.failure_kind(record("...", success=True, error="ignored")) == "solved"
     assert he.failure_kind({"success": False, "errors": [], "info": {"error": "malformed reply"}}) == "malformed"
+    assert he.failure_kind({"success": False}) == "other"
 
 
 def test_the_format_example_is_read_from_the_system_message(he):
@@ -74,7 +93,10 @@ def test_template_copies_are_counted_even_when_the_reply_does_not_parse(he):
 
 def test_repetition_loops(he):
     assert he.has_repetition_loop(record('{"fabricName": "cisco-nir-100-100-100-100-100-100"}'))
-    assert not he.has_repetition_loop(record('{"fabricName": "cisco-nir-100-100"}'))
+    assert he.has_repetition_loop(record('{"cast": ["Dance", "Dance", "Dance", "Dance", "Dance", "Dance"]}'))
+    assert not he.has_repetition_loop(record('{"fabricName": "cisco-nir-100-100"}'))  # 2 repeats
+    assert not he.has_repetition_loop(record('{"x": "' + " " * 30 + "-" * 30 + "0" * 30 + '"}'))  # one character
+    assert he.has_repetition_loop(record("0" * 30 + " abcabcabcabcabc"))  # a real loop after a run of zeros
 
 
 def write_run(root: Path, runs: Path, method: str, seed: int, steps: dict[int, list[dict]], reported: dict | None):
@@ -84,30 +106,53 @@ def write_run(root: Path, runs: Path, method: str, seed: int, steps: dict[int, l
         (gen / f"val_step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if reported is not None:
         (runs / method).mkdir(parents=True, exist_ok=True)
-        evaluations = [{"step": k, "solved": v} for k, v in reported.items()]
+        evaluations = [{"step": k, "per_question": v} for k, v in reported.items()]
         (runs / method / f"seed_{seed}.json").write_text(json.dumps({"evaluations": evaluations}))
 
 
 def test_the_grid_is_read_where_it_matches_the_run_files_and_the_report_is_written(he, tmp_path):
     ok, bad = record("x", success=True), record("<tool_call>[{", error=unparsed_reason("<tool_call>[{"))
-    copy = record('{"argument1": "v"}', error=verdict({"argument1": "v"}))
+    ok2 = dict(ok, example_id="q2")
+    bad2 = dict(bad, example_id="q2")
+    copy = dict(record('{"argument1": "v"}', error=verdict({"argument1": "v"})), example_id="q2")
     runs, old, new = tmp_path / "compare_runs", tmp_path / "old", tmp_path / "new"
-    write_run(old, runs, "lopd", 0, {0: [ok, bad], 4: [bad, copy]}, {0: 1, 4: 0})
-    write_run(old, runs, "lopd", 1, {0: [ok, ok]}, None)  # an aborted attempt in the old root...
-    write_run(new, runs, "lopd", 1, {0: [ok, bad], 4: [ok, copy]}, {0: 1, 4: 1})  # ...the reported run in the new
-    write_run(new, runs, "grpo", 0, {0: [ok, bad]}, None)  # still running: no run file
-    (runs / "grpo").mkdir()
+    write_run(old, runs, "lopd", 0, {0: [ok, bad2], 4: [bad, copy]}, {0: {"q": True, "q2": False},
+                                                                      4: {"q": False, "q2": False}})
+    write_run(old, runs, "lopd", 1, {0: [bad, ok2], 4: [ok, copy]}, None)  # an aborted attempt in the old root
+    write_run(new, runs, "lopd", 1, {0: [ok, bad2], 4: [ok, copy]}, {0: {"q": True, "q2": False},  # the reported
+                                                                     4: {"q": True, "q2": False}})
+    write_run(new, runs, "grpo", 0, {0: [ok, bad2]}, None)  # still running: no run file
+    (runs / "grpo").mkdir(parents=True)
     (runs / "grpo" / "seed_1.json").write_text(json.dumps({"evaluations": []}))  # finished, generations gone
     result = he.main(["--runs-root", str(old), str(new), "--run-files", str(runs), "--out", str(tmp_path / "he")])
     assert set(result["runs"]) == {"lopd"} and set(result["runs"]["lopd"]) == {"seed_0", "seed_1"}
-    assert result["runs"]["lopd"]["seed_1"][4]["solved"] == 1
+    assert [e["step"] for e in result["runs"]["lopd"]["seed_1"]] == [0, 4]
+    assert result["runs"]["lopd"]["seed_1"][1]["solved"] == 1
     last = result["summary"]["lopd"]["last"]
     assert last["solved"] == 0.5 and last["malformed"] == 0.5 and last["missing argument"] == 1.0
     assert last["copies_format_example"] == 1.0 and result["summary"]["lopd"]["steps"] == [0, 4]
+    assert last["cut_at_length"] is None  # old records, no tokenizer: unknown
     assert result["runs_without_generations"] == ["grpo/seed_1"]
-    assert json.loads((tmp_path / "he.json").read_text())["summary"] == json.loads(json.dumps(result["summary"]))
+    assert set(result["run_folders_not_used"]) == {"grpo/seed_0"}  # lopd/seed_1 was found in the new root
+    saved = json.loads((tmp_path / "he.json").read_text())
+    assert saved["summary"] == result["summary"] and saved["runs"]["lopd"]["seed_1"][1]["step"] == 4
     report = (tmp_path / "he.md").read_text()
     assert "| lopd | 2 | 0 -> 4 | 1.0 -> 0.5 |" in report and "grpo/seed_1" in report
+    assert report.count("n/a -> n/a") == 1 and "- lopd seed_1: 0: 1 / 1 / 0 / 0 / n/a, 4: 1 / 0 / 1 / 0 / n/a" in report
+    assert "grpo/seed_0: " in report and "no run file" in report
+
+
+def test_a_folder_that_is_not_the_reported_run_is_named(he, tmp_path):
+    runs, root = tmp_path / "compare_runs", tmp_path / "runs"
+    ok = record("x", success=True)
+    write_run(root, runs, "lopd", 0, {0: [ok]}, {0: {"q": False}})
+    with pytest.raises(SystemExit):
+        he.main(["--runs-root", str(root), "--run-files", str(runs), "--out", str(tmp_path / "he")])
+    with pytest.raises(he.GridError, match="not a compare.py run file"):
+        (runs / "lopd" / "seed_0.json").write_text("{}")
+        he.read_grid([root], runs)
+    _, skipped = he.read_grid([root], tmp_path)  # no run files at all
+    assert "no run file" in skipped["lopd/seed_0"]
 
 
 def test_bad_roots_get_one_line(he, tmp_path, capsys):
@@ -115,17 +160,24 @@ def test_bad_roots_get_one_line(he, tmp_path, capsys):
         he.main(["--runs-root", str(tmp_path / "missing"), "--out", str(tmp_path / "he")])
     assert "--runs-root" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        he.main(["--runs-root", str(tmp_path), "--run-files", str(tmp_path / "missing"), "--out", str(tmp_path / "he")])
+    assert "--run-files" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         he.main(["--runs-root", str(tmp_path), "--run-files", str(tmp_path), "--out", str(tmp_path / "he")])
     assert "no val_step_<k>.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        he.main(["--runs-root", str(tmp_path), "--run-files", str(tmp_path), "--tokenizer", str(tmp_path)])
+    assert "--tokenizer" in capsys.readouterr().err
 
 
 def test_replies_cut_at_the_token_limit(he, tmp_path):
     rec = record("<tool_call>[{")
     assert he.cut_at_length(rec) is None  # an old record and no tokenizer: unknown, not 0
-    words = len  # one "token" per character; the reply has 13
-    assert he.cut_at_length(rec, words, max_new_tokens=13) is True and he.cut_at_length(rec, words, 14) is False
-    assert he.cut_at_length(dict(rec, stop_reasons=["eos", "length"]), words, 100) is True  # recorded reasons win
+    chars = len  # one "token" per character; the reply has 13
+    assert he.cut_at_length(rec, chars, max_new_tokens=13) is True and he.cut_at_length(rec, chars, 14) is False
+    assert he.cut_at_length(dict(rec, stop_reasons=["eos", "length"]), chars, 100) is True  # recorded reasons win
     assert he.cut_at_length(dict(rec, stop_reasons=["eos"])) is False
+    assert he.cut_at_length(dict(rec, stop_reasons=[])) is None  # a batch that was not generated: unknown
     (tmp_path / "config.yaml").write_text("model:\n  init_args:\n    max_new_tokens: 96\n    val_max_new_tokens: null\n")
     assert he.run_max_new_tokens(tmp_path) == 96
     (tmp_path / "config.yaml").write_text("model:\n  init_args:\n    max_new_tokens: 96\n    val_max_new_tokens: 128\n")
@@ -133,4 +185,4 @@ def test_replies_cut_at_the_token_limit(he, tmp_path):
     path = tmp_path / "val_step_0.jsonl"
     path.write_text(json.dumps(dict(rec, stop_reasons=["length"])) + "\n" + json.dumps(rec) + "\n")
     assert he.evaluation_counts(path)["cut_at_length"] is None  # one record cannot tell
-    assert he.evaluation_counts(path, words, 13)["cut_at_length"] == 2
+    assert he.evaluation_counts(path, chars, 13)["cut_at_length"] == 2
