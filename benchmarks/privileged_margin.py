@@ -1,7 +1,9 @@
 """LOPD's mechanism, measured: how much each teacher context privileges the start student's own trajectories.
 
     python benchmarks/privileged_margin.py                          # -> benchmarks/results/privileged_margin.json
-    python benchmarks/privileged_margin.py --trained-checkpoint runs/compare/lopd_seed0/checkpoints/last.ckpt
+    python benchmarks/privileged_margin.py --trained-checkpoint runs/compare/lopd/seed_0/checkpoints/last.ckpt
+    python benchmarks/privileged_margin.py --contexts latent_trained --trained-checkpoint \
+        runs/compare/lopd/seed_{0,1,2}/checkpoints/last.ckpt --out benchmarks/results/privileged_margin_trained.json
 
 On the held-out questions (the val split: 65 for BFCL live_simple; never in the bank or in training), the
 start student (``benchmarks/start_student.py``) samples ``--samples`` trajectories per question at
@@ -19,7 +21,10 @@ section 5). Contexts:
 - ``latent_untrained``: the latents of the freshly initialised composer (J experiences, K latents each);
 - ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
   (L_init on the bank's successful train trajectories);
-- ``latent_trained``: the composer of a finished LOPD run (``--trained-checkpoint``); null without one.
+- ``latent_trained``: the composer of a finished LOPD run (the first ``--trained-checkpoint``); null
+  without one. Each further checkpoint is the context ``latent_trained[<run>]``, ``<run>`` the name of the
+  folder above its ``checkpoints/`` (``seed_1``); with two or more, ``latent_trained_over_seeds`` gives
+  each number's mean over them with a 95% Student's t interval (:func:`over_seeds`).
 - ``latent_warm_start[<variant>]`` (``--variants``, the investigation of why latents move the teacher so
   little): a composer warm-started like ``latent_warm_start`` with one thing changed: ``gain_embedding``
   (the resampler's output starts at the token embeddings' RMS instead of 1), ``warm_<N>`` (N warm-start
@@ -76,6 +81,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, package_versions, run_metadata, write_json_atomic  # noqa: E402
+from compare_stats import t_interval  # noqa: E402
 
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
@@ -248,13 +254,17 @@ def student_reference_nll(module, batch, *, student=None) -> list[tuple[float, f
     return list(zip((sums / counts.clamp_min(1)).tolist(), sums.tolist(), counts.tolist(), strict=True))
 
 
-def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int) -> dict[str, Any]:
-    """Every context of the measurement for ``batch`` (its rows' retrieved experiences), as
-    :func:`token_deltas` takes them."""
-    nearest = [exps[0].trace if exps else None for exps in batch.experiences]
-    randoms = [random_record(module, seed, example_id).trace for example_id in batch.example_ids]
-    contexts: dict[str, Any] = {"text_nearest": ("text", module.teacher.encode_text_context(nearest)),
-                                "text_random": ("text", module.teacher.encode_text_context(randoms))}
+def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int,
+                     text: tuple[str, ...] = ("text_nearest", "text_random")) -> dict[str, Any]:
+    """The text contexts named in ``text`` and every composer's latents for ``batch`` (its rows'
+    retrieved experiences), as :func:`token_deltas` takes them."""
+    contexts: dict[str, Any] = {}
+    if "text_nearest" in text:
+        nearest = [exps[0].trace if exps else None for exps in batch.experiences]
+        contexts["text_nearest"] = ("text", module.teacher.encode_text_context(nearest))
+    if "text_random" in text:
+        randoms = [random_record(module, seed, example_id).trace for example_id in batch.example_ids]
+        contexts["text_random"] = ("text", module.teacher.encode_text_context(randoms))
     for name, composer in composers.items():
         contexts[name] = ("latent", composer)
     return contexts
@@ -507,6 +517,38 @@ def load_trained_composer(module, checkpoint: Path) -> int:
     return len(loaded)
 
 
+def trained_context_names(checkpoints: list[Path]) -> list[str]:
+    """``latent_trained`` for the first checkpoint, ``latent_trained[<run>]`` for each further one (``<run>``
+    the folder above ``checkpoints/``, else the file's stem; ``#<i>`` appended where two would clash)."""
+    names: list[str] = []
+    for i, path in enumerate(checkpoints):
+        path = Path(path)
+        run = path.parent.parent.name if path.parent.name == "checkpoints" else path.stem
+        name = "latent_trained" if i == 0 else f"latent_trained[{run}]"
+        names.append(name if name not in names else f"latent_trained[{run}#{i}]")
+    return names
+
+
+#: The numbers of a context that :func:`over_seeds` averages.
+OVER_SEEDS_KEYS = ("delta_mean", "delta_success", "delta_failure", "delta_mixed_groups", "separation",
+                   "delta_balanced", "teacher_greedy_success", "latent_rms", "reference_delta_heldout",
+                   "reference_delta_train")
+
+
+def over_seeds(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each of :data:`OVER_SEEDS_KEYS` over several trained composers' contexts (one per LOPD seed):
+    ``{"contexts": names, "<key>": {"mean", "ci" (95% Student's t over the composers, unclipped), "values"}}``;
+    a key some context lacks (or has as None) is left out."""
+    out: dict[str, Any] = {"contexts": list(entries)}
+    for key in OVER_SEEDS_KEYS:
+        values = [entry.get(key) for entry in entries.values()]
+        if any(v is None for v in values):
+            continue
+        out[key] = {"mean": sum(values) / len(values), "ci": t_interval(values, lower=-math.inf, upper=math.inf),
+                    "values": values}
+    return out
+
+
 # ---------------------------------------------------------------------------------------- resume
 class Journal:
     """Finished work of one measurement, appended line by line to ``<work-dir>/journal.jsonl``, so that a run
@@ -584,11 +626,14 @@ def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
     refused)."""
     from compare_runs import src_provenance
 
+    checkpoints = args.trained_checkpoint or []  # one checkpoint keeps the key of journals written before several
+    trained_stamp = [file_stamp(c) for c in checkpoints] if len(checkpoints) > 1 else file_stamp(next(iter(checkpoints), None))
+    contexts = {"contexts": args.contexts} if args.contexts else {}  # all contexts: the key of older journals
     return {"src_hash": src_provenance()["src_hash"], "task": args.task, "student": file_stamp(args.student), "questions": [ex.id for ex in heldout],
             "samples": args.samples, "num_latents": args.num_latents, "num_experiences": args.num_experiences,
             "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
             "batch_questions": args.batch_questions, "seed": args.seed,
-            "trained_checkpoint": file_stamp(args.trained_checkpoint), "variants": args.variants}
+            "trained_checkpoint": trained_stamp, "variants": args.variants, **contexts}
 
 
 def warm_start_key(args: argparse.Namespace, module) -> dict[str, Any]:
@@ -650,7 +695,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warm-start-steps", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-questions", type=int, default=4, help="questions sampled and scored at once")
-    parser.add_argument("--trained-checkpoint", type=Path, default=None)
+    parser.add_argument("--trained-checkpoint", type=Path, nargs="+", default=None,
+                        help="LOPD checkpoints (last.ckpt) whose composers are measured: the first as latent_trained, "
+                             "each further one as latent_trained[<run folder>]")
+    parser.add_argument("--contexts", default="", help="comma-separated contexts to measure (default all); a name "
+                        "without [...] also selects its bracketed variants, e.g. latent_trained")
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -663,6 +712,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "measured as context latent_warm_start[<variant>] (gain_embedding, warm_<steps>, k<latents>, "
                         "lr<learning rate>, joined by +)")
     args = parser.parse_args(argv)
+    chosen = [c.strip() for c in args.contexts.split(",") if c.strip()]
+    unknown = [c for c in chosen if c.split("[")[0] not in CONTEXTS]
+    if unknown:
+        parser.error(f"--contexts: unknown {', '.join(unknown)}; choose from {', '.join(CONTEXTS)}")
+    for checkpoint in args.trained_checkpoint or []:
+        if not Path(checkpoint).is_file():
+            parser.error(f"--trained-checkpoint {checkpoint} is not a file; pass an LOPD run's checkpoints/last.ckpt")
+
+    def selected(name: str) -> bool:
+        return not chosen or name in chosen or name.split("[")[0] in chosen
 
     import lightning as L
     import torch
@@ -702,10 +761,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         composers[f"latent_warm_start[{spec}]"] = warm_started_variant(module, dm, spec, options, seed=args.seed,
                                                                        cache=cache)
         timings[f"warm_start[{spec}]_s"] = time.perf_counter() - t0
-    if args.trained_checkpoint is not None:
-        load_trained_composer(module, args.trained_checkpoint)
-        composers["latent_trained"] = module.composer
-    names = [*CONTEXTS, *(name for name in composers if name not in CONTEXTS)]
+    checkpoints = args.trained_checkpoint or []
+    for i, (name, checkpoint) in enumerate(zip(trained_context_names(checkpoints), checkpoints, strict=True)):
+        load_trained_composer(module, checkpoint)
+        composers[name] = module.composer if len(checkpoints) == 1 else snapshot_composer(module, f"composer_trained_{i}")
+    composers = {name: c for name, c in composers.items() if selected(name)}
+    names = [name for name in (*CONTEXTS, *(n for n in composers if n not in CONTEXTS)) if selected(name)]
+    text_contexts = tuple(name for name in ("text_nearest", "text_random") if name in names)
     journal = Journal(args.work_dir, journal_key(args, heldout), fresh=args.fresh)
     journal.check_fingerprints({name: composer_fingerprint(c) for name, c in composers.items()})
 
@@ -717,7 +779,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         examples = heldout[i : i + args.batch_questions]
         with torch.no_grad():
             batch = module.make_batch(task, examples)  # rollout seeds hash (seed, step 0, question, sample)
-        contexts = teacher_contexts(module, batch, composers, seed=args.seed)
+        contexts = teacher_contexts(module, batch, composers, seed=args.seed, text=text_contexts)
         deltas = token_deltas(module, batch, contexts)
         rows = [{"id": example_id, "reward": float(reward), "deltas": {name: deltas[name][row] for name in contexts}}
                 for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True))]
@@ -747,7 +809,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 student = student_token_logps(module, batch)
                 if b not in done:
                     batch.experiences = module.retrieve(task, chunk)
-                    contexts = teacher_contexts(module, batch, composers, seed=args.seed)
+                    contexts = teacher_contexts(module, batch, composers, seed=args.seed, text=text_contexts)
                     deltas = token_deltas(module, batch, contexts, student=student)
                     journal.append({"kind": "reference", "split": split, "batch": b, "rows": [
                         {"id": example_id, "deltas": {name: value[row] for name, value in deltas.items()}}
@@ -840,6 +902,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             entry[f"reference_delta_{split}"] = trajectory_stats(per_reference)
             entry[f"reference_delta_{split}_ci"] = bootstrap_ci(per_reference, resamples=args.resamples, seed=args.seed)
         results["contexts"][name] = entry
+    trained = {name: entry for name, entry in results["contexts"].items()
+               if name.split("[")[0] == "latent_trained" and entry is not None}
+    if len(trained) > 1:
+        results["latent_trained_over_seeds"] = over_seeds(trained)
     results.update(run_metadata(seed=args.seed, argv=argv))
     write_json_atomic(results, args.out)
     print(f"wrote {args.out}")

@@ -211,3 +211,34 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
         assert mean == pytest.approx(float(want.mean()), abs=1e-5) and total == pytest.approx(float(want.sum()), abs=1e-4)
     with pytest.raises(SystemExit, match="--variants: unknown part 'gain2'"):
         margin.main([*margin_args, "--fresh", "--variants", "gain2"])
+
+    # trained composers (here: the built module's composer, perturbed per "seed" and saved as an LOPD checkpoint
+    # holds it): the first checkpoint is latent_trained, the others latent_trained[<run>], and their numbers'
+    # mean over seeds; --contexts measures only those, on the same sampled trajectories as a full run
+    checkpoints = []
+    for i, run in enumerate(("seed_0", "seed_1", "seed_2")):
+        torch.manual_seed(i)
+        with torch.no_grad():
+            for p in built.composer.resampler.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        path = tmp_path / "lopd" / run / "checkpoints" / "last.ckpt"
+        path.parent.mkdir(parents=True)
+        torch.save({"state_dict": {k: v for k, v in built.state_dict().items() if k.startswith("composer.")}}, path)
+        checkpoints.append(str(path))
+    single = margin.main([*margin_args, "--fresh", "--trained-checkpoint", checkpoints[0]])
+    only = margin.main([*margin_args[:-4], "--out", str(tmp_path / "trained.json"), "--work-dir", str(tmp_path / "tw"),
+                        "--contexts", "latent_trained", "--trained-checkpoint", *checkpoints])
+    assert list(only["contexts"]) == ["latent_trained", "latent_trained[seed_1]", "latent_trained[seed_2]"]
+    assert only["contexts"]["latent_trained"] == single["contexts"]["latent_trained"]  # same composer, same trajectories
+    assert only["n_trajectories"] == single["n_trajectories"]
+    over = only["latent_trained_over_seeds"]
+    values = [only["contexts"][name]["delta_mean"] for name in over["contexts"]]
+    assert len(set(values)) == 3 and over["delta_mean"]["values"] == values
+    assert over["delta_mean"]["mean"] == pytest.approx(sum(values) / 3)
+    low, high = over["delta_mean"]["ci"]
+    assert low < over["delta_mean"]["mean"] < high
+    assert "latent_trained_over_seeds" not in single
+    with pytest.raises(SystemExit):
+        margin.main([*margin_args, "--contexts", "latent_traind"])
+    with pytest.raises(SystemExit):
+        margin.main([*margin_args, "--trained-checkpoint", str(tmp_path / "missing.ckpt")])
