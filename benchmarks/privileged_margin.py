@@ -272,19 +272,9 @@ def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int,
 
 def warm_start_examples(module, datamodule, n: int) -> list:
     """The first ``n`` distinct train examples that ``module.warm_start_composer(datamodule)`` trains on, in
-    the order it draws them: its draws replayed (the same successful train records of the bank, the same
-    generator seeded by ``hparams.seed``, ``warm_start_steps`` batches of ``warm_start_batch_size``), so
-    every composer warm-started here, the variants with more steps included, has fitted these."""
-    import torch
-
-    hp = module.hparams
-    known = {example.id for example in datamodule.train_examples}
-    records = [r for r in module.bank.records if r.reward >= hp.success_threshold and r.task_id in known]
-    generator = torch.Generator().manual_seed(int(hp.seed))
-    seen: dict[str, None] = {}
-    for _ in range(hp.warm_start_steps if records else 0):
-        for i in torch.randint(len(records), (hp.warm_start_batch_size,), generator=generator).tolist():
-            seen.setdefault(records[i].task_id, None)
+    the order it draws them (:meth:`~lopd_lightning.modules.LOPDModule.warm_start_draws`), so every
+    composer warm-started here, the variants with more steps included, has fitted these."""
+    seen = dict.fromkeys(record.task_id for batch in module.warm_start_draws(datamodule) for record in batch)
     return [datamodule.example(task_id) for task_id in seen][:n]
 
 

@@ -438,6 +438,27 @@ def test_warm_start_trains_the_composer_and_freezes_it_as_the_anchor(tmp_path, b
     assert rec.steps[0]["logged"]["train/composer_anchor"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_warm_start_draws_are_seeded_successful_train_records_and_are_what_it_trains_on(bank_dir):
+    module = make_module(bank_dir, warm_start_steps=3, warm_start_batch_size=2)
+    dm = make_dm()
+    draws = module.warm_start_draws(dm)
+    train_ids = {ex.id for ex in dm.train_examples}
+    assert [len(batch) for batch in draws] == [2, 2, 2]
+    assert all(r.reward >= module.hparams.success_threshold and r.task_id in train_ids for b in draws for r in b)
+    assert [[r.task_id for r in b] for b in module.warm_start_draws(dm)] == [[r.task_id for r in b] for b in draws]
+    trained_on = []
+    reference_batch = type(module).reference_batch
+
+    def recording(self, task, examples):
+        trained_on.append([ex.id for ex in examples])
+        return reference_batch(self, task, examples)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(module), "reference_batch", recording)
+        module.warm_start_composer(dm)
+    assert trained_on == [[r.task_id for r in b] for b in draws] and module.warm_started
+
+
 def test_warm_start_without_successful_records_is_skipped(tmp_path):
     module = make_module(None, warm_start_steps=3)
     fresh = snapshot(module.composer.trainable_parameters())

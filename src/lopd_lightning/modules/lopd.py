@@ -518,11 +518,31 @@ class LOPDModule(OnPolicyModule):
             self.warm_start_composer()
             self.freeze_anchor()
 
+    def warm_start_draws(self, datamodule: Any) -> list[list[Any]]:
+        """The bank records :meth:`warm_start_composer` trains on, batch by batch, in order.
+
+        ``warm_start_steps`` batches of ``warm_start_batch_size`` records, drawn with replacement from the
+        bank's successful trajectories of ``datamodule``'s train split by a generator seeded with
+        ``hparams.seed``: the same draws every call, so an analysis can replay them. Empty when the bank
+        holds no such record.
+        """
+        known = {ex.id for ex in datamodule.train_examples}
+        records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold and r.task_id in known]
+        if len(records) < len(self.bank):
+            log.info("composer warm start: %d of %d bank records are successful trajectories of this task's "
+                     "train split", len(records), len(self.bank))
+        if not records:
+            return []
+        generator = torch.Generator().manual_seed(int(self.hparams.seed))
+        batch_size = self.hparams.warm_start_batch_size
+        return [[records[i] for i in torch.randint(len(records), (batch_size,), generator=generator).tolist()]
+                for _ in range(self.hparams.warm_start_steps)]
+
     def warm_start_composer(self, datamodule: Any | None = None) -> None:
         """Composer cold start: minimise L_init = -log pi(y* | s, c_phi) on successful bank trajectories.
 
-        Runs ``warm_start_steps`` AdamW steps (composer learning rate, the two clip norms) on batches of
-        ``warm_start_batch_size`` bank records, each conditioned on its own top-J retrieved experiences.
+        Runs ``warm_start_steps`` AdamW steps (composer learning rate, the two clip norms) on the batches
+        of :meth:`warm_start_draws`, each record conditioned on its own top-J retrieved experiences.
         Source: docs/METHOD.md section 5, "Composer cold start".
 
         Args:
@@ -530,20 +550,11 @@ class LOPDModule(OnPolicyModule):
                 are used (default: the trainer's; pass one to warm-start outside ``fit``).
         """
         dm = datamodule if datamodule is not None else self.trainer.datamodule
-        known = {ex.id for ex in dm.train_examples}
-        records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold and r.task_id in known]
-        if len(records) < len(self.bank):
-            log.info("composer warm start: %d of %d bank records are successful trajectories of this task's "
-                     "train split", len(records), len(self.bank))
-        if not records:
+        draws = self.warm_start_draws(dm)
+        if not draws and self.hparams.warm_start_steps > 0:
             log.warning("composer warm start skipped: the bank holds no successful trajectory")
-            self.warm_started = True
-            return
-        optimizer = torch.optim.AdamW(self.composer.trainable_parameters(), lr=self.hparams.composer_lr)
-        generator = torch.Generator().manual_seed(int(self.hparams.seed))
-        for step in range(self.hparams.warm_start_steps):
-            pick = torch.randint(len(records), (self.hparams.warm_start_batch_size,), generator=generator).tolist()
-            chosen = [records[i] for i in pick]
+        optimizer = torch.optim.AdamW(self.composer.trainable_parameters(), lr=self.hparams.composer_lr) if draws else None
+        for step, chosen in enumerate(draws):
             examples = [dm.example(r.task_id) for r in chosen]
             batch = self.reference_batch(dm.task, examples).to(self.device)
             batch.experiences = self.retrieve(dm.task, examples)
@@ -558,8 +569,8 @@ class LOPDModule(OnPolicyModule):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss = loss.detach()
-            if step % 10 == 0 or step == self.hparams.warm_start_steps - 1:
-                log.info("composer warm start %d/%d: L_init %.4f", step + 1, self.hparams.warm_start_steps, loss.item())
+            if step % 10 == 0 or step == len(draws) - 1:
+                log.info("composer warm start %d/%d: L_init %.4f", step + 1, len(draws), loss.item())
         self.warm_started = True
 
     # ------------------------------------------------------------------ optimisers and state
