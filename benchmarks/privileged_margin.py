@@ -598,14 +598,11 @@ class Journal:
             raise SystemExit(f"error: the composers differ from those {self.path} was scored with ({saved} against "
                              f"{fingerprints}): the warm start did not reproduce; pass --fresh to start over")
 
-    def scored(self) -> dict[int, dict[str, Any]]:
-        return {line["batch"]: line for line in self.lines if line["kind"] == "scores"}
-
-    def references(self, split: str) -> dict[int, dict[str, Any]]:
-        return {line["batch"]: line for line in self.lines if line["kind"] == "reference" and line["split"] == split}
-
-    def reference_nll(self, split: str) -> dict[int, dict[str, Any]]:
-        return {line["batch"]: line for line in self.lines if line["kind"] == "reference_nll" and line["split"] == split}
+    def batches(self, kind: str, split: str | None = None) -> dict[int, dict[str, Any]]:
+        """The lines of ``kind`` (``"scores"``, ``"reference"`` or ``"reference_nll"``; of ``split`` for the
+        references) by batch number."""
+        return {line["batch"]: line for line in self.lines
+                if line["kind"] == kind and (split is None or line.get("split") == split)}
 
     def greedy(self) -> dict[tuple[str, str], float]:
         return {(line["who"], line["id"]): line["reward"] for line in self.lines if line["kind"] == "greedy"}
@@ -641,13 +638,13 @@ def collect_scores(journal: Journal):
     """Per context {question: [trajectory, ...]}, the student's sampled rewards per question, and the latents'
     RMS per batch, from the journal's scores."""
     per_question: dict[str, dict[str, list[Trajectory]]] = {name: {} for name in CONTEXTS}
-    for line in journal.scored().values():
+    for line in journal.batches("scores").values():
         for row in line["rows"]:
             for name in row["deltas"]:
                 per_question.setdefault(name, {})
     student_rewards: dict[str, list[float]] = {}
     rms: dict[str, list[float]] = {}
-    for line in sorted(journal.scored().values(), key=lambda line: line["batch"]):
+    for line in sorted(journal.batches("scores").values(), key=lambda line: line["batch"]):
         for row in line["rows"]:
             student_rewards.setdefault(row["id"], []).append(row["reward"])
             for name, (mean, total, n) in row["deltas"].items():
@@ -762,7 +759,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     journal.check_fingerprints({name: composer_fingerprint(c) for name, c in composers.items()})
 
     t0 = time.perf_counter()
-    done = journal.scored()
+    done = journal.batches("scores")
     for b, i in enumerate(range(0, len(heldout), args.batch_questions)):
         if b in done:
             continue
@@ -789,7 +786,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reference_sets = {"heldout": solvable, "train": warm_start_examples(module, dm, len(heldout))}
     reference_nll: dict[str, dict[str, list[Trajectory]]] = {}  # the student's own, no context
     for split, examples in reference_sets.items():
-        done, done_nll = journal.references(split), journal.reference_nll(split)
+        done, done_nll = journal.batches("reference", split), journal.batches("reference_nll", split)
         for b, i in enumerate(range(0, len(examples), args.batch_questions)):
             if b in done and b in done_nll:
                 continue
@@ -808,11 +805,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     nll = student_reference_nll(module, batch, student=student)
                     journal.append({"kind": "reference_nll", "split": split, "batch": b, "rows": [
                         {"id": example_id, "nll": value} for example_id, value in zip(batch.example_ids, nll, strict=True)]})
-        for line in journal.references(split).values():
+        for line in journal.batches("reference", split).values():
             for row in line["rows"]:
                 for name, (mean, total, n) in row["deltas"].items():
                     references.setdefault(name, {}).setdefault(split, {})[row["id"]] = [(1.0, mean, total, int(n))]
-        for line in journal.reference_nll(split).values():
+        for line in journal.batches("reference_nll", split).values():
             for row in line["rows"]:
                 mean, total, n = row["nll"]
                 reference_nll.setdefault(split, {})[row["id"]] = [(1.0, mean, total, int(n))]
