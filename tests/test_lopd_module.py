@@ -473,7 +473,8 @@ def test_validate_before_training_records_step_zero(tmp_path):
     make_trainer(tmp_path, max_steps=1).fit(module, make_dm(val_examples=3))
     step, values = module.val_history[0]
     assert step == 0
-    assert set(values) == {"val/reward_mean", "val/success_rate", "val/turns_mean"}
+    assert set(values) == {"val/reward_mean", "val/success_rate", "val/turns_mean", "val/reply_tokens_mean",
+                           "val/cut_at_length_rate"}
     assert values["val/turns_mean"] == 1.0  # single-turn toy episodes
 
 

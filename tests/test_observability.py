@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -150,6 +151,38 @@ def test_every_validation_episode_is_written_to_jsonl(run):
             assert r["reply_tokens"][0] == max_new if cut else 0 < r["reply_tokens"][0] <= max_new
             assert r["messages"][0] == {"role": "user", "content": run["dm"].example(r["example_id"]).text}
             assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
+
+
+def test_reply_lengths_are_logged_per_reply_and_match_the_generations(run):
+    scalars, folder = run["scalars"], run["log_dir"] / "generations"
+    for step in (0, 1, 2):  # val: the mean over every reply written to the generations file, and the cut fraction
+        rows = [json.loads(line) for line in (folder / f"val_step_{step}.jsonl").read_text().splitlines()]
+        tokens = [n for r in rows for n in r["reply_tokens"]]
+        cut = [reason == "length" for r in rows for reason in r["stop_reasons"]]
+        assert dict(scalars["val/reply_tokens_mean"])[step] == pytest.approx(sum(tokens) / len(tokens))
+        assert dict(scalars["val/cut_at_length_rate"])[step] == pytest.approx(sum(cut) / len(cut))
+    max_new = run["module"].hparams.max_new_tokens
+    assert [s for s, _ in scalars["train/reply_tokens_mean"]] == [0, 1]  # Lightning's step of each training step
+    assert all(0 < v <= max_new for _, v in scalars["train/reply_tokens_mean"])
+    assert all(0 <= v <= 1 for _, v in scalars["train/cut_at_length_rate"])
+    assert "by_rollouts/reply_tokens_mean" in scalars and "by_rollouts/val_cut_at_length_rate" in scalars
+
+
+def test_reply_lengths_of_a_batch_by_hand():
+    from lopd_lightning.rollout import RolloutBatch
+
+    def batch(metadata):
+        n = len(metadata)
+        zeros = torch.zeros(n, 3, dtype=torch.long)
+        return RolloutBatch(zeros, zeros, zeros.bool(), torch.zeros(n), torch.arange(n), zeros.float(),
+                            torch.zeros(n, dtype=torch.long), [str(i) for i in range(n)], [[]] * n, metadata)
+
+    tokens, cut = batch([{"reply_tokens": [3, 8], "stop_reasons": ["eos", "length"]},
+                         {"reply_tokens": [5], "stop_reasons": ["stop_string"]}, {}]).reply_lengths()
+    assert tokens.tolist() == [3.0, 8.0, 5.0] and cut.tolist() == [0.0, 1.0, 0.0] and tokens.dtype == torch.float32
+    assert batch([{}]).reply_lengths()[0].numel() == 0  # teacher-forced: no replies
+    with pytest.raises(ValueError, match="2 reply_tokens but 1 stop_reasons"):
+        batch([{"reply_tokens": [3, 8], "stop_reasons": ["eos"]}]).reply_lengths()
 
 
 def test_samples_reach_tensorboard_as_text(run):

@@ -50,6 +50,8 @@ class EvaluationMixin(ObservabilityMixin):
         self.val_reward = MeanMetric()
         self.val_success = MeanMetric()
         self.val_turns = MeanMetric()
+        self.val_reply_tokens = MeanMetric()  # over replies, not episodes
+        self.val_cut_at_length = MeanMetric()
         #: the batches of the current evaluation (samples and the generations file; reset by log_evaluation).
         self.eval_batches: list[RolloutBatch] = []
 
@@ -76,6 +78,9 @@ class EvaluationMixin(ObservabilityMixin):
         self.val_reward.update(rewards)
         self.val_success.update((rewards >= self.hparams.success_threshold).float())
         self.val_turns.update(torch.tensor([float(m.get("turns", 1)) for m in batch.metadata]))
+        tokens, cut = batch.reply_lengths()  # updated even when empty: every rank syncs the same metrics
+        self.val_reply_tokens.update(tokens)
+        self.val_cut_at_length.update(cut)
         self.eval_batches.append(batch)
 
     @override
@@ -115,14 +120,15 @@ class EvaluationMixin(ObservabilityMixin):
 
     def reset_evaluation(self) -> None:
         """Forget the episodes of the current evaluation (metrics and batches)."""
-        for metric in (self.val_reward, self.val_success, self.val_turns):
+        for metric in (self.val_reward, self.val_success, self.val_turns, self.val_reply_tokens, self.val_cut_at_length):
             metric.reset()
         self.eval_batches = []
 
     # ------------------------------------------------------------------ what an evaluation leaves
     def log_evaluation(self, prefix: str, *, direct_step: int | None = None) -> dict[str, float] | None:
-        """Log ``<prefix>/reward_mean``, ``<prefix>/success_rate`` and ``<prefix>/turns_mean`` of the
-        episodes since the last call (also ``by_rollouts/<prefix>_...``), show the first ``log_samples``
+        """Log ``<prefix>/reward_mean``, ``<prefix>/success_rate``, ``<prefix>/turns_mean``,
+        ``<prefix>/reply_tokens_mean`` and ``<prefix>/cut_at_length_rate`` (per reply) of the episodes
+        since the last call (also ``by_rollouts/<prefix>_...``), show the first ``log_samples``
         episodes as TensorBoard text (``samples/<prefix>``), write every episode to
         ``<log_dir>/generations/<prefix>_step_<N>.jsonl``, reset and return the values (None when no
         episode ran).
@@ -140,6 +146,10 @@ class EvaluationMixin(ObservabilityMixin):
             f"{prefix}/success_rate": self.val_success.compute(),
             f"{prefix}/turns_mean": self.val_turns.compute(),
         }
+        for name, metric in (("reply_tokens_mean", self.val_reply_tokens), ("cut_at_length_rate", self.val_cut_at_length)):
+            value = metric.compute()  # NaN when no rank had a reply: left out
+            if not torch.isnan(value):
+                values[f"{prefix}/{name}"] = value
         in_fit = self._trainer is not None and self.trainer.state.fn == "fit"
         step = int(self.global_step) if direct_step is None else int(direct_step)
         if direct_step is None and not in_fit:  # `lopd validate` / `lopd test`: Lightning's loggers and results

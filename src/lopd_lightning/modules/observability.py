@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
@@ -71,7 +72,11 @@ class ObservabilityMixin(LightningModule):
     # ------------------------------------------------------------------ scalars
     def log_rollout_metrics(self, batch: RolloutBatch, metrics: dict[str, float | Tensor]) -> None:
         """Log the shared ``train/``, ``time/`` and ``by_rollouts/`` tags of one step, with ``metrics`` (the
-        method's own ``train/...`` values, logged as they are; tensors are detached)."""
+        method's own ``train/...`` values, logged as they are; tensors are detached).
+
+        The shared tags: ``reward_mean``, ``success_rate``, ``rollouts``, ``non_finite_steps`` and, for a
+        generated batch, ``reply_tokens_mean`` (tokens per reply) and ``cut_at_length_rate`` (the fraction
+        of replies that ended at ``max_new_tokens``), both over every reply of every rank."""
         rewards = batch.rewards.float()
         success = (rewards >= self.hparams.success_threshold).float()
         shared = {
@@ -80,6 +85,11 @@ class ObservabilityMixin(LightningModule):
             "train/rollouts": float(self.rollouts_consumed),
             "train/non_finite_steps": float(self.non_finite_steps),
         }
+        tokens, cut = batch.reply_lengths()
+        replies = self.global_mean(torch.tensor(float(len(tokens))))  # ratios of global sums: exact under DDP
+        if replies > 0:
+            shared["train/reply_tokens_mean"] = self.global_mean(tokens.sum()) / replies
+            shared["train/cut_at_length_rate"] = self.global_mean(cut.sum()) / replies
         values = {**shared, **{k: (v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}}
         for phase, seconds in self.step_timings.items():
             values[f"time/{phase}"] = seconds

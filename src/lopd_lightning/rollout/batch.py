@@ -136,6 +136,21 @@ class RolloutBatch:
         """The number of assistant (trained) tokens, ``assistant_mask.sum()``."""
         return int(self.assistant_mask.sum().item())
 
+    def reply_lengths(self) -> tuple[Tensor, Tensor]:
+        """Every generated reply of the batch (all turns of all rows, in order), from ``metadata``'s
+        ``reply_tokens`` and ``stop_reasons``.
+
+        Returns:
+            ``(tokens, cut)``: (R,) float32 tokens per reply, and (R,) float32 1.0 where the reply ended
+            at the token limit (stop reason ``"length"``), else 0.0; both empty (R = 0) for a batch
+            whose metadata has no replies (teacher-forced).
+        """
+        tokens = [float(n) for m in self.metadata for n in m.get("reply_tokens") or []]
+        cut = [float(r == "length") for m in self.metadata for r in m.get("stop_reasons") or []]
+        if len(cut) != len(tokens):
+            raise ValueError(f"RolloutBatch.metadata holds {len(tokens)} reply_tokens but {len(cut)} stop_reasons")
+        return torch.tensor(tokens, dtype=torch.float32), torch.tensor(cut, dtype=torch.float32)
+
     def lengths(self) -> Tensor:
         """(B,) long, the number of real tokens per row."""
         return self.attention_mask.sum(dim=1)
