@@ -22,8 +22,8 @@ section 5). Contexts:
 - ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
   (L_init on the bank's successful train trajectories);
 - ``latent_trained``: the composer of a finished LOPD run (the first ``--trained-checkpoint``); null
-  without one. Each further checkpoint is the context ``latent_trained[<run>]``, ``<run>`` the name of the
-  folder above its ``checkpoints/`` (``seed_1``); with two or more, ``latent_trained_over_seeds`` gives
+  without one. Each further checkpoint is the context ``latent_trained[<run>]``, ``<run>`` the two folders
+  above its ``checkpoints/`` (``lopd/seed_1``); with two or more, ``latent_trained_over_seeds`` gives
   each number's mean over them with a 95% Student's t interval (:func:`over_seeds`).
 - ``latent_warm_start[<variant>]`` (``--variants``, the investigation of why latents move the teacher so
   little): a composer warm-started like ``latent_warm_start`` with one thing changed: ``gain_embedding``
@@ -497,23 +497,29 @@ def load_trained_composer(module, checkpoint: Path) -> int:
     student's weights stay the start student's. Returns the number of tensors loaded."""
     import torch
 
+    def is_composer(key: str) -> bool:
+        return key.startswith("composer.") or ".composer." in key
+
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
-    loaded = {k: v for k, v in state.items() if k.startswith("composer.") or ".composer." in k}
-    own = module.state_dict()
-    missing = [k for k in loaded if k not in own]
-    if not loaded or missing:
-        raise ValueError(f"{checkpoint} holds no composer of this module's shape (unknown keys: {missing[:3]})")
+    loaded = {k: v for k, v in state.items() if is_composer(k)}
+    own = [k for k in module.state_dict() if is_composer(k)]
+    unknown, absent = [k for k in loaded if k not in own], [k for k in own if k not in loaded]
+    if not loaded or unknown or absent:  # an incomplete one would keep the previous composer's weights
+        raise ValueError(f"{checkpoint} holds no composer of this module's shape (unknown keys: {unknown[:3]}, "
+                         f"missing keys: {absent[:3]})")
     module.load_state_dict(loaded, strict=False)
     return len(loaded)
 
 
 def trained_context_names(checkpoints: list[Path]) -> list[str]:
     """``latent_trained`` for the first checkpoint, ``latent_trained[<run>]`` for each further one (``<run>``
-    the folder above ``checkpoints/``, else the file's stem; ``#<i>`` appended where two would clash)."""
+    the two folders above ``checkpoints/``, ``<method>/seed_<s>`` in a compare.py grid, else the file's stem;
+    ``#<i>`` appended where two would clash)."""
     names: list[str] = []
     for i, path in enumerate(checkpoints):
         path = Path(path)
-        run = path.parent.parent.name if path.parent.name == "checkpoints" else path.stem
+        run = (f"{path.parent.parent.parent.name}/{path.parent.parent.name}" if path.parent.name == "checkpoints"
+               else path.stem)
         name = "latent_trained" if i == 0 else f"latent_trained[{run}]"
         names.append(name if name not in names else f"latent_trained[{run}#{i}]")
     return names
@@ -615,7 +621,8 @@ def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
 
     checkpoints = args.trained_checkpoint or []  # one checkpoint keeps the key of journals written before several
     trained_stamp = [file_stamp(c) for c in checkpoints] if len(checkpoints) > 1 else file_stamp(next(iter(checkpoints), None))
-    contexts = {"contexts": args.contexts} if args.contexts else {}  # all contexts: the key of older journals
+    chosen = sorted({c.strip() for c in args.contexts.split(",") if c.strip()})
+    contexts = {"contexts": chosen} if chosen else {}  # all contexts: the key's format of older journals
     return {"src_hash": src_provenance()["src_hash"], "task": args.task, "student": file_stamp(args.student), "questions": [ex.id for ex in heldout],
             "samples": args.samples, "num_latents": args.num_latents, "num_experiences": args.num_experiences,
             "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
@@ -752,6 +759,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i, (name, checkpoint) in enumerate(zip(trained_context_names(checkpoints), checkpoints, strict=True)):
         load_trained_composer(module, checkpoint)
         composers[name] = module.composer if len(checkpoints) == 1 else snapshot_composer(module, f"composer_trained_{i}")
+    absent = [c for c in chosen if c not in CONTEXTS and c not in composers]
+    if absent:
+        parser.error(f"--contexts: no context {', '.join(absent)} in this run (its composers: {', '.join(composers)})")
     composers = {name: c for name, c in composers.items() if selected(name)}
     names = [name for name in (*CONTEXTS, *(n for n in composers if n not in CONTEXTS)) if selected(name)]
     text_contexts = tuple(name for name in ("text_nearest", "text_random") if name in names)

@@ -218,8 +218,8 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     checkpoints = []
     for i, run in enumerate(("seed_0", "seed_1", "seed_2")):
         torch.manual_seed(i)
-        with torch.no_grad():
-            for p in built.composer.resampler.parameters():
+        with torch.no_grad():  # the resampler and the composer's LoRA: a snapshot must copy both
+            for p in [*built.composer.resampler.parameters(), *built.composer.lora_parameters()]:
                 p.add_(0.5 * torch.randn_like(p))
         path = tmp_path / "lopd" / run / "checkpoints" / "last.ckpt"
         path.parent.mkdir(parents=True)
@@ -228,7 +228,7 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     single = margin.main([*margin_args, "--fresh", "--trained-checkpoint", checkpoints[0]])
     only = margin.main([*margin_args[:-4], "--out", str(tmp_path / "trained.json"), "--work-dir", str(tmp_path / "tw"),
                         "--contexts", "latent_trained", "--trained-checkpoint", *checkpoints])
-    assert list(only["contexts"]) == ["latent_trained", "latent_trained[seed_1]", "latent_trained[seed_2]"]
+    assert list(only["contexts"]) == ["latent_trained", "latent_trained[lopd/seed_1]", "latent_trained[lopd/seed_2]"]
     assert only["contexts"]["latent_trained"] == single["contexts"]["latent_trained"]  # same composer, same trajectories
     assert only["n_trajectories"] == single["n_trajectories"]
     over = only["latent_trained_over_seeds"]
@@ -240,5 +240,17 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     assert "latent_trained_over_seeds" not in single
     with pytest.raises(SystemExit):
         margin.main([*margin_args, "--contexts", "latent_traind"])
+    with pytest.raises(SystemExit):  # a bracketed name this run has no composer for
+        margin.main([*margin_args, "--contexts", "latent_trained[lopd/seed_9]", "--trained-checkpoint", checkpoints[0]])
+    incomplete = tmp_path / "incomplete.ckpt"
+    state = torch.load(checkpoints[1], weights_only=False)["state_dict"]
+    torch.save({"state_dict": dict(list(state.items())[1:])}, incomplete)
+    with pytest.raises(ValueError, match="missing keys"):
+        margin.load_trained_composer(built, incomplete)
+    # the journal key's format with one checkpoint and every context is that of journals written before
+    key = margin.journal_key(margin.argparse.Namespace(
+        task="toy", student=student, samples=2, num_latents=8, num_experiences=2, warm_start_steps=1, max_new_tokens=6,
+        batch_questions=2, seed=0, trained_checkpoint=[checkpoints[0]], variants="", contexts=""), [])
+    assert key["trained_checkpoint"] == margin.file_stamp(checkpoints[0]) and "contexts" not in key
     with pytest.raises(SystemExit):
         margin.main([*margin_args, "--trained-checkpoint", str(tmp_path / "missing.ckpt")])

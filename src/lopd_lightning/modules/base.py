@@ -422,7 +422,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         """Mean of a scalar over all ranks (itself without a process group); no gradient."""
         value = value.detach().float()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            value = value.clone()
+            value = value.to(self.device).clone()  # NCCL reduces only tensors on the GPU
             dist.all_reduce(value)
             value = value / dist.get_world_size()
         return value

@@ -5,9 +5,13 @@ used alone). Lightning's validation loop hands it the DataModule's val examples
 (``validation_step``); each batch is run greedily by the current student
 (:meth:`~EvaluationMixin.evaluate_examples`, through the module's hooks:
 :class:`~lopd_lightning.modules.hooked_task.ModuleHookedTask`). At the end of the loop
-:meth:`~EvaluationMixin.log_evaluation` writes ``<split>/reward_mean``, ``<split>/success_rate`` and
-``<split>/turns_mean`` at x = the training steps done (and ``by_rollouts/<split>_...``), the samples and
+:meth:`~EvaluationMixin.log_evaluation` writes ``<split>/reward_mean``, ``<split>/success_rate``,
+``<split>/turns_mean``, ``<split>/reply_tokens_mean`` and ``<split>/cut_at_length_rate`` (per reply; left
+out when no rank generated a reply) at x = the training steps done (and ``by_rollouts/<split>_...``), the samples and
 the generations file (:mod:`lopd_lightning.modules.observability`), and one INFO line.
+
+Under DDP the logged values count the examples that the distributed sampler repeats to even out the
+ranks; the generations file keeps each example once.
 
 Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``).
 ``validate_before_training`` runs the val split once before the first step, logged at step 0.

@@ -518,13 +518,20 @@ class LOPDModule(OnPolicyModule):
             self.warm_start_composer()
             self.freeze_anchor()
 
-    def warm_start_draws(self, datamodule: Any) -> list[list[Any]]:
+    def warm_start_draws(self, datamodule: Any) -> list[list[Experience]]:
         """The bank records :meth:`warm_start_composer` trains on, batch by batch, in order.
 
         ``warm_start_steps`` batches of ``warm_start_batch_size`` records, drawn with replacement from the
         bank's successful trajectories of ``datamodule``'s train split by a generator seeded with
-        ``hparams.seed``: the same draws every call, so an analysis can replay them. Empty when the bank
-        holds no such record.
+        ``hparams.seed``: the same draws every call, so an analysis can replay them. Logs at INFO how
+        many bank records qualify.
+
+        Args:
+            datamodule: an :class:`~lopd_lightning.data.OnPolicyDataModule` (its ``train_examples``).
+
+        Returns:
+            one list of bank records (:class:`~lopd_lightning.memory.experience.Experience`) per step; empty
+            when the bank holds no such record or ``warm_start_steps`` is 0.
         """
         known = {ex.id for ex in datamodule.train_examples}
         records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold and r.task_id in known]

@@ -76,7 +76,8 @@ class ObservabilityMixin(LightningModule):
 
         The shared tags: ``reward_mean``, ``success_rate``, ``rollouts``, ``non_finite_steps`` and, for a
         generated batch, ``reply_tokens_mean`` (tokens per reply) and ``cut_at_length_rate`` (the fraction
-        of replies that ended at ``max_new_tokens``), both over every reply of every rank."""
+        of replies that ended at ``max_new_tokens``), both over every reply of every rank (left out for a
+        teacher-forced batch, e.g. SFT's)."""
         rewards = batch.rewards.float()
         success = (rewards >= self.hparams.success_threshold).float()
         shared = {
@@ -86,10 +87,10 @@ class ObservabilityMixin(LightningModule):
             "train/non_finite_steps": float(self.non_finite_steps),
         }
         tokens, cut = batch.reply_lengths()
-        replies = self.global_mean(torch.tensor(float(len(tokens))))  # ratios of global sums: exact under DDP
-        if replies > 0:
-            shared["train/reply_tokens_mean"] = self.global_mean(tokens.sum()) / replies
-            shared["train/cut_at_length_rate"] = self.global_mean(cut.sum()) / replies
+        replies = self.global_count(len(tokens))  # ratios of sums over every rank's replies
+        if replies > 0:  # the same global count on every rank: each rank runs the same collectives
+            shared["train/reply_tokens_mean"] = self.global_count(int(tokens.sum())) / replies
+            shared["train/cut_at_length_rate"] = self.global_count(int(cut.sum())) / replies
         values = {**shared, **{k: (v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}}
         for phase, seconds in self.step_timings.items():
             values[f"time/{phase}"] = seconds

@@ -142,8 +142,11 @@ class RolloutBatch:
 
         Returns:
             ``(tokens, cut)``: (R,) float32 tokens per reply, and (R,) float32 1.0 where the reply ended
-            at the token limit (stop reason ``"length"``), else 0.0; both empty (R = 0) for a batch
-            whose metadata has no replies (teacher-forced).
+            at the token limit (stop reason ``"length"``), else 0.0; both on the CPU, and empty (R = 0)
+            for a batch whose metadata has no replies (teacher-forced).
+
+        Raises:
+            ValueError: a row's ``reply_tokens`` and ``stop_reasons`` differ in length.
         """
         tokens = [float(n) for m in self.metadata for n in m.get("reply_tokens") or []]
         cut = [float(r == "length") for m in self.metadata for r in m.get("stop_reasons") or []]
