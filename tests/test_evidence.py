@@ -223,7 +223,8 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
                 p.add_(0.5 * torch.randn_like(p))
         path = tmp_path / "lopd" / run / "checkpoints" / "last.ckpt"
         path.parent.mkdir(parents=True)
-        torch.save({"state_dict": {k: v for k, v in built.state_dict().items() if k.startswith("composer.")}}, path)
+        torch.save({"state_dict": {k: v for k, v in built.state_dict().items()
+                                   if k.startswith("composer.") or ".composer." in k}}, path)  # resampler and LoRA
         checkpoints.append(str(path))
     single = margin.main([*margin_args, "--fresh", "--trained-checkpoint", checkpoints[0]])
     only = margin.main([*margin_args[:-4], "--out", str(tmp_path / "trained.json"), "--work-dir", str(tmp_path / "tw"),
