@@ -25,7 +25,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
