@@ -7,8 +7,8 @@ used alone). Lightning's validation loop hands it the DataModule's val examples
 :class:`~lopd_lightning.modules.hooked_task.ModuleHookedTask`). At the end of the loop
 :meth:`~EvaluationMixin.log_evaluation` writes ``<split>/reward_mean``, ``<split>/success_rate``,
 ``<split>/turns_mean``, ``<split>/reply_tokens_mean`` and ``<split>/cut_at_length_rate`` (per reply; left
-out when no rank generated a reply) at x = the training steps done (and ``by_rollouts/<split>_...``), the samples and
-the generations file (:mod:`lopd_lightning.modules.observability`), and one INFO line.
+out when no rank generated a reply) at x = the training steps done (and ``by_rollouts/<split>_...``),
+the samples and the generations file (:mod:`lopd_lightning.modules.observability`), and one INFO line.
 
 Under DDP the logged values count the examples that the distributed sampler repeats to even out the
 ranks; the generations file keeps each example once.
@@ -124,7 +124,8 @@ class EvaluationMixin(ObservabilityMixin):
 
     def reset_evaluation(self) -> None:
         """Forget the episodes of the current evaluation (metrics and batches)."""
-        for metric in (self.val_reward, self.val_success, self.val_turns, self.val_reply_tokens, self.val_cut_at_length):
+        for metric in (self.val_reward, self.val_success, self.val_turns, self.val_reply_tokens,
+                       self.val_cut_at_length):
             metric.reset()
         self.eval_batches = []
 
@@ -150,7 +151,8 @@ class EvaluationMixin(ObservabilityMixin):
             f"{prefix}/success_rate": self.val_success.compute(),
             f"{prefix}/turns_mean": self.val_turns.compute(),
         }
-        for name, metric in (("reply_tokens_mean", self.val_reply_tokens), ("cut_at_length_rate", self.val_cut_at_length)):
+        for name, metric in (("reply_tokens_mean", self.val_reply_tokens),
+                             ("cut_at_length_rate", self.val_cut_at_length)):
             value = metric.compute()  # NaN when no rank had a reply: left out
             if not torch.isnan(value):
                 values[f"{prefix}/{name}"] = value
