@@ -50,6 +50,7 @@ __all__ = [
     "clip_composer_grads",
     "composer_parameter_groups",
     "experience_prompt",
+    "warm_start_draws",
     "warm_start_loss",
 ]
 
@@ -477,6 +478,17 @@ def clip_composer_grads(
     chi_norm = torch.nn.utils.clip_grad_norm_(chi, resampler_clip) if chi else zero
     psi_norm = torch.nn.utils.clip_grad_norm_(psi, lora_clip) if psi else zero.clone()
     return ClipNorms(chi_norm, psi_norm)
+
+
+def warm_start_draws(records: Sequence, *, steps: int, batch_size: int, seed: int) -> list[list]:
+    """``steps`` batches of ``batch_size`` items of ``records``, drawn with replacement by a
+    ``torch.Generator`` seeded with ``seed``: the composer warm start's batches (the same every call, so an
+    analysis can replay them). Empty when ``records`` is."""
+    if not records:
+        return []
+    generator = torch.Generator().manual_seed(int(seed))
+    return [[records[i] for i in torch.randint(len(records), (batch_size,), generator=generator).tolist()]
+            for _ in range(steps)]
 
 
 def warm_start_loss(

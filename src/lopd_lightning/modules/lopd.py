@@ -41,7 +41,8 @@ from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delt
 from lopd_lightning.losses import anchor_loss, composer_objective
 from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS, has_both_outcomes
 from lopd_lightning.memory.bank import Experience, ExperienceBank
-from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, clip_composer_grads, warm_start_loss
+from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, clip_composer_grads
+from lopd_lightning.memory.composer import warm_start_draws, warm_start_loss
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
@@ -519,31 +520,17 @@ class LOPDModule(OnPolicyModule):
             self.freeze_anchor()
 
     def warm_start_draws(self, datamodule: Any) -> list[list[Experience]]:
-        """The bank records :meth:`warm_start_composer` trains on, batch by batch, in order.
-
-        ``warm_start_steps`` batches of ``warm_start_batch_size`` records, drawn with replacement from the
-        bank's successful trajectories of ``datamodule``'s train split by a generator seeded with
-        ``hparams.seed``: the same draws every call, so an analysis can replay them. Logs at INFO how
-        many bank records qualify.
-
-        Args:
-            datamodule: an :class:`~lopd_lightning.data.OnPolicyDataModule` (its ``train_examples``).
-
-        Returns:
-            one list of bank records (:class:`~lopd_lightning.memory.experience.Experience`) per step; empty
-            when the bank holds no such record or ``warm_start_steps`` is 0.
-        """
+        """The bank records :meth:`warm_start_composer` trains on, one list per step (``warm_start_steps``
+        of ``warm_start_batch_size``; empty without any): the successful trajectories of ``datamodule``'s
+        (an ``OnPolicyDataModule``) train split, drawn by :func:`~lopd_lightning.memory.composer.warm_start_draws`
+        with ``hparams.seed``. Logs at INFO how many bank records qualify."""
         known = {ex.id for ex in datamodule.train_examples}
         records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold and r.task_id in known]
         if len(records) < len(self.bank):
             log.info("composer warm start: %d of %d bank records are successful trajectories of this task's "
                      "train split", len(records), len(self.bank))
-        if not records:
-            return []
-        generator = torch.Generator().manual_seed(int(self.hparams.seed))
-        batch_size = self.hparams.warm_start_batch_size
-        return [[records[i] for i in torch.randint(len(records), (batch_size,), generator=generator).tolist()]
-                for _ in range(self.hparams.warm_start_steps)]
+        hp = self.hparams
+        return warm_start_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size, seed=hp.seed)
 
     def warm_start_composer(self, datamodule: Any | None = None) -> None:
         """Composer cold start: minimise L_init = -log pi(y* | s, c_phi) on successful bank trajectories.
@@ -575,7 +562,6 @@ class LOPDModule(OnPolicyModule):
             )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss = loss.detach()
             if step % 10 == 0 or step == len(draws) - 1:
                 log.info("composer warm start %d/%d: L_init %.4f", step + 1, len(draws), loss.item())
         self.warm_started = True
