@@ -371,9 +371,10 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
     write_json_atomic(result, result_path)
     last = result["evaluations"][-1]
     rewards = [reward for _, reward in result["curve"]]
-    recent = rewards[-(window or smooth_window(len(rewards))):]  # the aggregate's "final reward": the trailing mean
-    print(f"   {attempts[-1]['wall_s']:.0f} s, train reward {sum(recent) / len(recent) if recent else float('nan'):.3f} "
-          f"(mean of the last {len(recent)} steps), held-out {last['solved']}/{last['questions']} -> {result_path}", flush=True)
+    steps = min(len(rewards), window or smooth_window(len(rewards)))  # the aggregate's "final reward"
+    final = smooth(rewards, steps)[-1] if rewards else float("nan")
+    print(f"   {attempts[-1]['wall_s']:.0f} s, train reward {final:.3f} (mean of the last {steps} steps), "
+          f"held-out {last['solved']}/{last['questions']} -> {result_path}", flush=True)
     return result
 
 

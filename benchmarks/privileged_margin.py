@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checkpoints = args.trained_checkpoint or []
     for i, (name, checkpoint) in enumerate(zip(trained_context_names(checkpoints), checkpoints, strict=True)):
         load_trained_composer(module, checkpoint)
-        composers[name] = module.composer if len(checkpoints) == 1 else snapshot_composer(module, f"composer_trained_{i}")
+        composers[name] = snapshot_composer(module, f"composer_trained_{i}")  # the next load overwrites module.composer
     absent = [c for c in chosen if c not in CONTEXTS and c not in composers]
     if absent:
         parser.error(f"--contexts: no context {', '.join(absent)} in this run (its composers: {', '.join(composers)})")
