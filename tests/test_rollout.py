@@ -807,6 +807,24 @@ def test_the_weights_stamp_sees_a_disabled_peft_adapter():
     assert weights_stamp(student) == before
 
 
+def test_the_weights_stamp_sees_a_merged_or_rescaled_peft_adapter():
+    """peft merges through ``weight.data`` (no version bump): the stamp sees it by the merged adapters, and a
+    rescaled adapter by its scaling (the same :func:`~lopd_lightning.adapters.tuner_state` checkpointing reads)."""
+    from lopd_lightning.adapters import prepare_backbone, tuner_layers
+    from lopd_lightning.models import tiny_model
+    from lopd_lightning.rollout.kv_reuse import weights_stamp
+
+    student = prepare_backbone(tiny_model(seed=0), student_lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                                                                 "target_modules": ["q_proj", "v_proj"]})
+    before = weights_stamp(student)
+    student.merge_adapter()
+    assert weights_stamp(student) != before
+    student.unmerge_adapter()
+    assert weights_stamp(student) == before
+    tuner_layers(student)[0].scale_layer(2.0)
+    assert weights_stamp(student) != before
+
+
 def test_a_nested_session_leaves_the_outer_rows_alone(eos_model, tokenizer):
     backend = HFGenerateBackend(eos_model, tokenizer)
     task = ToyTask(multi_turn=True)

@@ -76,6 +76,7 @@ __all__ = [
     "student_adapter_name",
     "student_parameters",
     "tuner_layers",
+    "tuner_state",
     "use_adapter",
 ]
 
@@ -319,6 +320,16 @@ def tuner_layers(model: nn.Module) -> list[BaseTunerLayer]:
     """The peft adapter layers (``BaseTunerLayer``) inside ``model``, in module order ([] for a plain model):
     where the active adapter, the disabled flag and the scaling that decide a forward live."""
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def tuner_state(layer: BaseTunerLayer) -> tuple[str | list[str], bool, dict[str, float], tuple[str, ...]]:
+    """What decides one peft adapter layer's forward besides its weights and input: its active adapter(s)
+    (a copy, a name or a list as peft holds it), its disabled flag, its scaling per adapter and its merged
+    adapters. Compared with ``==``; read by activation checkpointing (to recompute under the forward's
+    state) and by the prefix cache's weights stamp (to drop rows computed under another state)."""
+    active = layer._active_adapter
+    return (active if isinstance(active, str) else list(active), bool(layer._disable_adapters),
+            dict(getattr(layer, "scaling", {})), tuple(layer.merged_adapters))
 
 
 def adapter_names(peft_model: nn.Module) -> list[str]:

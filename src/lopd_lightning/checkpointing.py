@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lopd_lightning.adapters import tuner_layers
+from lopd_lightning.adapters import tuner_layers, tuner_state
 
 __all__ = ["ForwardStateRecompute", "enable_activation_checkpointing", "recorded_forwards"]
 
@@ -73,10 +73,7 @@ class _ForwardState:
 
     def __init__(self, layout: _Layout) -> None:
         self.layout = layout
-        self.tuners = [
-            (_copied(m._active_adapter), m._disable_adapters, dict(getattr(m, "scaling", {})), tuple(m.merged_adapters))
-            for m in layout.tuners
-        ]
+        self.tuners = [tuner_state(m) for m in layout.tuners]
         self.flags = [p.requires_grad for p in layout.params]
         self.training = [m.training for m in layout.modules]
 

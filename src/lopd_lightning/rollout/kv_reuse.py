@@ -274,23 +274,21 @@ class ReuseMismatch(RuntimeError):
 
 def weights_stamp(model: Any) -> tuple[Any, ...]:
     """A best-effort fingerprint of the weights: each parameter's storage and autograd version counter, and
-    each peft adapter layer's active adapters and disabled flag.
+    each peft adapter layer's :func:`~lopd_lightning.adapters.tuner_state` (active adapters, disabled flag,
+    scaling, merged adapters).
 
     It sees in-place updates through the parameter itself (``p.add_(...)``, ``p.copy_(...)`` under
-    ``no_grad``, ``load_state_dict``), a move (``.to()`` changes the storage), and a switch or disabling of
-    the peft adapter. It does NOT see writes through ``p.data`` (``p.data += ...``, ``p.data.copy_``), which
-    bypass the counter, nor every optimiser: fused/foreach AdamW kernels may update without bumping it. The
-    guarantee is the session's scope (nothing is kept beyond one :func:`~lopd_lightning.rollout.
-    generate_rollouts` call) plus ``sync_weights``; this stamp only catches some changes made inside it.
+    ``no_grad``, ``load_state_dict``), a move (``.to()`` changes the storage), and a switch, disabling,
+    rescaling or merge of a peft adapter. It does NOT see writes through ``p.data`` (``p.data += ...``,
+    ``p.data.copy_``), which bypass the counter, nor every optimiser: fused/foreach AdamW kernels may update
+    without bumping it. The guarantee is the session's scope (nothing is kept beyond one :func:`~lopd_lightning.
+    rollout.generate_rollouts` call) plus ``sync_weights``; this stamp only catches some changes made inside it.
+    Compare stamps with ``==``.
     """
-    from lopd_lightning.adapters import tuner_layers  # lazy: peft is imported only when a stamp is taken
+    from lopd_lightning.adapters import tuner_layers, tuner_state  # lazy: peft is imported only when a stamp is taken
 
     params = tuple((p.data_ptr(), int(getattr(p, "_version", 0))) for p in model.parameters())
-    adapters = []
-    for layer in tuner_layers(model):
-        active = layer.active_adapters
-        adapters.append((bool(layer.disable_adapters), tuple(active) if isinstance(active, (list, tuple)) else (active,)))
-    return params + tuple(adapters)
+    return params + tuple(tuner_state(layer) for layer in tuner_layers(model))
 
 
 def unsupported(model: Any) -> str | None:
