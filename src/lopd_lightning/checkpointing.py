@@ -10,7 +10,7 @@ silently wrong gradients when it saves the same ones).
 
 :func:`enable_activation_checkpointing` gives each decoder layer's ``torch.utils.checkpoint`` (non-reentrant)
 its own ``context_fn``, :class:`ForwardStateRecompute`: at the forward it records the layer's state, every
-peft LoRA layer's active adapter(s), disabled flag and scaling, every parameter's ``requires_grad`` flag
+peft LoRA layer's active adapter(s), disabled flag, scaling and merged adapters, every parameter's ``requires_grad`` flag
 (it decides which tensors autograd saves) and every module's train flag, and restores it for each
 recomputation only (a retained graph's second backward recomputes again). torch's checkpoint restores the
 RNG (dropout masks), grad mode and autocast itself.
@@ -19,6 +19,7 @@ RNG (dropout masks), grad mode and autocast itself.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from copy import copy
 from functools import partial
 from typing import Any
 
@@ -85,7 +86,7 @@ class _ForwardState:
                     "checkpointed forward and its backward: the recomputation would use other weights"
                 )
             if layer._active_adapter != active:
-                layer._active_adapter = _copied(active)
+                layer._active_adapter = copy(active)  # a name, or a list the layer may change
             if layer._disable_adapters != disabled:
                 layer._disable_adapters = disabled
             if scaling and layer.scaling != scaling:
@@ -96,10 +97,6 @@ class _ForwardState:
         for m, flag in zip(self.layout.modules, self.training, strict=True):
             if m.training != flag:
                 m.training = flag
-
-
-def _copied(active: str | list[str]) -> str | list[str]:
-    return active if isinstance(active, str) else list(active)
 
 
 class _Recompute:

@@ -283,7 +283,7 @@ def weights_stamp(model: Any) -> tuple[Any, ...]:
     ``p.data.copy_``), which bypass the counter, nor every optimiser: fused/foreach AdamW kernels may update
     without bumping it. The guarantee is the session's scope (nothing is kept beyond one :func:`~lopd_lightning.
     rollout.generate_rollouts` call) plus ``sync_weights``; this stamp only catches some changes made inside it.
-    Compare stamps with ``==``.
+    Compare stamps with ``==`` (they are not hashable: they hold lists and dicts).
     """
     from lopd_lightning.adapters import tuner_layers, tuner_state  # lazy: peft is imported only when a stamp is taken
 
