@@ -325,8 +325,8 @@ def tuner_layers(model: nn.Module) -> list[BaseTunerLayer]:
 def tuner_state(layer: BaseTunerLayer) -> tuple[str | list[str], bool, dict[str, float], tuple[str, ...]]:
     """The adapter selection and scaling that decide one peft adapter layer's forward (with its weights, its
     input and its modules' train flags): its active adapter(s) (a copy, a name or a list as peft holds it),
-    its disabled flag, its scaling per adapter and its merged adapters. Compared with ``==``; read by activation checkpointing (to recompute under the forward's
-    state) and by the prefix cache's weights stamp (to drop rows computed under another state)."""
+    its disabled flag, its scaling per adapter and its merged adapters. Compared with ``==``; read by
+    activation checkpointing (to recompute under the forward's state) and by the prefix cache's weights stamp (to drop rows computed under another state)."""
     active = layer._active_adapter
     return (active if isinstance(active, str) else list(active), bool(layer._disable_adapters),
             dict(getattr(layer, "scaling", {})), tuple(layer.merged_adapters))

@@ -10,8 +10,8 @@ silently wrong gradients when it saves the same ones).
 
 :func:`enable_activation_checkpointing` gives each decoder layer's ``torch.utils.checkpoint`` (non-reentrant)
 its own ``context_fn``, :class:`ForwardStateRecompute`: at the forward it records the layer's state, every
-peft LoRA layer's active adapter(s), disabled flag, scaling and merged adapters, every parameter's ``requires_grad`` flag
-(it decides which tensors autograd saves) and every module's train flag, and restores it for each
+peft LoRA layer's active adapter(s), disabled flag, scaling and merged adapters, every parameter's
+``requires_grad`` flag (it decides which tensors autograd saves) and every module's train flag, and restores it for each
 recomputation only (a retained graph's second backward recomputes again). torch's checkpoint restores the
 RNG (dropout masks), grad mode and autocast itself.
 """
