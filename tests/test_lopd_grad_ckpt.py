@@ -27,6 +27,7 @@ from lopd_lightning import checkpointing
 from lopd_lightning.memory.composer import warm_start_loss
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks.toy import ToyTask
+from lopd_lightning.teacher import weights as teacher_weights
 
 from test_lopd_chunked import LOGGED, assert_same_step, bank_dir, one_step  # noqa: F401 (bank_dir: a fixture)
 from test_lopd_module import LORA, make_module
@@ -70,14 +71,18 @@ def test_without_the_recompute_context_the_step_fails_or_its_gradients_differ(tm
     in the backward under the backward-time state (the student's adapter active, every adapter trainable).
     With a student LoRA on other layers than the composer's, the recomputation saves other tensors and
     torch's checkpoint raises CheckpointError; with one shaped like the composer's, it is silently
-    recomputed under the student's LoRA: the same losses, other composer gradients."""
+    recomputed under the student's LoRA: the same losses, other composer gradients. (The teacher's layers,
+    checkpointed with every weight constant, would save other tensors when recomputed with trainable ones
+    and raise too; the silent case is shown with them not checkpointed.)"""
     case = "lora" if shapes == "other" else "same_shapes"
+    if shapes == "same":
+        monkeypatch.setattr(teacher_weights, "layers_checkpointed_in_eval", lambda model: nullcontext(0))
     ref = checkpointed_step(tmp_path, bank_dir, False, case)
     if shapes == "same":
         assert_same_step(ref, checkpointed_step(tmp_path, bank_dir, True, case))  # with the context: the same
     monkeypatch.setattr(checkpointing.ForwardStateRecompute, "__call__", recording_nothing)
     if shapes == "other":
-        with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different number of tensors"):
+        with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different (number of tensors|metadata)"):
             checkpointed_step(tmp_path, bank_dir, True, case)
         return
     got = checkpointed_step(tmp_path, bank_dir, True, case)
@@ -237,3 +242,58 @@ def test_a_training_step_that_checkpointed_no_layer_is_an_error(tmp_path, bank_d
         layer.gradient_checkpointing = False
     with pytest.raises(RuntimeError, match="ran no layer through the checkpoint"):
         make_trainer(tmp_path, max_steps=1).fit(module, make_dm(EvenToy(), examples_per_step=2))
+
+
+def teacher_pass(module: LOPDModule, batch, *, prefix: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The teacher's logits at the student's positions with the composer's latents, the latents' gradient of
+    their squared sum, and the bytes autograd saved outside checkpointed layers during the teacher's pass."""
+    targets, mask = module.shifted(batch)
+    composed = module.compose(batch)
+    latents = composed.latents.detach().requires_grad_(True)
+    n = module._prefix_length(batch) if not prefix else 3
+    cache = module.teacher.own_prefix(batch.input_ids, batch.attention_mask, n) if prefix else None
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = module.teacher.on_student_positions(
+            batch.input_ids, batch.attention_mask, batch.context_position, positions=module.unshift(mask),
+            latents=latents, latent_mask=composed.latent_mask, prefix=cache)
+    logits.float().pow(2).sum().backward()
+    return logits.detach(), latents.grad, sum(saved)
+
+
+def test_the_teachers_pass_is_checkpointed_in_eval_mode_with_the_same_values_and_gradients(bank_dir):
+    """With gradient_checkpointing the teacher's layers keep only their inputs (autograd saves far fewer
+    bytes during its pass), its values and the latents' gradient are the plain pass's (eval mode: no dropout,
+    the LoRA dropout of this case included), every train flag is restored, and LOPD's step no longer uses the
+    prefix cache (a checkpointed layer would drop it)."""
+    module = make_module(bank_dir, gradient_checkpointing=True, **CASES["lora_dropout"])
+    module.train()
+    assert module.teacher.checkpoint_layers and module._prefix_length(object()) == 0
+    task = ToyTask()
+    examples = task.examples("train")[:2]
+    batch = module.reference_batch(task, examples)
+    batch.experiences = module.retrieve(task, examples)
+    flags = [m.training for m in module.backbone.modules()]
+    torch.manual_seed(0)
+    logits, grad, saved = teacher_pass(module, batch, prefix=False)
+    assert [m.training for m in module.backbone.modules()] == flags
+    module.teacher.checkpoint_layers = False
+    torch.manual_seed(0)
+    ref_logits, ref_grad, ref_saved = teacher_pass(module, batch, prefix=False)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert grad.abs().sum() > 0 and saved < ref_saved / 4, (saved, ref_saved)
+    # a pass that reads a prefix cache is not checkpointed (the layers would drop the cache): the same bytes
+    module.teacher.checkpoint_layers = True
+    torch.manual_seed(0)
+    with_prefix = teacher_pass(module, batch, prefix=True)
+    module.teacher.checkpoint_layers = False
+    torch.manual_seed(0)
+    plain_prefix = teacher_pass(module, batch, prefix=True)
+    torch.testing.assert_close(with_prefix[0], plain_prefix[0], rtol=0, atol=0)
+    assert with_prefix[2] == plain_prefix[2]

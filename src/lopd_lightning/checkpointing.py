@@ -18,7 +18,8 @@ RNG (dropout masks), grad mode and autocast itself.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from copy import copy
 from functools import partial
 from typing import Any
@@ -28,7 +29,7 @@ from torch import nn
 
 from lopd_lightning.adapters import tuner_layers, tuner_state
 
-__all__ = ["ForwardStateRecompute", "enable_activation_checkpointing", "recorded_forwards"]
+__all__ = ["ForwardStateRecompute", "enable_activation_checkpointing", "layers_checkpointed_in_eval", "recorded_forwards"]
 
 #: bumped by torch's global module and parameter registration hooks (installed by the first
 #: :class:`ForwardStateRecompute`): a peft adapter added, copied or injected registers modules and
@@ -206,6 +207,37 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
             module._gradient_checkpointing_func = partial(checkpoint, **kwargs, context_fn=ForwardStateRecompute(module))
             covered += 1
     return covered
+
+
+@contextmanager
+def layers_checkpointed_in_eval(model: nn.Module) -> Iterator[int]:
+    """Checkpoint the decoder layers of an eval-mode pass with gradients (LOPD's teacher: constant weights,
+    no dropout, a graph kept only for the latents' gradient).
+
+    transformers checkpoints a ``GradientCheckpointingLayer`` only when that layer's own train flag is set.
+    Inside, each such layer of ``model`` whose checkpointing is on (:func:`enable_activation_checkpointing`)
+    and whose flag is off gets it set, and only it: its submodules (dropout, attention) keep their eval
+    flags, so the pass computes what it computes in eval mode, while each layer keeps only its input for
+    the backward and is recomputed there (under the state :class:`ForwardStateRecompute` recorded, these
+    flags included). This assumes a decoder layer reads its own train flag only for that decision, as
+    transformers' layers do (their dropouts are submodules or read their attention module's flag). A
+    checkpointed layer drops a key/value cache it is given, so use it for passes without one. Each flag is
+    restored on exit.
+
+    Yields:
+        The number of layers whose flag was set (0: the model has no checkpointed layer in eval mode).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules()
+              if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing is True and not m.training]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            layer.training = False
 
 
 def recorded_forwards(model: nn.Module) -> int:

@@ -168,8 +168,9 @@ class LOPDModule(OnPolicyModule):
             over them. The causal mask makes those states independent of the latents, so the teacher's
             logits and every gradient are the same up to float rounding, and the teacher's forward and
             the composer's backward through it run on the rest only (benchmarks/results/step_cost.json
-            against step_cost_no_prefix.json). False recomputes the whole sequence. Models whose cache
-            is not a plain full-attention one (sliding window, linear attention) get False, with a warning.
+            against step_cost_no_prefix.json). False recomputes the whole sequence, as activation
+            checkpointing does (below). Models whose cache is not a plain full-attention one (sliding
+            window, linear attention) get False, with a warning.
         top_m: deprecated spelling of ``distill_top_k`` (removed in the release after next; a FutureWarning;
             the two names with different values are an error).
 
@@ -177,13 +178,13 @@ class LOPDModule(OnPolicyModule):
     one backward runs after the student's pass (adapter ``"student"``, or the base weights of a full
     student), the composer's encoder pass (adapter ``"composer"``, only psi trainable) and the teacher's
     pass (its mode's weights, every backbone weight constant, eval mode) have each switched the shared
-    backbone back. Every decoder layer run in train mode with gradients, i.e. in the student's and the
-    encoder's passes, keeps only its input and is recomputed in that backward under the adapter(s),
-    disabled flag, LoRA scaling, ``requires_grad`` flags and train flags its forward ran with
-    (:class:`~lopd_lightning.checkpointing.ForwardStateRecompute`); torch's checkpoint restores the dropout RNG.
-    The teacher's pass runs in eval mode and is not checkpointed (its activations are kept for the latents'
-    gradient). A checkpointed student forward keeps no key/value cache, so the teacher computes its
-    ``teacher_prefix_cache`` prefix itself (one no-grad pass). Refused (ValueError naming
+    backbone back. Every decoder layer of these three passes keeps only its input and is recomputed in that
+    backward under the adapter(s), disabled flag, LoRA scaling, ``requires_grad`` flags and train flags its
+    forward ran with (:class:`~lopd_lightning.checkpointing.ForwardStateRecompute`); torch's checkpoint
+    restores the dropout RNG. The teacher's layers are checkpointed in eval mode (no dropout:
+    :func:`~lopd_lightning.checkpointing.layers_checkpointed_in_eval`). A checkpointed layer reads no
+    key/value cache, so the teacher's pass covers the whole sequence (``teacher_prefix_cache`` is not
+    used). Refused (ValueError naming
     ``model.init_args.gradient_checkpointing``) only for a model whose layers do not checkpoint through
     transformers' per-layer checkpoint function, where the recompute context cannot be installed; a first
     training step that ran no layer through it raises RuntimeError.
@@ -243,7 +244,8 @@ class LOPDModule(OnPolicyModule):
         self.backbone = add_composer_adapter(self.backbone, composer_cfg)  # psi, on the shared backbone
         composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
         self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
-        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate)
+        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate,
+                                   checkpoint_layers=self.hparams.gradient_checkpointing)
         if teacher_prefix_cache and not supports_prefix_cache(self.backbone):
             log.warning("teacher_prefix_cache is off: this model's key/value cache is not plain full attention in "
                         "every layer (sliding window or linear attention); the teacher recomputes the whole sequence")
@@ -412,9 +414,7 @@ class LOPDModule(OnPolicyModule):
     def _student_pass(self, batch: RolloutBatch, mask: Tensor, n_prefix: int) -> tuple[Tensor, TeacherPrefix | None]:
         """The student's outputs at ``mask`` (:attr:`lm_head`'s kind) and, when its weights are the teacher's,
         the key/value prefix of ``n_prefix`` tokens its forward computed for the teacher."""
-        # a checkpointed student forward keeps no key/value cache (transformers drops it in checkpointed
-        # layers): the teacher then computes its prefix itself (own_prefix, one no-grad pass)
-        share = n_prefix > 0 and self.teacher.shares_student_weights and not self.hparams.gradient_checkpointing
+        share = n_prefix > 0 and self.teacher.shares_student_weights
         forward = self.student_forward(batch, mask, output=self.lm_head.output, keep_cache=share)
         return forward.values, (TeacherPrefix.from_cache(forward.cache, n_prefix) if share else None)
 
@@ -433,8 +433,9 @@ class LOPDModule(OnPolicyModule):
         return composed, teacher
 
     def _prefix_length(self, batch: RolloutBatch) -> int:
-        """The tokens before every row's context, where the teacher's pass starts (0: ``teacher_prefix_cache`` off)."""
-        if not self.hparams.get("teacher_prefix_cache", True):
+        """The tokens before every row's context, where the teacher's pass starts (0: ``teacher_prefix_cache``
+        off, or activation checkpointing: a checkpointed layer drops a key/value cache)."""
+        if not self.hparams.get("teacher_prefix_cache", True) or self.hparams.gradient_checkpointing:
             return 0
         return prefix_length(batch.attention_mask, batch.context_position)
 

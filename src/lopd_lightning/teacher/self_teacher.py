@@ -57,6 +57,8 @@ class SelfTeacher(TeacherWeights):
             the tokenizer's pad id (else 0) when None.
         deterministic: run the teacher pass in eval mode (no dropout); each module's train flag is
             restored afterwards.
+        checkpoint_layers: checkpoint the decoder layers of the passes that record gradients for the
+            latents (see :class:`~lopd_lightning.teacher.weights.TeacherWeights`).
 
     Raises:
         ValueError: unknown mode or a rate outside [0, 1].
@@ -73,8 +75,10 @@ class SelfTeacher(TeacherWeights):
         framing_suffix: str = DEFAULT_FRAMING_SUFFIX,
         placeholder_id: int | None = None,
         deterministic: bool = True,
+        checkpoint_layers: bool = False,
     ) -> None:
-        super().__init__(backbone, mode=mode, ema_rate=ema_rate, deterministic=deterministic)
+        super().__init__(backbone, mode=mode, ema_rate=ema_rate, deterministic=deterministic,
+                         checkpoint_layers=checkpoint_layers)
         self.tokenizer = tokenizer
         self.framing_prefix = framing_prefix
         self.framing_suffix = framing_suffix
@@ -187,7 +191,7 @@ class SelfTeacher(TeacherWeights):
         backbone's parameters are constants either way.
         """
         needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
-        with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
+        with self.teacher_scope(checkpointed=needs_grad) as model, (nullcontext() if needs_grad else torch.no_grad()):
             return model(**inputs.model_kwargs(), use_cache=False).logits
 
     def on_student_positions(
@@ -240,7 +244,8 @@ class SelfTeacher(TeacherWeights):
             kwargs, teacher_positions = after_prefix(prefix, inputs, teacher_positions, input_ids.shape[0])
         select = selected_logits if output == "logits" else selected_hidden_states
         needs_grad = inputs.inputs_embeds is not None and inputs.inputs_embeds.requires_grad
-        with self.teacher_scope() as model, (nullcontext() if needs_grad else torch.no_grad()):
+        checkpointed = needs_grad and kwargs.get("cache") is None  # a checkpointed layer would drop the prefix
+        with self.teacher_scope(checkpointed=checkpointed) as model, (nullcontext() if needs_grad else torch.no_grad()):
             out = select(model, teacher_positions, **kwargs)
         if kwargs.get("cache") is not None:
             check_prefix_read(kwargs["cache"], prefix, inputs.attention_mask.shape[1])  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -30,6 +30,7 @@ from peft import PeftModel
 from torch import nn
 
 from lopd_lightning.adapters import STUDENT, TEACHER_EMA, adapter_parameters, base_parameters, is_lora_student, use_adapter
+from lopd_lightning.checkpointing import layers_checkpointed_in_eval
 from lopd_lightning.losses.lm_head import Head, lm_head_parameters
 from lopd_lightning.teacher.prefix_cache import has_dropout
 
@@ -66,6 +67,10 @@ class TeacherWeights(nn.Module):
         ema_rate: EMA rate r: ``ema <- (1 - r) ema + r student`` (0.05 as in SDPO).
         deterministic: run the teacher pass in eval mode (no dropout); each module's train flag is
             restored afterwards.
+        checkpoint_layers: the passes that record gradients (for the latents) checkpoint the model's decoder
+            layers although in eval mode (:func:`~lopd_lightning.checkpointing.layers_checkpointed_in_eval`):
+            set with activation checkpointing on the backbone, so the teacher's graph keeps each layer's
+            input only.
 
     With a full-parameter student, ``base`` and ``ema`` hold one deepcopy of the backbone (registered as
     the submodule ``shadow``: saved in this module's ``state_dict``, moved with ``.to()``), frozen; a
@@ -77,7 +82,7 @@ class TeacherWeights(nn.Module):
     """
 
     def __init__(self, backbone: PeftModel, *, mode: TeacherMode = "live", ema_rate: float = 0.05,
-                 deterministic: bool = True) -> None:
+                 deterministic: bool = True, checkpoint_layers: bool = False) -> None:
         super().__init__()
         if mode not in ("live", "base", "ema"):
             raise ValueError(f"mode must be 'live', 'base' or 'ema', got {mode!r}")
@@ -87,6 +92,7 @@ class TeacherWeights(nn.Module):
         self.mode: TeacherMode = mode
         self.ema_rate = ema_rate
         self.deterministic = deterministic
+        self.checkpoint_layers = checkpoint_layers
         self.lora_student = is_lora_student(backbone)
         self.shadow: nn.Module | None = None
         if mode == "ema" and self.lora_student:
@@ -171,18 +177,24 @@ class TeacherWeights(nn.Module):
             ema.lerp_(live.to(ema.dtype), self.ema_rate)
 
     @contextmanager
-    def teacher_scope(self) -> Iterator[nn.Module]:
+    def teacher_scope(self, *, checkpointed: bool = False) -> Iterator[nn.Module]:
         """The teacher's weights for the passes inside: the mode's adapter (composer LoRA off), every
         backbone parameter constant (``requires_grad`` off while inside), eval mode if ``deterministic``
         (then transformers' activation checkpointing, which acts in train mode only, leaves the pass alone
         and a key/value cache passed to it is used; in train mode a checkpointed layer would be recomputed
         under this scope's state, :class:`~lopd_lightning.checkpointing.ForwardStateRecompute`, but drops the cache).
 
+        Args:
+            checkpointed: the pass inside records gradients and has no key/value cache: with
+                ``checkpoint_layers`` its decoder layers are checkpointed in eval mode too.
+
         Yields:
             the model to call (the backbone or its frozen copy).
         """
         model = self.model
-        with use_adapter(model, self.adapter, grads="none"), _eval_mode(model, self.deterministic):
+        checkpoint = checkpointed and self.checkpoint_layers and self.deterministic
+        with (use_adapter(model, self.adapter, grads="none"), _eval_mode(model, self.deterministic),
+              layers_checkpointed_in_eval(model) if checkpoint else nullcontext()):
             yield model
 
     def head_parameters(self) -> Head:
