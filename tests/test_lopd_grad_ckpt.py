@@ -40,6 +40,7 @@ CASES = {
     "lora_dropout": dict(lora={**RANDOM_LORA, "lora_dropout": 0.2}, composer_lora={**COMPOSER_LORA, "lora_dropout": 0.1}),
     "full": dict(lora=None, composer_lora=COMPOSER_LORA),
     "ema_teacher": dict(lora=RANDOM_LORA, composer_lora=COMPOSER_LORA, teacher_mode="ema"),
+    "full_base_teacher": dict(lora=None, composer_lora=COMPOSER_LORA, teacher_mode="base"),  # a frozen deepcopy
 }
 #: a student LoRA shaped like the composer's: a recomputation under the wrong one saves the same tensors
 SAME_SHAPES = dict(lora=COMPOSER_LORA, composer_lora=COMPOSER_LORA)
