@@ -17,12 +17,16 @@ Run::
 
 The JSON (written atomically, also after each task so a long run keeps what it finished) is
 ``{"benchmark": "eval_base", "model", "complete", "settings", "tasks": {name: {...}}}`` plus
-:func:`common.run_metadata` (versions, hardware, seed, git sha, timestamp).
+:func:`common.run_metadata` (versions, hardware, seed, git sha, timestamp). Each task's entry carries its
+own ``run`` (git sha, timestamp, argv, settings). ``--merge`` keeps the other tasks of an existing
+``--out`` file (same model), so one long task can be run again alone; the top-level metadata is then the
+newest run's and ``complete`` says that run finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -80,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cpu', 'cuda'")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); 1 is fastest on a CPU shared with other work")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other tasks of an existing --out file (same model); replace only these")
     args = p.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in args.tasks if t not in SPECS]
@@ -88,6 +94,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
     return args
+
+
+def kept_tasks(path: Path, model: str, replaced: list[str]) -> dict[str, Any]:
+    """The task entries of an earlier result file at ``path`` other than ``replaced``, each with its ``run``
+    (an entry written before runs were recorded per task gets its file's metadata). Nothing when the
+    file does not exist.
+
+    Raises:
+        SystemExit: the file is unreadable or holds another model's results.
+    """
+    if not path.exists():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+        tasks = old["tasks"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"eval_base: --merge cannot read {path} ({err}); drop --merge or fix the file")
+    if old.get("model") != model:
+        raise SystemExit(f"eval_base: --merge into {path}, which holds model {old.get('model')!r}, not {model!r}; "
+                         "use another --out")
+    fallback = {"settings": old.get("settings"), **{k: old.get(k) for k in ("git_sha", "timestamp", "argv")}}
+    return {name: {"run": fallback, **entry} for name, entry in tasks.items() if name not in replaced}
 
 
 def replay_turns(task: Task, example: Example, messages: list[dict[str, Any]]) -> tuple[float, float] | None:
@@ -218,6 +246,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tasks": {},
         **run_metadata(seed=args.seed, argv=sys.argv[1:] if argv is None else argv),
     }
+    run = {"settings": report["settings"], **{k: report[k] for k in ("git_sha", "timestamp", "argv")}}
+    if args.merge:
+        report["tasks"] = kept_tasks(args.out, args.model, args.tasks)
     for name in args.tasks:
         spec = SPECS[name]
         task = get_task(name)
@@ -240,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         effective_turns = max_turns or getattr(task, "max_turns", None) or (8 if task.multi_turn else 1)
         report["tasks"][name] = summarize(spec, task, examples, batch, seconds, len(val), effective_turns)
         r = report["tasks"][name]
+        r["run"] = run
         planned = len(val) if spec.max_examples is None else min(spec.max_examples, len(val))
         if n < planned:  # fewer than the benchmark's definition: say so in the JSON
             r["planned_n"] = planned

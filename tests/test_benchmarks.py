@@ -44,6 +44,29 @@ def test_eval_base_tiny_toy_writes_json(eval_base, tmp_path):
     assert toy["truncated"] == toy["truncated_replies"] == cut
 
 
+def test_eval_base_merge_replaces_only_the_tasks_it_runs(eval_base, tmp_path):
+    """--merge keeps the other tasks of the file with the run that made them; another model is refused."""
+    out = tmp_path / "eval_base.json"
+    first = eval_base.main(["--model", "tiny", "--tasks", "toy", "--limit", "1", "--out", str(out), "--device", "cpu"])
+    assert first["tasks"]["toy"]["run"]["argv"] == first["argv"]
+    data = json.loads(out.read_text())
+    older = {k: v for k, v in data["tasks"]["toy"].items() if k != "run"}  # as written before runs were per task
+    data["tasks"]["older"] = older
+    out.write_text(json.dumps(data))
+    argv = ["--model", "tiny", "--tasks", "toy", "--limit", "2", "--out", str(out), "--device", "cpu", "--merge"]
+    eval_base.main(argv)
+    merged = json.loads(out.read_text())
+    assert list(merged["tasks"]) == ["older", "toy"] and merged["complete"] is True
+    assert merged["tasks"]["older"] == {"run": {"settings": first["settings"], "git_sha": first["git_sha"],
+                                                "timestamp": first["timestamp"], "argv": first["argv"]}, **older}
+    assert merged["tasks"]["toy"]["n"] == 2 and merged["tasks"]["toy"]["run"]["argv"] == argv == merged["argv"]
+    data["model"] = "other"
+    out.write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="holds model 'other'"):
+        eval_base.main(argv)
+    assert json.loads(out.read_text()) == data  # nothing lost
+
+
 def test_eval_base_rejects_unknown_task(eval_base):
     with pytest.raises(SystemExit):
         eval_base.parse_args(["--tasks", "nope"])
