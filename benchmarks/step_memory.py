@@ -22,7 +22,8 @@ Per case:
   live tensors it created (freed memory the allocator did not reuse, numpy/FAISS buffers, Python objects);
   negative where the step reused memory that was resident but free at its start.
 
-Storages created outside an operator (``torch.empty`` inside a C++ kernel that returns no tensor, numpy)
+``settings.allocator_env`` records the allocator settings the run had (``MALLOC_*``, ``LD_PRELOAD``,
+``GLIBC_TUNABLES``). Storages created outside an operator (``torch.empty`` inside a C++ kernel that returns no tensor, numpy)
 are not seen; views and in-place results are not new storages.
 """
 
@@ -200,6 +201,12 @@ class MeasuredStep:
         )
 
 
+def allocator_env() -> dict[str, str]:
+    """The environment that changes how memory is allocated: glibc's ``MALLOC_*`` tunables and ``LD_PRELOAD``
+    (another allocator, e.g. jemalloc); the cases' processes inherit it."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+
+
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     """One method, checkpointing on or off: ``warmup`` steps, then the measured one (in this process)."""
     import lightning as L
@@ -281,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "live_peak": round(lopd["live_peak_mb"] / grpo["live_peak_mb"], 3)}
     report = {"benchmark": "step_memory", "model": "tiny" if args.quick else args.model,
               "settings": {"trajectories": args.trajectories, "warmup": args.warmup, "threads": args.threads,
-                           "quick": args.quick, "step_cost_settings": "step_cost.py's build()"},
+                           "quick": args.quick, "step_cost_settings": "step_cost.py's build()",
+                           "allocator_env": allocator_env()},
               "cases": results, "ratio_lopd_over_grpo": ratios, **run_metadata(seed=args.seed, argv=argv)}
     write_json_atomic(report, args.out)
     print(f"wrote {args.out}")

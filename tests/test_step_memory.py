@@ -68,3 +68,13 @@ def test_step_memory_quick_writes_json(step_memory, tmp_path):
         assert c["unexplained_mb"] == pytest.approx(c["rss_peak_mb"] - c["rss_start_mb"] - c["live_peak_mb"], abs=0.2)
     assert {"teacher", "backward", "composer_step"} <= set(cases[("lopd", True)]["live_peak_by_phase_mb"])
     assert data["ratio_lopd_over_grpo"] == {}  # no pair with the same checkpointing
+    assert isinstance(data["settings"]["allocator_env"], dict)
+
+
+def test_allocator_env_names_only_allocator_settings(step_memory, monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("LD_PRELOAD", "libjemalloc.so.2")
+    monkeypatch.setenv("NOT_AN_ALLOCATOR_SETTING", "1")
+    env = step_memory.allocator_env()
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and env["LD_PRELOAD"] == "libjemalloc.so.2"
+    assert "NOT_AN_ALLOCATOR_SETTING" not in env
