@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_metadata, write_json_atomic  # noqa: E402
+from step_cost import _reset_peak_rss  # noqa: E402  (VmHWM reset, as step_cost does it)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "step_memory.json"
 CASES = ("grpo:off", "lopd:off", "grpo:on", "lopd:on")
@@ -105,15 +106,6 @@ def _status_mb(field: str) -> float | None:
     except OSError:
         pass
     return None
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def resident_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
@@ -176,7 +168,7 @@ class MeasuredStep:
         trainer = self.module.trainer
         self.result["resident_mb"] = round(resident_bytes(self.module, list(trainer.optimizers)) / MIB, 1)
         self.result["rss_start_mb"] = _status_mb("VmRSS")
-        self.result["rss_reset"] = _reset_hwm()
+        self.result["rss_reset"] = _reset_peak_rss()
         self.t0 = time.perf_counter()
         self.tracker = LiveBytes()
         self.tracker.__enter__()
