@@ -24,7 +24,8 @@ Per case:
 
 ``settings.allocator_env`` records the allocator settings the run had (``MALLOC_*``, ``LD_PRELOAD``,
 ``GLIBC_TUNABLES``). Storages created outside an operator (``torch.empty`` inside a C++ kernel that returns no tensor, numpy)
-are not seen; views and in-place results are not new storages.
+are not seen; an output on one of its operator's input storages (a view, an in-place or ``out=`` result)
+is not a new storage, whenever that storage was made.
 """
 
 from __future__ import annotations
@@ -78,13 +79,17 @@ class LiveBytes(TorchDispatchMode):
         self.current -= self.live.pop(ptr, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        # an output on an input's storage (a view, an in-place or out= result) is not a new storage, whether
+        # that storage was created before the tracking began (a parameter, optimiser state) or during it
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if not nbytes or ptr in self.live:
+            if not nbytes or ptr in self.live or ptr in inputs:
                 continue
             self.live[ptr] = nbytes
             self.current += nbytes
@@ -230,7 +235,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, Stop()])
     trainer.fit(module, datamodule=dm)
     return {"method": method, "gradient_checkpointing": ckpt == "on", **info, **measured.result,
-            "rss_peak_mb_process": _status_mb("VmHWM")}
+            "rss_hwm_at_exit_mb": _status_mb("VmHWM")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -241,8 +246,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of method:on|off (default {','.join(CASES)})")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--quick", action="store_true", help="tests: tiny model, toy task, 4 trajectories")
+    p.add_argument("--out", type=Path, default=None, help=f"the JSON file to write (default {DEFAULT_OUT.name} in results/)")
+    p.add_argument("--quick", action="store_true", help="tests: tiny model, toy task, 4 trajectories (needs --out)")
     p.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case here, print its JSON
     args = p.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -250,6 +255,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         method, _, ckpt = c.partition(":")
         if method not in ("lopd", "grpo") or ckpt not in ("on", "off"):
             p.error(f"--cases: {c!r} is not method:on|off with method lopd or grpo")
+    if not cases:
+        p.error("--cases is empty: give method:on|off, e.g. --cases lopd:on,grpo:on")
+    if args.warmup < 0 or args.threads < 1 or args.trajectories < 4 or args.trajectories % 4:
+        p.error("need --warmup >= 0, --threads >= 1 and --trajectories a positive multiple of 4 (GRPO's group)")
+    if args.quick and args.out is None:
+        p.error("--quick needs --out (the default file holds the real model's results)")
+    if not args.quick and args.model not in ("smollm2-135m-instruct", "tiny") and not Path(args.model).is_dir():
+        p.error(f"--model {args.model}: no such folder (give a Hugging Face folder, 'smollm2-135m-instruct' or 'tiny')")
+    args.out = args.out or DEFAULT_OUT
     args.cases = cases
     return args
 
@@ -258,7 +272,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.case:
-        print("STEP_MEMORY " + json.dumps(run_case(args.case, args)))
+        try:
+            print("STEP_MEMORY " + json.dumps(run_case(args.case, args)))
+        except Exception as err:  # noqa: BLE001 (the parent reports it in one line)
+            import traceback
+
+            traceback.print_exc()
+            print(f"STEP_MEMORY_ERROR {type(err).__name__}: {' '.join(str(err).split())}")
+            raise SystemExit(1) from None
         return {}
     results = []
     for case in args.cases:
@@ -266,7 +287,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         proc = subprocess.run(child, capture_output=True, text=True, env=os.environ.copy())
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("STEP_MEMORY ")]
         if proc.returncode or not lines:
-            raise SystemExit(f"case {case} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            errors = [ln.removeprefix("STEP_MEMORY_ERROR ") for ln in proc.stdout.splitlines()
+                      if ln.startswith("STEP_MEMORY_ERROR ")]
+            why = errors[-1] if errors else f"exit status {proc.returncode}"
+            raise SystemExit(f"error: case {case} failed: {why} (its traceback: {' '.join(child)})")
         results.append(json.loads(lines[-1].removeprefix("STEP_MEMORY ")))
         r = results[-1]
         print(f"{case}: RSS peak {r['rss_peak_mb']} MB (start {r['rss_start_mb']}), live peak {r['live_peak_mb']} MB "

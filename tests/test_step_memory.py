@@ -36,6 +36,19 @@ def test_live_bytes_counts_new_storages_until_freed(step_memory):
     del y, z, w
 
 
+def test_live_bytes_ignores_views_and_in_place_results_of_older_storages(step_memory):
+    weight = torch.randn(8, 4)  # made before the tracking: a parameter's storage
+    state = torch.zeros(8, 4)  # optimiser state, updated in place
+    tracker = step_memory.LiveBytes()
+    with tracker:
+        transposed = weight.t()  # a view of an older storage: 0 B
+        state.add_(1.0)  # in place on an older storage: 0 B
+        torch.mul(weight, 2.0, out=state)  # out= into an older storage: 0 B
+        y = torch.nn.functional.linear(torch.ones(3, 4), weight)  # the input (48 B) and the output (96 B)
+    assert tracker.peak == 3 * 4 * 4 + 3 * 8 * 4
+    del transposed, y
+
+
 def test_resident_bytes_counts_parameters_grads_and_state_once(step_memory):
     model = torch.nn.Linear(10, 4)  # 40 + 4 floats
     opt = torch.optim.Adam(model.parameters())
@@ -45,10 +58,30 @@ def test_resident_bytes_counts_parameters_grads_and_state_once(step_memory):
     assert step_memory.resident_bytes(model, [opt]) == 4 * 44 * 4 + 2 * 4
 
 
-def test_bad_case_is_one_line(step_memory, capsys):
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--cases", "lopd:maybe"], "method:on|off"),
+    (["--cases", ","], "--cases is empty"),
+    (["--trajectories", "3"], "multiple of 4"),
+    (["--warmup", "-1"], "--warmup >= 0"),
+    (["--quick"], "--quick needs --out"),
+    (["--model", "/no/such/folder"], "no such folder"),
+])
+def test_bad_input_names_the_option(step_memory, capsys, argv, says):
     with pytest.raises(SystemExit):
-        step_memory.parse_args(["--cases", "lopd:maybe"])
-    assert "method:on|off" in capsys.readouterr().err
+        step_memory.parse_args(argv)
+    err = capsys.readouterr().err
+    assert says in err.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_failing_case_is_one_line(step_memory, tmp_path):
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        step_memory.main(["--model", str(empty), "--cases", "grpo:off", "--threads", "1", "--out", str(tmp_path / "x.json")])
+    message = str(exc.value)
+    assert message.startswith("error: case grpo:off failed: ") and "\n" not in message
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.slow
