@@ -167,8 +167,8 @@ class LOPDModule(OnPolicyModule):
             ``live`` mode without dropout the student's own forward's, otherwise one no-grad teacher pass
             over them. The causal mask makes those states independent of the latents, so the teacher's
             logits and every gradient are the same up to float rounding, and the teacher's forward and
-            the composer's backward through it run on the rest only (benchmarks/results/step_cost.json
-            against step_cost_no_prefix.json). False recomputes the whole sequence, as activation
+            the composer's backward through it run on the rest only (benchmarks/README.md, step_cost: the
+            two runs of d635d06, with and without it). False recomputes the whole sequence, as activation
             checkpointing does (below). Models whose cache is not a plain full-attention one (sliding
             window, linear attention) get False, with a warning.
         top_m: deprecated spelling of ``distill_top_k`` (removed in the release after next; a FutureWarning;
