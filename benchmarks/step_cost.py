@@ -168,11 +168,12 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _vm_hwm_mb() -> float | None:
+def status_mb(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``, ...) in MiB; None where unreadable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return round(int(line.split()[1]) / 1024, 1)
     except OSError:
         pass
@@ -258,7 +259,7 @@ def run_method(method: str, args: argparse.Namespace) -> tuple[dict[str, Any], A
         "warmup_steps": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
                          for s in timer.steps[: args.warmup]],
         "fit_s": round(fit_s, 2),
-        "peak_rss_mb": _vm_hwm_mb() if rss_reset else None,
+        "peak_rss_mb": status_mb("VmHWM") if rss_reset else None,
         "peak_rss_mb_process": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "cuda_max_memory_allocated_mb": (round(torch.cuda.max_memory_allocated() / 2**20, 1)
                                          if args.device == "cuda" else None),

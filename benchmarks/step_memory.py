@@ -18,9 +18,7 @@ Per case:
   at that moment; ``live_peak_by_phase_mb``: the most alive during each phase; ``live_end_mb``: still alive
   at the step's end (new optimiser state, caches).
 * ``resident_mb``: parameters, their gradients and optimiser state at the step's start (unique storages).
-* ``unexplained_mb`` = ``rss_peak_mb - rss_start_mb - live_peak_mb``: memory the process touched beyond the
-  live tensors it created (freed memory the allocator did not reuse, numpy/FAISS buffers, Python objects);
-  negative where the step reused memory that was resident but free at its start.
+  ``rss_start_mb`` minus it is the libraries plus the heap the allocator kept from the warm-up steps.
 
 ``settings.allocator_env`` records the allocator settings the run had (``MALLOC_*``, ``LD_PRELOAD``,
 ``GLIBC_TUNABLES``). Storages created outside an operator (``torch.empty`` inside a C++ kernel that returns no tensor, numpy)
@@ -47,7 +45,8 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_metadata, write_json_atomic  # noqa: E402
-from step_cost import _reset_peak_rss  # noqa: E402  (VmHWM reset, as step_cost does it)
+import step_cost  # noqa: E402  (its modules and settings, its VmHWM reset and /proc/self/status reader)
+from step_cost import _reset_peak_rss, status_mb  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "step_memory.json"
 CASES = ("grpo:off", "lopd:off", "grpo:on", "lopd:on")
@@ -102,17 +101,6 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _status_mb(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
-
-
 def resident_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
     """Bytes of the unique storages of ``module``'s parameters, their gradients and the optimisers' state."""
     seen: dict[int, int] = {}
@@ -165,14 +153,14 @@ class MeasuredStep:
         try:
             yield
         finally:
-            self.hwm_after[name] = _status_mb("VmHWM")
+            self.hwm_after[name] = status_mb("VmHWM")
             if self.tracker is not None:
                 self.tracker.set_phase(previous)
 
     def start(self) -> None:
         trainer = self.module.trainer
         self.result["resident_mb"] = round(resident_bytes(self.module, list(trainer.optimizers)) / MIB, 1)
-        self.result["rss_start_mb"] = _status_mb("VmRSS")
+        self.result["rss_start_mb"] = status_mb("VmRSS")
         self.result["rss_reset"] = _reset_peak_rss()
         self.t0 = time.perf_counter()
         self.tracker = LiveBytes()
@@ -183,7 +171,7 @@ class MeasuredStep:
             return
         tracker, self.tracker = self.tracker, None
         tracker.__exit__(None, None, None)
-        rss_peak = _status_mb("VmHWM") if self.result["rss_reset"] else None
+        rss_peak = status_mb("VmHWM") if self.result["rss_reset"] else None
         live_peak = tracker.peak / MIB
         self.result.update(
             step_s=round(time.perf_counter() - self.t0, 2),
@@ -193,8 +181,6 @@ class MeasuredStep:
             live_peak_phase=tracker.peak_phase,
             live_peak_by_phase_mb={k: round(v / MIB, 1) for k, v in sorted(tracker.peak_by_phase.items())},
             live_end_mb=round(tracker.current / MIB, 1),
-            unexplained_mb=(round(rss_peak - self.result["rss_start_mb"] - live_peak, 1)
-                            if rss_peak is not None and self.result["rss_start_mb"] is not None else None),
         )
 
 
@@ -208,8 +194,6 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     """One method, checkpointing on or off: ``warmup`` steps, then the measured one (in this process)."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
-
-    import step_cost
 
     method, ckpt = case.split(":")
     argv = ["--model", args.model, "--trajectories", str(args.trajectories), "--threads", str(args.threads)]
@@ -234,8 +218,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, Stop()])
     trainer.fit(module, datamodule=dm)
-    return {"method": method, "gradient_checkpointing": ckpt == "on", **info, **measured.result,
-            "rss_hwm_at_exit_mb": _status_mb("VmHWM")}
+    return {"method": method, "gradient_checkpointing": ckpt == "on", **info, **measured.result}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

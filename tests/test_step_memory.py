@@ -98,7 +98,7 @@ def test_step_memory_quick_writes_json(step_memory, tmp_path):
         assert c["live_peak_phase"] in c["live_peak_by_phase_mb"]
         assert max(c["live_peak_by_phase_mb"].values()) == pytest.approx(c["live_peak_mb"], abs=0.1)
         assert "generation" in c["live_peak_by_phase_mb"] and "student_step" in c["live_peak_by_phase_mb"]
-        assert c["unexplained_mb"] == pytest.approx(c["rss_peak_mb"] - c["rss_start_mb"] - c["live_peak_mb"], abs=0.2)
+        assert c["rss_peak_mb"] >= c["rss_start_mb"] > c["resident_mb"] > 0  # VmHWM reset at the step's start
     assert {"teacher", "backward", "composer_step"} <= set(cases[("lopd", True)]["live_peak_by_phase_mb"])
     assert data["ratio_lopd_over_grpo"] == {}  # no pair with the same checkpointing
     assert isinstance(data["settings"]["allocator_env"], dict)
