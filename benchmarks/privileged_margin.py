@@ -86,7 +86,7 @@ from compare_stats import t_interval  # noqa: E402
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 #: bump when this script's warm start of a composer changes (the composer cache's key holds it)
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 CONTEXTS = ("text_nearest", "text_random", "latent_untrained", "latent_warm_start", "latent_trained")
 
 
@@ -278,8 +278,10 @@ def warm_start_examples(module, datamodule, n: int) -> list:
     return [datamodule.example(task_id) for task_id in seen][:n]
 
 
-def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=None, max_new_tokens: int) -> str:
-    """The teacher's own greedy reply to ``example`` with a text context or the latents of ``composer``."""
+def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=None, composed=None,
+                         max_new_tokens: int) -> str:
+    """The teacher's own greedy reply to ``example`` with a text context, the latents of ``composer`` (of the
+    example's retrieved experiences), or given latents ``composed`` (a ComposerOutput of one row)."""
     import torch
 
     from lopd_lightning.rollout import encode_prompt
@@ -296,6 +298,7 @@ def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=No
         fake = RolloutBatch.__new__(RolloutBatch)  # compose() reads only the task text and the experiences
         fake.metadata, fake.experiences = [{"task_text": example.text}], experiences
         composed = module.compose(fake, composer)
+    if composed is not None:
         kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
     elif context_ids is not None:
         kwargs["context_ids"] = [context_ids]
@@ -346,12 +349,12 @@ def latent_rms(module, composer, batch) -> float:
 def composer_on_adapter(module, source: str, name: str, *, num_latents: int | None = None, output_gain: float | str = 1.0):
     """A composer like ``module.composer`` on the same backbone (no second one): adapter ``source``'s LoRA
     copied to adapter ``name`` (frozen, as :func:`~lopd_lightning.adapters.copy_adapter` leaves it) and a
-    fresh resampler with K = ``num_latents`` (default the module's) and ``output_gain``."""
+    fresh compressor with K = ``num_latents`` (default the module's) and ``output_gain``."""
     from lopd_lightning.adapters import copy_adapter
-    from lopd_lightning.memory.composer import LatentComposer
+    from lopd_lightning.composer import LatentComposer
 
     copy_adapter(module.backbone, source, name)
-    return LatentComposer(module.backbone, module.tokenizer, adapter_name=name,
+    return LatentComposer(module.backbone, module.tokenizer, adapter_name=name, architecture=module.composer.architecture,
                           num_latents=num_latents or module.composer.num_latents, depth=module.hparams.composer_depth,
                           output_gain=output_gain, max_experience_tokens=module.composer.max_experience_tokens)
 
@@ -359,7 +362,7 @@ def composer_on_adapter(module, source: str, name: str, *, num_latents: int | No
 def snapshot_composer(module, name: str):
     """A frozen copy of ``module.composer`` (its LoRA as adapter ``name``, and its resampler)."""
     frozen = composer_on_adapter(module, module.composer.adapter_name, name)
-    frozen.resampler.load_state_dict(module.composer.resampler.state_dict())
+    frozen.compressor.load_state_dict(module.composer.compressor.state_dict())
     frozen.requires_grad_(False)
     return frozen
 
@@ -454,14 +457,14 @@ class ComposerCache:
             return False
         if not isinstance(saved, dict) or saved.get("key") != {**self.key, "name": name, "options": options}:
             return False
-        own_resampler = composer.resampler.state_dict()
+        own_resampler = composer.compressor.state_dict()
         lora = composer.lora_parameters()
         kept_resampler, kept_lora = saved.get("resampler", {}), saved.get("lora", [])
         if (set(kept_resampler) != set(own_resampler)
                 or any(kept_resampler[k].shape != v.shape for k, v in own_resampler.items())
                 or len(kept_lora) != len(lora) or any(k.shape != p.shape for k, p in zip(kept_lora, lora))):
             return False
-        composer.resampler.load_state_dict(kept_resampler)
+        composer.compressor.load_state_dict(kept_resampler)
         with torch.no_grad():
             for param, value in zip(lora, kept_lora, strict=True):
                 param.copy_(value)
@@ -482,7 +485,7 @@ class ComposerCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(name)
         state = {"key": {**self.key, "name": name, "options": options},
-                 "resampler": {k: v.detach().cpu().clone() for k, v in composer.resampler.state_dict().items()},
+                 "resampler": {k: v.detach().cpu().clone() for k, v in composer.compressor.state_dict().items()},
                  "lora": [p.detach().cpu().clone() for p in composer.lora_parameters()]}
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
         with tmp.open("wb") as f:
@@ -663,7 +666,7 @@ def collect_scores(journal: Journal):
 
 def composer_fingerprint(composer) -> float:
     """The sum of |weight| over a composer's resampler and its LoRA adapter: equal composers, equal sums."""
-    total = sum(float(p.detach().abs().sum()) for p in composer.resampler.parameters())
+    total = sum(float(p.detach().abs().sum()) for p in composer.compressor.parameters())
     return total + sum(float(p.detach().abs().sum()) for p in composer.lora_parameters())
 
 

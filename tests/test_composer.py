@@ -1,4 +1,5 @@
-"""The latent composer: shapes, masking, gradient routing, weight sharing, no backbone copy."""
+"""The latent composer: shapes, masking, gradient routing, weight sharing, no backbone copy, both compressors,
+saving and loading."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from lopd_lightning.adapters import (
     student_parameters,
     use_adapter,
 )
-from lopd_lightning.memory.composer import (
+from lopd_lightning.composer import (
     LatentComposer,
+    MemoryTokens,
     PerceiverResampler,
     clip_composer_grads,
     composer_parameter_groups,
     experience_prompt,
+    load_composer,
+    save_composer,
 )
 from lopd_lightning.models import tiny_model, tiny_tokenizer
 
@@ -99,7 +103,7 @@ def test_encoder_runs_on_present_rows_only(monkeypatch):
 
 
 def test_encoder_hidden_state_is_final_normed_state():
-    backbone, composer = make()
+    backbone, composer = make(architecture="perceiver")
     batch = composer.tokenize_experiences([EXPERIENCES[0]])
     ids, mask = batch.input_ids[0], batch.attention_mask[0]
     with torch.no_grad():
@@ -114,7 +118,7 @@ def test_gradients_reach_composer_only(student_lora):
     backbone, composer = make(student_lora=student_lora)
     out = composer.compose(EXPERIENCES)
     (out.latents * torch.randn_like(out.latents)).sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in composer.resampler_parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in composer.compressor_parameters())
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in composer.lora_parameters())
     assert all(p.grad is None for p in base_parameters(backbone))
     if student_lora is not None:
@@ -128,8 +132,8 @@ def test_parameter_count_independent_of_depth():
         return sum(p.numel() for p in PerceiverResampler(64, num_latents=K, depth=depth, num_heads=4).parameters())
 
     assert count(1) == count(8)
-    _, shallow = make(depth=1)
-    _, deep = make(depth=8)
+    _, shallow = make(depth=1, architecture="perceiver")
+    _, deep = make(depth=8, architecture="perceiver")
     assert sum(p.numel() for p in shallow.parameters()) == sum(p.numel() for p in deep.parameters())
 
 
@@ -151,8 +155,8 @@ def test_backbone_not_copied_nor_registered():
     backbone, composer = make()
     storage = parameter_storage(backbone)
     own = {p.data_ptr() for p in composer.parameters()}
-    assert not own & storage  # composer.parameters() is the resampler only
-    assert all(k.startswith("resampler.") for k in composer.state_dict())
+    assert not own & storage  # composer.parameters() is the compressor only
+    assert all(k.startswith("compressor.") for k in composer.state_dict())
     assert {p.data_ptr() for p in composer.lora_parameters()} <= storage  # psi lives in the shared backbone
     assert composer.backbone is backbone
     assert parameter_storage(backbone) == storage
@@ -163,25 +167,93 @@ def test_backbone_not_copied_nor_registered():
 def test_parameter_groups_and_separate_clipping():
     _, composer = make()
     groups = composer_parameter_groups(composer, lr=1e-5)
-    assert [g["name"] for g in groups] == ["resampler", "composer_lora"]
+    assert [g["name"] for g in groups] == ["compressor", "composer_lora"]
     assert [g["clip_norm"] for g in groups] == [30.0, 3.0]
     optimizer = torch.optim.AdamW(groups)
     assert optimizer.param_groups[1]["clip_norm"] == 3.0
     for p in composer.trainable_parameters():
         p.grad = torch.full_like(p, 10.0)
     norms = clip_composer_grads(composer)
-    chi = torch.sqrt(sum(torch.tensor(100.0 * p.numel()) for p in composer.resampler_parameters()))
+    chi = torch.sqrt(sum(torch.tensor(100.0 * p.numel()) for p in composer.compressor_parameters()))
     psi = torch.sqrt(sum(torch.tensor(100.0 * p.numel()) for p in composer.lora_parameters()))
-    torch.testing.assert_close(norms.resampler, chi)
+    torch.testing.assert_close(norms.compressor, chi)
     torch.testing.assert_close(norms.lora, psi)
-    after_chi = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in composer.resampler_parameters()]))
+    after_chi = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in composer.compressor_parameters()]))
     after_psi = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in composer.lora_parameters()]))
     assert after_chi == pytest.approx(30.0, rel=1e-4)
     assert after_psi == pytest.approx(3.0, rel=1e-4)
     optimizer.step()
 
 
-def test_embedding_scaled_output_gain():
-    backbone, composer = make(output_gain="embedding")
+@pytest.mark.parametrize("architecture", ["memory_tokens", "perceiver"])
+def test_embedding_scaled_output_gain(architecture):
+    backbone, composer = make(output_gain="embedding", architecture=architecture)
     rms = backbone.get_input_embeddings().weight.pow(2).mean().sqrt()
-    torch.testing.assert_close(composer.resampler.norm_out.weight, torch.full((64,), float(rms)))
+    torch.testing.assert_close(composer.compressor.norm_out.weight, torch.full((64,), float(rms)))
+    _, unit = make(output_gain=1.0, architecture=architecture)
+    torch.testing.assert_close(unit.compressor.norm_out.weight, torch.ones(64))
+
+
+def test_memory_tokens_are_the_backbones_states_after_each_rows_tokens():
+    """The memory compressor's encoder output equals a hand-built pass: each row's token embeddings, then the K
+    memory embeddings, run through the base model under the composer LoRA; read at the K memory positions."""
+    backbone, composer = make(architecture="memory_tokens")
+    batch = composer.tokenize_experiences([EXPERIENCES[0]])
+    ids, mask = batch.input_ids[0], batch.attention_mask[0]  # two rows of different lengths (right padding)
+    with torch.no_grad():
+        got = composer.encode(ids, mask)
+        assert got.shape == (2, K, 64)
+        with use_adapter(backbone, COMPOSER):
+            for row in range(2):
+                n = int(mask[row].sum())
+                embeds = torch.cat([backbone.get_input_embeddings()(ids[row, :n]), composer.compressor.memory])[None]
+                hidden = backbone.get_base_model().model(inputs_embeds=embeds).last_hidden_state[0, n:]
+                torch.testing.assert_close(got[row], hidden, atol=1e-5, rtol=1e-4)
+
+
+def test_memory_tokens_append_to_places_memory_after_each_row():
+    memory = MemoryTokens(4, num_latents=2, init_embeddings=torch.randn(10, 4))
+    embeds = torch.arange(24, dtype=torch.float32).view(2, 3, 4) + 1.0
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    out, attention, slots = memory.append_to(embeds, mask)
+    assert attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert slots.tolist() == [[False, False, False, True, True], [False, True, True, False, False]]
+    torch.testing.assert_close(out[0, :3], embeds[0])
+    torch.testing.assert_close(out[0, 3:], memory.memory.detach())
+    torch.testing.assert_close(out[1, 1:3], memory.memory.detach())
+    assert (out[1, 3:] == 0).all()
+    proj = memory(torch.randn(2, 2, 4))
+    assert proj.shape == (2, 2, 4)
+    with pytest.raises(ValueError, match="init_embeddings"):
+        MemoryTokens(4, num_latents=2, init_embeddings=torch.randn(10, 5))
+
+
+@pytest.mark.parametrize("architecture", ["memory_tokens", "perceiver"])
+def test_save_and_load_restore_the_same_latents(tmp_path, architecture):
+    backbone, composer = make(architecture=architecture)
+    before = composer.compose(EXPERIENCES).latents.detach()
+    save_composer(composer, tmp_path, info={"steps": 3})
+    with torch.no_grad():
+        for p in composer.trainable_parameters():
+            p.add_(1.0)
+    assert not torch.allclose(composer.compose(EXPERIENCES).latents, before)
+    assert load_composer(composer, tmp_path) == {"steps": 3}
+    torch.testing.assert_close(composer.compose(EXPERIENCES).latents.detach(), before)
+
+
+def test_load_refuses_a_missing_file_and_another_shape(tmp_path):
+    _, composer = make()
+    with pytest.raises(FileNotFoundError, match="composer_path .*lopd pretrain-composer"):
+        load_composer(composer, tmp_path / "nothing")
+    save_composer(composer, tmp_path)
+    _, other = make(num_latents=K + 1)
+    with pytest.raises(ValueError, match="num_latents 4 \\(this run: 5\\)"):
+        load_composer(other, tmp_path)
+    _, perceiver = make(architecture="perceiver")
+    with pytest.raises(ValueError, match="architecture 'memory_tokens'"):
+        load_composer(perceiver, tmp_path)
+
+
+def test_unknown_architecture_is_refused():
+    with pytest.raises(ValueError, match="architecture 'resampler' is not one of memory_tokens, perceiver"):
+        make(architecture="resampler")

@@ -219,7 +219,7 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     for i, run in enumerate(("seed_0", "seed_1", "seed_2")):
         torch.manual_seed(i)
         with torch.no_grad():  # the resampler and the composer's LoRA: a snapshot must copy both
-            for p in [*built.composer.resampler.parameters(), *built.composer.lora_parameters()]:
+            for p in [*built.composer.compressor.parameters(), *built.composer.lora_parameters()]:
                 p.add_(0.5 * torch.randn_like(p))
         path = tmp_path / "lopd" / run / "checkpoints" / "last.ckpt"
         path.parent.mkdir(parents=True)

@@ -52,7 +52,7 @@ def bank_dir(tmp_path_factory) -> Path:
 def grad_groups(module) -> dict[str, list[torch.nn.Parameter]]:
     groups = {
         "composer_lora": module.composer.lora_parameters(),
-        "resampler": module.composer.resampler_parameters(),
+        "resampler": module.composer.compressor_parameters(),
     }
     if module.is_lora_student:
         groups["student_lora"] = adapter_parameters(module.backbone, "student")

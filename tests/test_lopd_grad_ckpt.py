@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from lopd_lightning import checkpointing
-from lopd_lightning.memory.composer import warm_start_loss
+from lopd_lightning.composer import latent_nll
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks.toy import ToyTask
 from lopd_lightning.teacher import weights as teacher_weights
@@ -111,7 +111,7 @@ def warm_start_grads(bank_dir, checkpointing: bool) -> tuple[torch.Tensor, list[
     examples = task.examples("train")[:2]
     batch = module.reference_batch(task, examples)
     batch.experiences = module.retrieve(task, examples)
-    loss = warm_start_loss(module.teacher, module.compose(batch), batch.input_ids, batch.attention_mask,
+    loss = latent_nll(module.teacher, module.compose(batch), batch.input_ids, batch.attention_mask,
                            batch.context_position, batch.assistant_mask)
     loss.backward()
     return loss.detach(), [p.grad for p in module.composer.trainable_parameters()]

@@ -122,8 +122,8 @@ def parameter_groups(module: LOPDModule) -> dict[str, list[torch.nn.Parameter]]:
     groups = {
         "base": base_parameters(module.backbone),
         "composer_lora": module.composer.lora_parameters(),
-        "resampler": module.composer.resampler_parameters(),
-        "anchor": adapter_parameters(module.backbone, ANCHOR_ADAPTER) + list(module.anchor_composer.resampler.parameters()),
+        "resampler": module.composer.compressor_parameters(),
+        "anchor": adapter_parameters(module.backbone, ANCHOR_ADAPTER) + list(module.anchor_composer.compressor.parameters()),
     }
     if module.is_lora_student:
         groups["student_lora"] = adapter_parameters(module.backbone, "student")
@@ -371,7 +371,7 @@ def test_checkpoint_holds_the_method_state_and_resume_continues(tmp_path, bank_d
     sd = ckpt["state_dict"]
     for name, p in module.named_parameters():
         assert torch.equal(sd[name], p.detach().cpu()), name
-    assert any(k.startswith("composer.resampler.") for k in sd)
+    assert any(k.startswith("composer.compressor.") for k in sd)
     assert any(f".lora_B.{COMPOSER_ADAPTER}." in k for k in sd)
     assert any(f".lora_B.{ANCHOR_ADAPTER}." in k for k in sd)
     # both optimisers, each stepped twice
@@ -425,7 +425,7 @@ def test_warm_start_trains_the_composer_and_freezes_it_as_the_anchor(tmp_path, b
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             anchor_lora = adapter_parameters(pl_module.backbone, ANCHOR_ADAPTER)
             seen["anchor_is_composer"] = same(snapshot(pl_module.composer.lora_parameters()), anchor_lora) and same(
-                snapshot(pl_module.composer.resampler_parameters()), list(pl_module.anchor_composer.resampler.parameters())
+                snapshot(pl_module.composer.compressor_parameters()), list(pl_module.anchor_composer.compressor.parameters())
             )
             seen["composer_moved"] = not same(fresh, pl_module.composer.trainable_parameters())
             seen["anchor_frozen"] = not any(p.requires_grad for p in anchor_lora)

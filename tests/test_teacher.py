@@ -21,7 +21,7 @@ from lopd_lightning.adapters import (
 from lopd_lightning import deprecation
 from lopd_lightning.lm import position_ids_from_mask
 from lopd_lightning.losses import shifted_token_logps
-from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, warm_start_loss
+from lopd_lightning.composer import ComposerOutput, LatentComposer, latent_nll
 from lopd_lightning.models import tiny_model, tiny_tokenizer
 from lopd_lightning.teacher import SelfTeacher
 
@@ -332,7 +332,7 @@ def test_warm_start_loss_trains_composer_only():
     teacher = SelfTeacher(backbone, TOKENIZER, mode="base")
     ids, mask, pos, assistant = batch("left")
     out = composer.compose([[("add 1 and 1", "2")], [("reverse 'xy'", "yx"), ("add 0 and 0", "0")]])
-    loss = warm_start_loss(teacher, out, ids, mask, pos, assistant)
+    loss = latent_nll(teacher, out, ids, mask, pos, assistant)
     assert loss.ndim == 0 and loss > 0
     # by hand: the masked token mean of -logp on the assistant tokens
     with torch.no_grad():
@@ -345,7 +345,7 @@ def test_warm_start_loss_trains_composer_only():
     assert all(p.grad is None for p in base_parameters(backbone))
     # no latent at all (empty bank): still a tensor that backward() accepts
     empty = ComposerOutput(torch.zeros(2, 0, D, requires_grad=True), torch.zeros(2, 0, dtype=torch.bool))
-    warm_start_loss(teacher, empty, ids, mask, pos, assistant).backward()
+    latent_nll(teacher, empty, ids, mask, pos, assistant).backward()
 
 
 def test_insert_context_rejects_bad_input():
@@ -363,7 +363,6 @@ def test_insert_context_rejects_bad_input():
 @pytest.mark.parametrize("name, target", [
     ("position_ids_from_mask", "lopd_lightning.lm"),
     ("shifted_token_logps", "lopd_lightning.losses"),
-    ("warm_start_loss", "lopd_lightning.memory.composer"),
 ])
 def test_the_old_teacher_path_serves_the_moved_names_and_warns_once(name, target, monkeypatch):
     import importlib

@@ -40,7 +40,7 @@ def build_module(method: str) -> OnPolicyModule:
         module = LOPDModule(
             "tiny", group_size=2, num_latents=4, num_experiences=2, composer_depth=2,
             max_experience_tokens=64, embedder="hashing", distill_top_k=8, composer_lr=1e-3, margin=0.3,
-            composer_clip_resampler=1e9, composer_clip_lora=1e9, **COMMON,
+            composer_clip_compressor=1e9, composer_clip_lora=1e9, **COMMON,
         )
         task = EvenToy()
         records = []

@@ -3,15 +3,17 @@
 - ``lopd fit|validate|test -c CONFIG [-c MORE] [--print_config]``: the Lightning CLI in subclass mode: a
   config names any module (``LOPDModule``, ``GRPOModule``, ...), DataModule, task or callback class.
 - ``lopd build-memory -c CONFIG [--from-references] [--out FOLDER]``: build the experience bank offline.
+- ``lopd pretrain-composer -c CONFIG [--out FOLDER] [--steps N] [--resume]``: pretrain LOPD's composer on the
+  bank, as a stage of its own (saved where ``model.init_args.composer_path`` reads it).
 - ``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]``: replay every reference solution through
   the task's reward, with the turn limit of training.
 - ``lopd tasks list``: the registered task names.
 - ``lopd export CHECKPOINT --out FOLDER [--adapter]``: the student of any method's checkpoint as a Hugging
   Face folder (:mod:`lopd_lightning.export`).
 
-The modules: ``training`` (fit/validate/test: the LightningCLI), ``commands`` (build-memory, tasks, export),
-``errors`` (the one-line errors); this one holds the entry point :func:`main` (the ``lopd`` console
-script; ``python -m lopd_lightning.cli`` runs it too).
+The modules: ``training`` (fit/validate/test: the LightningCLI), ``commands`` (build-memory,
+pretrain-composer, tasks, export), ``errors`` (the one-line errors); this one holds the entry point
+:func:`main` (the ``lopd`` console script; ``python -m lopd_lightning.cli`` runs it too).
 
 A mistake the user can fix (a bad key or value, a missing folder, an unknown task) ends the command with
 one line on stderr, ``error: <message>``, naming the config key and the fix, and a non-zero exit status
@@ -28,6 +30,7 @@ import sys
 from lopd_lightning.cli.commands import (
     build_memory_command,
     export_command,
+    pretrain_composer_command,
     tasks_command,
 )
 from lopd_lightning.cli.errors import (
@@ -57,6 +60,7 @@ __all__ = [
     "lightning_cli",
     "main",
     "parse_error_message",
+    "pretrain_composer_command",
     "tasks_command",
 ]
 
@@ -69,6 +73,7 @@ COMMANDS: dict[str, str] = {
     "validate": "greedy episodes of the configured student on the validation split",
     "test": "greedy episodes of the configured student on the test split",
     "build-memory": "build LOPD's experience bank offline: lopd build-memory -c CONFIG [--from-references]",
+    "pretrain-composer": "pretrain LOPD's composer on the bank: lopd pretrain-composer -c CONFIG [--steps N] [--resume]",
     "tasks": "list the tasks, or replay a task's reference solutions: lopd tasks list | verify NAME",
     "export": "the student of a checkpoint as a Hugging Face folder: lopd export CKPT --out FOLDER [--adapter]",
 }
@@ -78,7 +83,7 @@ HELP = f"""usage: lopd [--debug] COMMAND [options]
 LOPD and the methods it is compared with (GRPO, SDPO, OPSD, Skill-SD, SFT) as Lightning modules.
 
 commands:
-{chr(10).join(f"  {name:<13} {text}" for name, text in COMMANDS.items())}
+{chr(10).join(f"  {name:<18} {text}" for name, text in COMMANDS.items())}
 
 options:
   --debug        on an error, show the full traceback instead of one line (or set LOPD_DEBUG=1)
@@ -124,6 +129,8 @@ def _dispatch(argv: list[str]) -> int:
         return tasks_command(rest)
     if command == "build-memory":
         return build_memory_command(rest)
+    if command == "pretrain-composer":
+        return pretrain_composer_command(rest)
     if command == "export":
         return export_command(rest)
     if command in LIGHTNING_COMMANDS or (command.startswith("-") and any(a in LIGHTNING_COMMANDS for a in argv)):

@@ -1,6 +1,8 @@
-"""The commands of ``lopd`` outside LightningCLI: ``tasks``, ``build-memory`` and ``export``.
+"""The commands of ``lopd`` outside LightningCLI: ``tasks``, ``build-memory``, ``pretrain-composer`` and ``export``.
 
 - ``lopd build-memory -c CONFIG [--from-references] [--out FOLDER]``: build the experience bank offline.
+- ``lopd pretrain-composer -c CONFIG [--out FOLDER] [--steps N] [--resume]``: pretrain LOPD's composer on the
+  bank (:mod:`lopd_lightning.composer.pretrain`) and save it where ``model.init_args.composer_path`` reads it.
 - ``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]``: replay every reference solution
   through the task's reward, with the turn limit of training; ``lopd tasks list``: the registered names.
 - ``lopd export CHECKPOINT --out FOLDER [--adapter]``: the student of any method's checkpoint as a
@@ -26,7 +28,7 @@ from lopd_lightning.cli.errors import (
 )
 from lopd_lightning.cli.training import lightning_cli
 
-__all__ = ["build_memory_command", "export_command", "tasks_command"]
+__all__ = ["build_memory_command", "export_command", "pretrain_composer_command", "tasks_command"]
 
 log = logging.getLogger("lopd_lightning")
 
@@ -215,6 +217,52 @@ def build_memory_command(argv: list[str]) -> int:
     seconds = time.perf_counter() - start
     source = "reference solutions" if args.from_references else "rollouts"
     print(f"bank: {len(fresh)} experiences from {len(examples)} train examples ({source}) -> {out} ({seconds:.1f} s)")
+    return 0
+
+
+def pretrain_composer_command(argv: list[str]) -> int:
+    """``lopd pretrain-composer -c CONFIG``: the composer's pretraining as a stage of its own.
+
+    Builds the configured LOPDModule with a fresh composer (``composer_path`` ignored) and its DataModule, runs
+    ``warm_start_steps`` steps of :func:`~lopd_lightning.composer.pretrain.pretrain_composer` under Lightning
+    (checkpoints every 10% of the steps in ``OUT/checkpoints``, TensorBoard in ``OUT/tensorboard``) and saves
+    the composer to ``OUT/composer.pt``. OUT is ``model.init_args.composer_path`` unless ``--out`` is given;
+    ``--resume`` continues from ``OUT/checkpoints/last.ckpt``.
+    """
+    parser = ArgumentParser(prog="lopd pretrain-composer")
+    parser.add_argument("-c", "--config", action="append", required=True, help="the LOPD fit config(s)")
+    parser.add_argument("--out", default=None, help="composer folder (default: model.init_args.composer_path)")
+    parser.add_argument("--steps", type=int, default=None, help="pretraining steps (default: model.init_args.warm_start_steps)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.ckpt")
+    args, rest = parser.parse_known_args(argv)
+    if args.steps is not None and args.steps < 1:
+        raise CLIError(f"lopd pretrain-composer: --steps must be >= 1, got {args.steps}", 2)
+
+    from lopd_lightning.composer.pretrain import pretrain_composer
+
+    config_args = ["--trainer.logger=false", *[a for c in args.config for a in ("-c", c)], *rest]
+    parsed = lightning_cli(config_args, run=False, instantiate=False)  # the config only: nothing is built yet
+    model_config = parsed.config.model
+    init = model_config.init_args
+    if "composer_path" not in init:
+        raise CLIError(f"model.class_path {model_config.class_path} has no composer; pretrain-composer is for "
+                       f"LOPDModule (or a subclass)", 2)
+    out = args.out or init.composer_path
+    if not out:
+        raise CLIError("give --out FOLDER or set model.init_args.composer_path in the config", 2)
+    overrides = ["--model.init_args.composer_path=null"]  # the folder is where the composer goes, not one to load
+    if args.steps is not None:
+        overrides.append(f"--model.init_args.warm_start_steps={args.steps}")
+    cli = lightning_cli([*config_args, *overrides], run=False)
+    trainer = parsed.config.trainer
+    options = {"accelerator": trainer.get("accelerator") or "auto", "precision": trainer.get("precision")}
+    info = pretrain_composer(cli.model, cli.datamodule, out, resume=args.resume,
+                             trainer_options={k: v for k, v in options.items() if v is not None})
+    metrics = info["metrics"]
+    print(f"composer: {info['steps']} steps on {info['records']} bank trajectories ({info['seconds']:.1f} s); "
+          f"L_init {metrics.get('pretrain/task_nll', float('nan')):.3f}, "
+          f"L_rec {metrics.get('pretrain/reconstruction_nll', float('nan')):.3f}, "
+          f"latent spread {metrics.get('pretrain/latent_spread', float('nan')):.3f} -> {out}")
     return 0
 
 

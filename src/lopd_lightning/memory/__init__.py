@@ -1,9 +1,9 @@
-"""Memory: the experience bank (FAISS, exact cosine), text embedders and the latent composer.
+"""Memory: the experience bank (FAISS, exact cosine) and text embedders.
 
-docs/METHOD.md sections 2 and 3. ``bank`` stores (task, trace, reward) records and retrieves the top-J of
+docs/METHOD.md section 2. ``bank`` stores (task, trace, reward) records and retrieves the top-J of
 other tasks (its records are ``experience``'s, its FAISS indexes ``faiss_index``'s, its folder on disk
-``persistence``'s); ``embed`` turns texts into unit vectors; ``composer`` (LoRA encoder + Perceiver
-resampler) turns retrieved experiences into latent tokens.
+``persistence``'s); ``embed`` turns texts into unit vectors. The composer that turns retrieved experiences
+into latent tokens is :mod:`lopd_lightning.composer`.
 """
 
 from lopd_lightning.memory.bank import Experience, ExperienceBank, SearchResult

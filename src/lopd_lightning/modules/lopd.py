@@ -38,11 +38,19 @@ from lopd_lightning.checkpointing import recorded_forwards
 from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
-from lopd_lightning.losses import anchor_loss, composer_objective
+from lopd_lightning.losses import anchor_loss, composer_objective, token_logps
 from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS, has_both_outcomes
+from lopd_lightning.composer import (
+    ARCHITECTURES,
+    ComposerOutput,
+    LatentComposer,
+    clip_composer_grads,
+    composer_parameter_groups,
+    load_composer,
+)
+from lopd_lightning.composer.losses import latent_spread
+from lopd_lightning.composer.pretrain import pretraining_draws, pretraining_losses, pretraining_records
 from lopd_lightning.memory.bank import Experience, ExperienceBank
-from lopd_lightning.memory.composer import ComposerOutput, LatentComposer, clip_composer_grads
-from lopd_lightning.memory.composer import warm_start_draws, warm_start_loss
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
@@ -131,7 +139,13 @@ class LOPDModule(OnPolicyModule):
         composer_depth: Perceiver resampler depth, weights shared across depth (paper: 8).
         composer_lora: LoRA of the composer's encoder (paper: rank 8, alpha 16, dropout 0, all projections).
         composer_lr: AdamW learning rate of the composer (paper: 1e-5).
-        composer_clip_resampler, composer_clip_lora: separate grad-clip norms (paper: 30 and 3).
+        composer_clip_compressor, composer_clip_lora: separate grad-clip norms of the compressor chi and the
+            encoder LoRA psi (paper: 30 and 3).
+        composer_architecture: the compressor: ``"memory_tokens"`` (the default: K learned embeddings read
+            out at the end of the encoder's input) or ``"perceiver"`` (the paper's Perceiver resampler);
+            docs/METHOD.md "Deviations" gives the measurement (benchmarks/results/latent_capacity.json).
+        composer_path: a folder written by ``lopd pretrain-composer`` (``composer.pt``): the composer is
+            loaded from it at construction, becomes the anchor c_phi0, and no warm start runs in ``fit``.
         distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20).
         margin: m, the privileged margin (paper: 0.05); a MarginSchedule callback may vary it.
         anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
@@ -148,9 +162,22 @@ class LOPDModule(OnPolicyModule):
         bank_capacity: cap of the bank (None: unbounded); eviction rule ``bank_eviction``.
         allow_self_retrieval: let a task retrieve its own records (the paper's code: allowed).
         max_experience_tokens: truncation of each "task + past trajectory" text read by the encoder.
-        warm_start_steps: composer warm-start steps (L_init on successful bank trajectories) run at
-            the start of fit when the composer is fresh (paper: about 1000; 0 skips).
-        warm_start_batch_size: trajectories per warm-start step.
+        warm_start_steps: steps of the composer's pretraining (the paper's warm start, about 1000 steps):
+            what ``lopd pretrain-composer`` runs, and what ``fit`` runs first when the composer is fresh and
+            no ``composer_path`` is given (0 skips; :mod:`lopd_lightning.composer.pretrain`).
+        warm_start_batch_size: successful bank trajectories per pretraining step.
+        warm_start_lr: AdamW learning rate of the pretraining (no weight decay; the paper's warm start uses
+            the composer's 1e-5).
+        warm_start_task_weight: weight of L_init, the teacher's NLL of a solved task's reference solution
+            given the latents of its experiences (the paper's warm start: 1).
+        warm_start_reconstruction_weight: weight of L_rec, the teacher's NLL of an experience's trace when it
+            is asked to repeat it from that experience's latents alone (not in the paper: 0 is its warm start).
+        warm_start_self_retrieval: during pretraining, a record's own trajectory is one of its J experiences
+            (not in the paper, whose warm start retrieves other tasks only; training's retrieval is unchanged).
+        latent_probe_every_n_steps: every n training steps, log ``train/latent_spread`` and how much the
+            teacher changes when each row's experiences are swapped for another task's
+            (``train/latent_swap_effect``, ``train/latent_own_minus_other``); costs one composer and two teacher
+            passes without gradients; 0 never.
         distill_temperature: temperature of both distributions in the KL (1.0 in the paper).
         distill_chunk_size: None (default) computes the student's and the teacher's logits packed (N, V)
             at the N assistant positions. An int c >= 1 keeps only their final hidden states (N, d) and
@@ -201,8 +228,10 @@ class LOPDModule(OnPolicyModule):
         composer_depth: int = 8,
         composer_lora: dict[str, Any] | None = None,
         composer_lr: float = 1e-5,
-        composer_clip_resampler: float = 30.0,
+        composer_clip_compressor: float = 30.0,
         composer_clip_lora: float = 3.0,
+        composer_architecture: str = "memory_tokens",
+        composer_path: str | None = None,
         distill_top_k: int = 20,
         margin: float = 0.05,
         anchor_weight: float = 0.2,
@@ -218,7 +247,12 @@ class LOPDModule(OnPolicyModule):
         allow_self_retrieval: bool = False,
         max_experience_tokens: int = 512,
         warm_start_steps: int = 0,
-        warm_start_batch_size: int = 4,
+        warm_start_batch_size: int = 8,
+        warm_start_lr: float = 1e-3,
+        warm_start_task_weight: float = 1.0,
+        warm_start_reconstruction_weight: float = 1.0,
+        warm_start_self_retrieval: bool = True,
+        latent_probe_every_n_steps: int = 10,
         distill_temperature: float = 1.0,
         distill_chunk_size: int | None = None,
         teacher_prefix_cache: bool = True,
@@ -231,6 +265,9 @@ class LOPDModule(OnPolicyModule):
             num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,
             bank_path=bank_path, bank_capacity=bank_capacity, distill_chunk_size=distill_chunk_size,
             composer_lora=composer_cfg, beta_init=beta_init, dual_lr=dual_lr, margin_weighting=margin_weighting,
+            composer_architecture=composer_architecture, composer_path=composer_path,
+            warm_start_weights=(warm_start_task_weight, warm_start_reconstruction_weight),
+            latent_probe_every_n_steps=latent_probe_every_n_steps,
         )
         super().__init__(model, **kwargs)
         if self.hparams.gradient_checkpointing and not self.checkpointed_modules:
@@ -242,7 +279,8 @@ class LOPDModule(OnPolicyModule):
         self.save_hyperparameters()
         self.check_top_k("distill_top_k", distill_top_k)
         self.backbone = add_composer_adapter(self.backbone, composer_cfg)  # psi, on the shared backbone
-        composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens)
+        composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens,
+                                architecture=composer_architecture)
         self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate,
                                    checkpoint_layers=self.hparams.gradient_checkpointing)
@@ -259,11 +297,13 @@ class LOPDModule(OnPolicyModule):
         # c_phi0: a frozen snapshot of the composer (its own LoRA adapter on the same backbone + a resampler)
         copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
         self.anchor_composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=ANCHOR_ADAPTER, **composer_options)
+        #: what ``lopd pretrain-composer`` saved beside the composer loaded from ``composer_path`` (None: none)
+        self.composer_info = load_composer(self.composer, composer_path) if composer_path else None
         self.freeze_anchor()
         self.margin = float(margin)
         #: beta and its dual ascent (docs/METHOD.md 5); ``self.beta`` reads and sets its value.
         self.dual = DualAscent(beta_init, lr=dual_lr)
-        self.warm_started = warm_start_steps == 0
+        self.warm_started = warm_start_steps == 0 or composer_path is not None
 
     @staticmethod
     def _check_options(
@@ -279,6 +319,10 @@ class LOPDModule(OnPolicyModule):
         beta_init: float,
         dual_lr: float,
         margin_weighting: str,
+        composer_architecture: str,
+        composer_path: str | None,
+        warm_start_weights: tuple[float, float],
+        latent_probe_every_n_steps: int,
     ) -> None:
         """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
 
@@ -293,6 +337,20 @@ class LOPDModule(OnPolicyModule):
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; {hint}"
                              f"choose one of {', '.join(MARGIN_WEIGHTINGS)}")
+        if composer_architecture not in ARCHITECTURES:
+            close = difflib.get_close_matches(str(composer_architecture), ARCHITECTURES, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"model.init_args.composer_architecture {composer_architecture!r} is not a composer; "
+                             f"{hint}choose one of {', '.join(ARCHITECTURES)}")
+        if composer_path and not (Path(composer_path) / "composer.pt").is_file():
+            raise FileNotFoundError(f"model.init_args.composer_path {composer_path!r} holds no pretrained composer; "
+                                    f"pretrain one with `lopd pretrain-composer -c CONFIG`, or set it to null")
+        if min(warm_start_weights) < 0 or not any(warm_start_weights):
+            raise ValueError(f"model.init_args.warm_start_task_weight and warm_start_reconstruction_weight must be >= 0 "
+                             f"and not both 0, got {warm_start_weights[0]} and {warm_start_weights[1]}")
+        if latent_probe_every_n_steps < 0:
+            raise ValueError(f"model.init_args.latent_probe_every_n_steps must be >= 0 (0: never), got "
+                             f"{latent_probe_every_n_steps}")
         if num_latents < 1:
             raise ValueError(f"model.init_args.num_latents must be >= 1 (latent tokens per experience), got {num_latents}")
         if num_experiences < 0:
@@ -364,7 +422,7 @@ class LOPDModule(OnPolicyModule):
     def freeze_anchor(self) -> None:
         """Copy the current composer (LoRA and resampler) into the frozen anchor c_phi0."""
         copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
-        self.anchor_composer.resampler.load_state_dict(self.composer.resampler.state_dict())
+        self.anchor_composer.compressor.load_state_dict(self.composer.compressor.state_dict())
         self.anchor_composer.requires_grad_(False)
 
     # ------------------------------------------------------------------ training
@@ -469,9 +527,9 @@ class LOPDModule(OnPolicyModule):
             if skipped:  # counted once by manual_backward; the composer has no gradient either
                 opt_composer.zero_grad(set_to_none=True)
             else:
-                clip = self.hparams.composer_clip_resampler, self.hparams.composer_clip_lora
+                clip = self.hparams.composer_clip_compressor, self.hparams.composer_clip_lora
                 self.step_uncounted(
-                    opt_composer, lambda: clip_composer_grads(self.composer, resampler_clip=clip[0], lora_clip=clip[1])
+                    opt_composer, lambda: clip_composer_grads(self.composer, compressor_clip=clip[0], lora_clip=clip[1])
                 )
 
         rows_with_latents = self.global_count(has_latents.sum())
@@ -488,9 +546,11 @@ class LOPDModule(OnPolicyModule):
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()
 
+        probe = self.latent_probe(batch) if self._probe_due() else {}
         self.log_rollout_metrics(
             batch,
             {
+                **probe,
                 "train/loss": self.global_mean(loss_student),
                 "train/distill_kl": self.global_mean(loss_student),
                 "train/composer_loss": self.global_mean(loss_composer),
@@ -503,6 +563,55 @@ class LOPDModule(OnPolicyModule):
             },
         )
         return loss_student.detach()
+
+    def _probe_due(self) -> bool:
+        every = self.hparams.get("latent_probe_every_n_steps", 0)
+        return bool(every) and self.global_step % every == 0 and self.hparams.num_experiences > 0
+
+    def latent_probe(self, batch: RolloutBatch) -> dict[str, Tensor]:
+        """Whether the latents carry each row's experiences: ``train/latent_spread`` (the latents' spread
+        across the batch's distinct experiences, :func:`~lopd_lightning.composer.losses.latent_spread`; 0 for a
+        composer that gives every input one prompt), ``train/latent_swap_effect`` (the mean over the
+        student's tokens of |log pi_T(a | own experiences) - log pi_T(a | another task's)|, nats per token:
+        0 when the teacher does not depend on which experiences it gets) and ``train/latent_own_minus_other``
+        (the same difference signed). Rows of one group share their experiences, so "another task's" is the
+        experiences of the next task in the batch (cyclically over the batch's distinct tasks). No gradient;
+        each value is averaged over ranks (weighted by the ranks that could compute it: a rank with one task
+        has no other task to swap in)."""
+        experiences = batch.experiences or [[] for _ in range(len(batch))]
+        ids = list(dict.fromkeys(batch.example_ids))
+        first = {example_id: i for i, example_id in reversed(list(enumerate(batch.example_ids)))}
+        other_of = {example_id: ids[(n + 1) % len(ids)] for n, example_id in enumerate(ids)}
+        zero = torch.zeros((), device=self.device)
+        spread, swap, signed, valid = zero, zero, zero, zero
+        with torch.no_grad():
+            composed = self.compose(batch)
+            k = self.composer.num_latents
+            distinct = torch.tensor([first[e] for e in ids], device=composed.latents.device)
+            per_experience = composed.latents[distinct].reshape(-1, k, composed.latents.shape[-1])
+            present = composed.latent_mask[distinct].reshape(-1, k).any(dim=1)
+            value = latent_spread(per_experience, present)
+            if len(ids) > 1 and bool(torch.isfinite(value)):
+                swapped = [experiences[first[other_of[e]]] for e in batch.example_ids]
+                original = batch.experiences
+                batch.experiences = swapped
+                other = self.compose(batch)
+                batch.experiences = original
+                targets, mask = self.shifted(batch)
+                logps = []
+                for latents in (composed, other):
+                    logits = self.teacher.logits_on_student_positions(
+                        batch.input_ids, batch.attention_mask, batch.context_position, positions=self.unshift(mask),
+                        latents=latents.latents, latent_mask=latents.latent_mask)
+                    logps.append(token_logps(logits[None], targets[mask][None])[0])
+                diff = logps[0] - logps[1]
+                if diff.numel() > 0:
+                    spread, swap, signed, valid = value, diff.abs().mean(), diff.mean(), zero + 1.0
+        weight = self.global_mean(valid)
+        if float(weight) == 0:
+            return {}
+        return {name: self.global_mean(v * valid) / weight for name, v in (
+            ("train/latent_spread", spread), ("train/latent_swap_effect", swap), ("train/latent_own_minus_other", signed))}
 
     @override
     def setup(self, stage: str) -> None:
@@ -523,22 +632,23 @@ class LOPDModule(OnPolicyModule):
     def warm_start_draws(self, datamodule: Any) -> list[list[Experience]]:
         """The bank records :meth:`warm_start_composer` trains on, one list per step (``warm_start_steps``
         of ``warm_start_batch_size``; empty without any): the successful trajectories of ``datamodule``'s
-        (an ``OnPolicyDataModule``) train split, drawn by :func:`~lopd_lightning.memory.composer.warm_start_draws`
+        (an ``OnPolicyDataModule``) train split, drawn by :func:`~lopd_lightning.composer.pretrain.pretraining_draws`
         with ``hparams.seed``. Logs at INFO how many bank records qualify."""
-        known = {ex.id for ex in datamodule.train_examples}
-        records = [r for r in self.bank.records if r.reward >= self.hparams.success_threshold and r.task_id in known]
+        records = pretraining_records(self, datamodule.train_examples)
         if len(records) < len(self.bank):
             log.info("composer warm start: %d of %d bank records are successful trajectories of this task's "
                      "train split", len(records), len(self.bank))
         hp = self.hparams
-        return warm_start_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size, seed=hp.seed)
+        return pretraining_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size, seed=hp.seed)
 
     def warm_start_composer(self, datamodule: Any | None = None) -> None:
-        """Composer cold start: minimise L_init = -log pi(y* | s, c_phi) on successful bank trajectories.
+        """The composer's pretraining inside ``fit``: the steps of ``lopd pretrain-composer``, in this process.
 
-        Runs ``warm_start_steps`` AdamW steps (composer learning rate, the two clip norms) on the batches
-        of :meth:`warm_start_draws`, each record conditioned on its own top-J retrieved experiences.
-        Source: docs/METHOD.md section 5, "Composer cold start".
+        Runs ``warm_start_steps`` AdamW steps (``warm_start_lr``, no weight decay, the two clip norms) of
+        :func:`~lopd_lightning.composer.pretrain.pretraining_losses` on the batches of :meth:`warm_start_draws`.
+        For budgets of more than a few minutes run ``lopd pretrain-composer`` (checkpoints, resume, TensorBoard)
+        and load its result with ``composer_path``. Source: docs/METHOD.md section 5, "Composer cold start",
+        and "Deviations".
 
         Args:
             datamodule: the :class:`~lopd_lightning.data.OnPolicyDataModule` whose train split's records
@@ -548,23 +658,20 @@ class LOPDModule(OnPolicyModule):
         draws = self.warm_start_draws(dm)
         if not draws and self.hparams.warm_start_steps > 0:
             log.warning("composer warm start skipped: the bank holds no successful trajectory")
-        optimizer = torch.optim.AdamW(self.composer.trainable_parameters(), lr=self.hparams.composer_lr) if draws else None
+        hp = self.hparams
+        groups = composer_parameter_groups(self.composer, lr=hp.warm_start_lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0) if draws else None
         for step, chosen in enumerate(draws):
             examples = [dm.example(r.task_id) for r in chosen]
-            batch = self.reference_batch(dm.task, examples).to(self.device)
-            batch.experiences = self.retrieve(dm.task, examples)
-            composed = self.compose(batch)
-            loss = warm_start_loss(
-                self.teacher, composed, batch.input_ids, batch.attention_mask, batch.context_position, batch.assistant_mask
-            )
-            loss.backward()
-            clip_composer_grads(
-                self.composer, resampler_clip=self.hparams.composer_clip_resampler, lora_clip=self.hparams.composer_clip_lora
-            )
+            losses = pretraining_losses(self, dm.task, examples, chosen, step=step)
+            losses.loss.backward()
+            clip_composer_grads(self.composer, compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step % 10 == 0 or step == len(draws) - 1:
-                log.info("composer warm start %d/%d: L_init %.4f", step + 1, len(draws), loss.item())
+                log.info("composer warm start %d/%d: L_pre %.4f (L_init %.4f, L_rec %.4f, spread %.3f)", step + 1,
+                         len(draws), losses.loss.item(), losses.task_nll.item(), losses.reconstruction_nll.item(),
+                         losses.spread.item())
         self.warm_started = True
 
     # ------------------------------------------------------------------ optimisers and state

@@ -1,4 +1,4 @@
-"""Tasks: the Task protocol and the shipped tasks (HumanEval, BFCL v4, a toy task).
+"""Tasks: the Task protocol and the shipped tasks (HumanEval, BFCL v4, a toy task, made-up facts).
 
 ``get_task(name, **options)`` builds a task by its registry name; a user's own task is any
 :class:`Task` subclass, named in a config by its class path.
@@ -33,6 +33,7 @@ _REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bfcl_live_multiple": ("lopd_lightning.tasks.bfcl.single_turn", "BFCLTask", {"category": "live_multiple"}),
     "bfcl_multi_turn_base": ("lopd_lightning.tasks.bfcl.multi_turn", "BFCLMultiTurnTask", {"category": "multi_turn_base"}),
     "toy": ("lopd_lightning.tasks.toy", "ToyTask", {}),
+    "facts": ("lopd_lightning.tasks.facts", "FactsTask", {}),
 }
 
 TASK_NAMES: tuple[str, ...] = tuple(_REGISTRY)

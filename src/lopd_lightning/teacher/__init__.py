@@ -24,8 +24,7 @@ One concern per module, the public names re-exported here:
 * :mod:`.self_teacher`: :class:`SelfTeacher`, which puts them together (insert, run, gather back).
 
 Moved (served here with a FutureWarning for one release): ``position_ids_from_mask`` and
-``shifted_token_logps`` to :mod:`lopd_lightning.losses`; ``warm_start_loss`` to
-:mod:`lopd_lightning.memory.composer`.
+``shifted_token_logps`` to :mod:`lopd_lightning.losses`.
 """
 
 from __future__ import annotations
@@ -52,5 +51,4 @@ __all__ = [
 __getattr__ = moved_names(__name__, {
     "position_ids_from_mask": "lopd_lightning.lm:position_ids_from_mask",
     "shifted_token_logps": "lopd_lightning.losses:shifted_token_logps",
-    "warm_start_loss": "lopd_lightning.memory.composer:warm_start_loss",
 })

@@ -1,34 +1,41 @@
-"""The composer: retrieved experiences -> latent tokens c_phi (docs/METHOD.md section 3).
+"""The composer's model: retrieved experiences -> latent tokens c_phi (docs/METHOD.md section 3).
 
-``c_phi = Comp_chi(Enc_psi(x, m_1), ..., Enc_psi(x, m_J))``:
+``c_phi = Comp_chi(Enc_psi(x, m_1), ..., Enc_psi(x, m_J))``. The encoder Enc_psi is the *shared* backbone
+with its ``"composer"`` LoRA active (psi); it reads :func:`experience_prompt`
+(``"Task to solve:\\n{x}\\n\\nReference past trajectory:\\n{m_j}"``) for each retrieved experience. Two
+compressors Comp_chi turn one experience into K latent tokens (``architecture``):
 
-- the encoder Enc_psi is the *shared* backbone with its ``"composer"`` LoRA active (psi); it reads
-  :func:`experience_prompt` (``"Task to solve:\\n{x}\\n\\nReference past trajectory:\\n{m_j}"``) for each
-  retrieved experience and returns the last hidden states H_j (T_j x d): ``hidden_states[-1]`` of the
-  model output, which in transformers 5 is the output of the final norm (the same vectors the LM head
-  reads; checked in the tests);
-- the compressor Comp_chi is a Perceiver resampler (:class:`PerceiverResampler`) that turns each H_j
-  into K latent tokens, so J experiences give J*K latents of the backbone's hidden size d.
+- ``"memory_tokens"`` (the default; an in-context-autoencoder compressor, not the paper's): K learned
+  embeddings are appended to the encoder's input and the latents are its last hidden states at those K
+  positions, through ``LayerNorm(proj(.))`` started at the scale of the token embeddings
+  (:class:`MemoryTokens`). Every latent is computed by the whole backbone attending over the experience.
+  docs/METHOD.md "Deviations" gives the measurement that made it the default.
+- ``"perceiver"`` (the paper's): the encoder's last hidden states H_j (T_j x d) go through a Perceiver
+  resampler (:class:`PerceiverResampler`): K learned queries, a shared block applied ``depth`` times.
+
+So J experiences give J*K latents of the backbone's hidden size d. ``hidden_states[-1]`` of the model
+output is, in transformers 5, the output of the final norm (the vectors the LM head reads).
 
 The backbone is *not* a submodule of :class:`LatentComposer`: it is held in a plain tuple attribute,
 which ``nn.Module`` does not register. ``composer.parameters()`` and ``composer.state_dict()`` therefore
-hold only the resampler chi; the LoRA psi lives in the backbone (saved with it) and is reached with
-:meth:`LatentComposer.lora_parameters`. ``composer.to(device)`` moves only the resampler: the owner of the
+hold only the compressor chi; the LoRA psi lives in the backbone (saved with it) and is reached with
+:meth:`LatentComposer.lora_parameters`. ``composer.to(device)`` moves only the compressor: the owner of the
 backbone (the LightningModule) moves the backbone.
 
 Map to the method (docs/METHOD.md):
 
 * :class:`LatentComposer`, :func:`experience_prompt`: section 3, c_phi = Comp_chi(Enc_psi(x, m_j)).
-* :func:`warm_start_loss`: section 5, the composer cold start L_init = -log pi_theta_bar(y* | s, c_phi).
 * :func:`clip_composer_grads`, :func:`composer_parameter_groups`: section 5, the separate clip norms
-  (30 for the resampler, 3 for the LoRA).
+  (30 for the compressor, 3 for the LoRA).
+* :func:`save_composer`, :func:`load_composer`: a composer (compressor and LoRA) in a folder of its own,
+  what ``lopd pretrain-composer`` writes and ``model.init_args.composer_path`` reads.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,26 +43,27 @@ from peft import PeftModel
 from torch import Tensor, nn
 
 from lopd_lightning.adapters import COMPOSER, composer_lora_parameters, use_adapter
-from lopd_lightning.losses import token_logps
-
-if TYPE_CHECKING:  # the teacher is only called here (the teacher package does not import this module)
-    from lopd_lightning.teacher import SelfTeacher
 
 __all__ = [
+    "ARCHITECTURES",
     "ClipNorms",
     "ComposerOutput",
     "ExperienceBatch",
     "LatentComposer",
+    "MemoryTokens",
     "PerceiverResampler",
     "clip_composer_grads",
     "composer_parameter_groups",
     "experience_prompt",
-    "warm_start_draws",
-    "warm_start_loss",
+    "load_composer",
+    "save_composer",
 ]
 
+#: the compressors a composer may use (``LatentComposer(architecture=...)``)
+ARCHITECTURES = ("memory_tokens", "perceiver")
+
 #: Clip norms of docs/METHOD.md section 5 (composer cold start): 30 for the compressor, 3 for the LoRA.
-RESAMPLER_CLIP = 30.0
+COMPRESSOR_CLIP = 30.0
 LORA_CLIP = 3.0
 
 
@@ -102,7 +110,7 @@ class ComposerOutput(NamedTuple):
 class ClipNorms(NamedTuple):
     """Total gradient norms (before clipping) of the composer's two parameter groups."""
 
-    resampler: Tensor
+    compressor: Tensor
     lora: Tensor
 
 
@@ -218,27 +226,94 @@ class PerceiverResampler(nn.Module):
         return self.norm_out(self.proj_out(latents))
 
 
+class MemoryTokens(nn.Module):
+    """Memory-token compressor Comp_chi: K learned embeddings read out at the end of the encoder's input.
+
+    The encoder reads ``[experience tokens] [m_1 ... m_K]`` (the K memory embeddings after each row's last
+    real token); its last hidden states at the memory positions, ``LayerNorm(proj(h))``, are the K latents.
+    ``proj`` starts as the identity, the LayerNorm's gain at ``output_gain``. The in-context autoencoder's
+    memory slots (Ge et al., ICLR 2024), with a learned output map to the input-embedding scale.
+
+    Args:
+        d_model: d, the backbone's hidden size.
+        num_latents: K.
+        init_embeddings: (V, d) float, the backbone's input embeddings: the memory embeddings start as K rows
+            drawn at random (torch's global generator) from them.
+        output_gain: initial gain of the output LayerNorm (the token embeddings' RMS puts the latents at
+            their scale).
+
+    Raises:
+        ValueError: ``d_model`` or ``num_latents`` is not positive, or ``init_embeddings`` is not (V, d_model).
+    """
+
+    def __init__(self, d_model: int, *, num_latents: int, init_embeddings: Tensor, output_gain: float = 1.0) -> None:
+        super().__init__()
+        if min(d_model, num_latents) <= 0:
+            raise ValueError("d_model and num_latents must be positive")
+        if init_embeddings.dim() != 2 or init_embeddings.shape[1] != d_model:
+            raise ValueError(f"init_embeddings must be (V, {d_model}), got {tuple(init_embeddings.shape)}")
+        self.d_model = d_model
+        self.num_latents = num_latents
+        rows = torch.randint(init_embeddings.shape[0], (num_latents,))
+        self.memory = nn.Parameter(init_embeddings[rows].detach().float().clone())  # [K, d]
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm_out = nn.LayerNorm(d_model)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(d_model))
+            self.proj.bias.zero_()
+            self.norm_out.weight.fill_(output_gain)
+
+    def append_to(self, token_embeds: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The encoder's input with the memory embeddings after each row's real tokens.
+
+        Args:
+            token_embeds: (N, T, d) float, the input embeddings of right-padded rows.
+            mask: (N, T) {0, 1}, 1 on real tokens (right padding).
+
+        Returns:
+            ``(inputs_embeds (N, T+K, d), attention_mask (N, T+K) long, memory_slots (N, T+K) bool)``; row n's
+            memory embeddings sit at positions ``len_n .. len_n+K-1``, padding after them.
+        """
+        n, t, d = token_embeds.shape
+        k = self.num_latents
+        lengths = mask.long().sum(dim=1)  # [N]
+        steps = torch.arange(t + k, device=token_embeds.device)[None, :]  # [1, T+K]
+        is_token = steps < lengths[:, None]  # [N, T+K]
+        is_memory = (steps >= lengths[:, None]) & (steps < lengths[:, None] + k)
+        padded = torch.cat([token_embeds, token_embeds.new_zeros(n, k, d)], dim=1)  # [N, T+K, d]
+        memory = self.memory.to(token_embeds.dtype)[(steps - lengths[:, None]).clamp(0, k - 1)]  # [N, T+K, d]
+        embeds = torch.where(is_token[..., None], padded, torch.where(is_memory[..., None], memory, torch.zeros_like(memory)))
+        return embeds, (is_token | is_memory).long(), is_memory
+
+    def forward(self, memory_hidden: Tensor) -> Tensor:
+        """(N, K, d) last hidden states at the memory positions -> (N, K, d) latents, in chi's dtype."""
+        return self.norm_out(self.proj(memory_hidden.to(self.proj.weight.dtype)))
+
+
 class LatentComposer(nn.Module):
-    """Enc_psi (the shared backbone + ``"composer"`` LoRA) followed by Comp_chi (a Perceiver resampler).
+    """Enc_psi (the shared backbone + ``"composer"`` LoRA) followed by Comp_chi (memory tokens or a Perceiver).
 
     Args:
         backbone: the shared ``PeftModel`` from :func:`lopd_lightning.adapters.prepare_backbone`; held
             without registration (see the module docstring), never copied.
         tokenizer: the backbone's tokenizer (its pad id pads; its special tokens are added as for any
             text, e.g. a BOS for Llama tokenizers, the EOS for ByT5).
-        num_latents: K per experience (32).
-        depth: resampler depth, weights shared (8).
-        num_heads: resampler heads; the backbone's ``num_attention_heads`` when None (head width from the
-            backbone's ``head_dim`` when it has one).
-        ff_mult: feed-forward expansion (4).
-        max_experience_tokens: each encoder input is truncated (on the right) to this many tokens.
+        architecture: ``"memory_tokens"`` (:class:`MemoryTokens`, the default) or ``"perceiver"``
+            (:class:`PerceiverResampler`, the paper's).
+        num_latents: K per experience (the paper: 32).
+        depth: Perceiver depth, weights shared (8; the perceiver only).
+        num_heads: Perceiver heads; the backbone's ``num_attention_heads`` when None (head width from the
+            backbone's ``head_dim`` when it has one; the perceiver only).
+        ff_mult: Perceiver feed-forward expansion (4; the perceiver only).
+        max_experience_tokens: each encoder input is truncated (on the right) to this many tokens (the K
+            memory tokens come on top).
         adapter_name: the encoder's LoRA adapter on the backbone.
-        output_gain: initial gain of the resampler's output LayerNorm; ``"embedding"`` sets it to the RMS
-            of the backbone's input embeddings so that the initial latents have the scale of token
-            embeddings (the paper does not say; 1.0 is PyTorch's default).
+        output_gain: initial gain of the compressor's output LayerNorm; ``"embedding"`` (the default) sets
+            it to the RMS of the backbone's input embeddings, so that the initial latents have the scale of
+            token embeddings (the paper does not say; 1.0 is PyTorch's default).
 
     Raises:
-        ValueError: ``adapter_name`` is not an adapter of the backbone.
+        ValueError: ``adapter_name`` is not an adapter of the backbone, or an unknown ``architecture``.
     """
 
     def __init__(
@@ -246,34 +321,42 @@ class LatentComposer(nn.Module):
         backbone: PeftModel,
         tokenizer,
         *,
+        architecture: str = "memory_tokens",
         num_latents: int = 32,
         depth: int = 8,
         num_heads: int | None = None,
         ff_mult: int = 4,
         max_experience_tokens: int = 512,
         adapter_name: str = COMPOSER,
-        output_gain: float | str = 1.0,
+        output_gain: float | str = "embedding",
     ) -> None:
         super().__init__()
         if adapter_name not in backbone.peft_config:
             raise ValueError(f"the backbone has no adapter {adapter_name!r}; use prepare_backbone first")
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"composer architecture {architecture!r} is not one of {', '.join(ARCHITECTURES)}")
         self._backbone = (backbone,)  # a tuple: nn.Module does not register it (no copy, no state_dict)
         self.tokenizer = tokenizer
         self.adapter_name = adapter_name
+        self.architecture = architecture
         self.max_experience_tokens = max_experience_tokens
         config = backbone.get_base_model().config
         d = config.hidden_size
+        embeddings = backbone.get_input_embeddings().weight
+        if output_gain == "embedding":
+            with torch.no_grad():
+                gain = float(embeddings.float().pow(2).mean().sqrt())
+        else:
+            gain = float(output_gain)
+        if architecture == "memory_tokens":
+            self.compressor: nn.Module = MemoryTokens(d, num_latents=num_latents, init_embeddings=embeddings,
+                                                      output_gain=gain)
+            return
         heads = num_heads if num_heads is not None else config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) if num_heads is None else None
         if head_dim is None and d % heads:
             raise ValueError(f"hidden size {d} is not divisible by num_heads {heads}")
-        if output_gain == "embedding":
-            with torch.no_grad():
-                weight = backbone.get_input_embeddings().weight
-                gain = float(weight.float().pow(2).mean().sqrt())
-        else:
-            gain = float(output_gain)
-        self.resampler = PerceiverResampler(
+        self.compressor = PerceiverResampler(
             d, num_latents=num_latents, depth=depth, num_heads=heads, head_dim=head_dim, ff_mult=ff_mult,
             output_gain=gain,
         )
@@ -286,24 +369,24 @@ class LatentComposer(nn.Module):
     @property
     def num_latents(self) -> int:
         """K, latents per experience."""
-        return self.resampler.num_latents
+        return self.compressor.num_latents
 
     @property
     def hidden_size(self) -> int:
         """d, the latents' width (the backbone's hidden size)."""
-        return self.resampler.d_model
+        return self.compressor.d_model
 
-    def resampler_parameters(self) -> list[nn.Parameter]:
-        """chi: the resampler's parameters (what ``self.parameters()`` yields)."""
-        return list(self.resampler.parameters())
+    def compressor_parameters(self) -> list[nn.Parameter]:
+        """chi: the compressor's parameters (what ``self.parameters()`` yields)."""
+        return list(self.compressor.parameters())
 
     def lora_parameters(self) -> list[nn.Parameter]:
         """psi: the encoder LoRA's parameters on the shared backbone."""
         return composer_lora_parameters(self.backbone, self.adapter_name)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """phi = (psi, chi): resampler first, then LoRA."""
-        return self.resampler_parameters() + self.lora_parameters()
+        """phi = (psi, chi): compressor first, then LoRA."""
+        return self.compressor_parameters() + self.lora_parameters()
 
     def lora_state_dict(self) -> dict[str, Tensor]:
         """The encoder LoRA's weights (peft naming, adapter name stripped), e.g. to save the composer alone."""
@@ -347,23 +430,41 @@ class LatentComposer(nn.Module):
         return ExperienceBatch(input_ids, attention_mask, experience_mask)
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Enc_psi: the backbone under the composer LoRA; (N, T) ids and mask -> (N, T, d) last hidden states.
+        """Enc_psi: the backbone under the composer LoRA over (N, T) right-padded ids and mask, its last hidden
+        states: (N, T, d) at every position (``"perceiver"``), or (N, K, d) at the K memory positions appended
+        after each row's tokens (``"memory_tokens"``, :meth:`MemoryTokens.append_to`).
 
-        Only psi can receive gradients from this pass (``use_adapter(..., grads="adapter")``): the base
-        weights (frozen, or trainable for a full-parameter student) and the student's LoRA are constants.
-        With activation checkpointing its decoder layers (train mode) are recomputed in the backward under
-        this adapter and these flags (:class:`~lopd_lightning.checkpointing.ForwardStateRecompute`), whatever
-        adapter is active then.
+        Only psi (and the memory embeddings) can receive gradients from this pass
+        (``use_adapter(..., grads="adapter")``): the base weights (frozen, or trainable for a full-parameter
+        student) and the student's LoRA are constants. With activation checkpointing its decoder layers (train
+        mode) are recomputed in the backward under this adapter and these flags
+        (:class:`~lopd_lightning.checkpointing.ForwardStateRecompute`), whatever adapter is active then.
         """
+        memory = self.architecture == "memory_tokens"
         with use_adapter(self.backbone, self.adapter_name, grads="adapter"):
+            if memory:
+                token_embeds = self.backbone.get_input_embeddings()(input_ids).detach()  # constants (full students too)
+                embeds, mask, slots = self.compressor.append_to(token_embeds, attention_mask)
+                inputs = {"inputs_embeds": embeds, "attention_mask": mask}
+            else:
+                inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
             out = self.backbone(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
+                **inputs,
                 output_hidden_states=True,
                 use_cache=False,
                 logits_to_keep=1,  # the LM head is not needed: skip it on all but one position
             )
-        return out.hidden_states[-1]
+        hidden = out.hidden_states[-1]
+        if memory:
+            return hidden[slots].view(input_ids.shape[0], self.num_latents, hidden.shape[-1])
+        return hidden
+
+    def latents_of(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The K latents of each of N present experiences: (N, T) right-padded ids and mask -> (N, K, d)."""
+        hidden = self.encode(input_ids, attention_mask)
+        if self.architecture == "memory_tokens":
+            return self.compressor(hidden)
+        return self.compressor(hidden, attention_mask)
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, experience_mask: Tensor | None = None
@@ -392,20 +493,20 @@ class LatentComposer(nn.Module):
             experience_mask = attention_mask.bool().any(dim=-1)
         if experience_mask.shape != (batch, num_exp):
             raise ValueError(f"experience_mask must be {(batch, num_exp)}, got {tuple(experience_mask.shape)}")
-        device = self.resampler.queries.device
+        anchor = next(self.compressor.parameters())
+        device = anchor.device
         k, d = self.num_latents, self.hidden_size
         present_flat = experience_mask.to(device).bool().reshape(-1)  # [B*J]
         flat_ids = input_ids.reshape(batch * num_exp, width).to(device)
         flat_mask = attention_mask.reshape(batch * num_exp, width).to(device)
         present_flat = present_flat & flat_mask.bool().any(dim=-1)
-        latents = self.resampler.queries.new_zeros(batch * num_exp, k, d)  # [B*J, K, d]
+        latents = anchor.new_zeros(batch * num_exp, k, d)  # [B*J, K, d]
         rows = present_flat.nonzero().squeeze(-1)
         if rows.numel() > 0:
             ids, mask = flat_ids[rows], flat_mask[rows]
             used = mask.bool().any(dim=0)  # drop the columns that are padding in every present row
             ids, mask = ids[:, used], mask[:, used]
-            hidden = self.encode(ids, mask)  # [N, T', d]
-            out = self.resampler(hidden, mask)  # [N, K, d]
+            out = self.latents_of(ids, mask)  # [N, K, d]
             latents = latents.index_put((rows,), out.to(latents.dtype))
         latents = latents.view(batch, num_exp * k, d)
         latent_mask = present_flat.view(batch, num_exp).repeat_interleave(k, dim=1)
@@ -422,31 +523,31 @@ def composer_parameter_groups(
     *,
     lr: float,
     weight_decay: float = 0.0,
-    resampler_clip: float = RESAMPLER_CLIP,
+    compressor_clip: float = COMPRESSOR_CLIP,
     lora_clip: float = LORA_CLIP,
-    resampler_lr: float | None = None,
+    compressor_lr: float | None = None,
 ) -> list[dict]:
-    """Optimizer parameter groups for phi: ``[resampler (chi), LoRA (psi)]``, each with its clip norm.
+    """Optimizer parameter groups for phi: ``[compressor (chi), LoRA (psi)]``, each with its clip norm.
 
     The extra keys ``name`` and ``clip_norm`` ride along in the groups (torch optimizers keep unknown
     keys), so a training loop can clip each group with its own norm (or call :func:`clip_composer_grads`).
 
     Args:
         lr: learning rate of both groups (AdamW 1e-5 in the paper).
-        resampler_lr: a different rate for the resampler; ``lr`` when None.
-        resampler_clip: the compressor's clip norm (30, docs/METHOD.md section 5).
+        compressor_lr: a different rate for the compressor; ``lr`` when None.
+        compressor_clip: the compressor's clip norm (30, docs/METHOD.md section 5).
         lora_clip: the LoRA's clip norm (3).
 
     Returns:
-        Two dicts with keys params, lr, weight_decay, name ("resampler" / "composer_lora"), clip_norm.
+        Two dicts with keys params, lr, weight_decay, name ("compressor" / "composer_lora"), clip_norm.
     """
     return [
         {
-            "params": composer.resampler_parameters(),
-            "lr": lr if resampler_lr is None else resampler_lr,
+            "params": composer.compressor_parameters(),
+            "lr": lr if compressor_lr is None else compressor_lr,
             "weight_decay": weight_decay,
-            "name": "resampler",
-            "clip_norm": resampler_clip,
+            "name": "compressor",
+            "clip_norm": compressor_clip,
         },
         {
             "params": composer.lora_parameters(),
@@ -459,12 +560,12 @@ def composer_parameter_groups(
 
 
 def clip_composer_grads(
-    composer: LatentComposer, *, resampler_clip: float = RESAMPLER_CLIP, lora_clip: float = LORA_CLIP
+    composer: LatentComposer, *, compressor_clip: float = COMPRESSOR_CLIP, lora_clip: float = LORA_CLIP
 ) -> ClipNorms:
-    """Clip the resampler's and the LoRA's gradients, each group by its own total norm.
+    """Clip the compressor's and the LoRA's gradients, each group by its own total norm.
 
     Args:
-        resampler_clip: max total L2 norm of chi's gradients (30).
+        compressor_clip: max total L2 norm of chi's gradients (30).
         lora_clip: max total L2 norm of psi's gradients (3).
 
     Returns:
@@ -472,60 +573,79 @@ def clip_composer_grads(
 
     Source: docs/METHOD.md section 5 (separate clip norms, 30 compressor, 3 LoRA).
     """
-    chi = [p for p in composer.resampler_parameters() if p.grad is not None]
+    chi = [p for p in composer.compressor_parameters() if p.grad is not None]
     psi = [p for p in composer.lora_parameters() if p.grad is not None]
-    zero = composer.resampler.queries.new_zeros(())
-    chi_norm = torch.nn.utils.clip_grad_norm_(chi, resampler_clip) if chi else zero
+    zero = next(composer.compressor.parameters()).new_zeros(())
+    chi_norm = torch.nn.utils.clip_grad_norm_(chi, compressor_clip) if chi else zero
     psi_norm = torch.nn.utils.clip_grad_norm_(psi, lora_clip) if psi else zero.clone()
     return ClipNorms(chi_norm, psi_norm)
 
 
-def warm_start_draws(records: Sequence, *, steps: int, batch_size: int, seed: int) -> list[list]:
-    """``steps`` batches of ``batch_size`` items of ``records``, drawn with replacement by a
-    ``torch.Generator`` seeded with ``seed``: the composer warm start's batches (the same every call, so an
-    analysis can replay them). Empty when ``records`` is."""
-    if not records:
-        return []
-    generator = torch.Generator().manual_seed(int(seed))
-    return [[records[i] for i in torch.randint(len(records), (batch_size,), generator=generator).tolist()]
-            for _ in range(steps)]
+#: the file :func:`save_composer` writes in its folder
+COMPOSER_FILE = "composer.pt"
 
 
-def warm_start_loss(
-    teacher: SelfTeacher,
-    composer_output: ComposerOutput,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    context_position: Tensor | Sequence[int],
-    assistant_mask: Tensor,
-) -> Tensor:
-    """Composer cold start: L_init = -log pi_theta_bar(y* | s, c_phi), a masked token mean.
+def composer_settings(composer: LatentComposer) -> dict:
+    """What a saved composer must agree on with the one it is loaded into: architecture, K and d."""
+    return {"architecture": composer.architecture, "num_latents": composer.num_latents,
+            "hidden_size": composer.hidden_size}
+
+
+def save_composer(composer: LatentComposer, folder: str | Path, *, info: dict | None = None) -> Path:
+    """Write the composer (compressor chi and encoder LoRA psi) to ``folder/composer.pt``.
 
     Args:
-        teacher: the self-teacher (its mode gives theta_bar).
-        composer_output: :class:`ComposerOutput` (latents (B, L, d), latent_mask (B, L)) for the retrieved
-            experiences of each row.
-        input_ids: (B, T) long, successful trajectories y* with their prompts.
-        attention_mask: (B, T) {0, 1}.
-        context_position: (B,) long, where the first user message's content starts.
-        assistant_mask: (B, T) {0, 1}, 1 on the assistant tokens of y* (aligned with ``input_ids``: the
-            tokens to predict).
+        folder: created if missing.
+        info: JSON-able facts stored beside the weights (steps, losses, the bank it was trained on).
 
     Returns:
-        () float32: ``-sum(mask * logp) / sum(mask)`` over the predicted tokens ``input_ids[:, 1:]`` with
-        ``mask = assistant_mask[:, 1:] * attention_mask[:, 1:]``; 0 (still attached to the graph) when no
-        token is masked in. Gradients reach the latents (the composer) only.
-
-    Source: the composer cold start of LOPD (docs/METHOD.md section 5).
+        The file written.
     """
-    latents, latent_mask = composer_output[0], composer_output[1]
-    mask = assistant_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # [B, T-1]
-    positions = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # logits that predict masked tokens
-    logits = teacher.logits_on_student_positions(
-        input_ids, attention_mask, context_position, latents=latents, latent_mask=latent_mask, positions=positions
-    )  # [N, V]: the LM head runs on the N predicted tokens only
-    logps = token_logps(logits[None], input_ids[:, 1:][mask][None])[0]
-    loss = -logps.sum() / mask.sum().clamp(min=1).to(logps.dtype)
-    if not loss.requires_grad and latents.requires_grad:  # no row had a latent: keep the graph for backward()
-        loss = loss + 0.0 * latents.sum()
-    return loss
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {
+        "settings": composer_settings(composer),
+        "compressor": {k: v.detach().cpu() for k, v in composer.compressor.state_dict().items()},
+        "lora": {k: v.detach().cpu() for k, v in composer.lora_state_dict().items()},
+        "info": dict(info or {}),
+    }
+    path = folder / COMPOSER_FILE
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_composer(composer: LatentComposer, folder: str | Path, *, key: str = "model.init_args.composer_path") -> dict:
+    """Load a composer saved by :func:`save_composer` into ``composer`` (compressor and LoRA, in place).
+
+    Args:
+        key: the config key that named ``folder`` (for the error messages).
+
+    Returns:
+        The saved ``info``.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no ``composer.pt``.
+        ValueError: the saved architecture, K or d differ from ``composer``'s.
+    """
+    from peft import set_peft_model_state_dict
+
+    path = Path(folder) / COMPOSER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{key} {str(folder)!r} holds no {COMPOSER_FILE}; pretrain one with "
+                                f"`lopd pretrain-composer -c CONFIG`, or set {key} to null")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    saved, mine = state["settings"], composer_settings(composer)
+    if saved != mine:
+        diff = ", ".join(f"{name} {saved.get(name)!r} (this run: {mine[name]!r})" for name in mine if saved.get(name) != mine[name])
+        raise ValueError(f"{key} {str(folder)!r} holds a composer with {diff}; set the module's "
+                         f"composer_architecture / num_latents to match, or pretrain a new one")
+    composer.compressor.load_state_dict(state["compressor"])
+    result = set_peft_model_state_dict(composer.backbone, state["lora"], adapter_name=composer.adapter_name)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"{key} {str(folder)!r}: its encoder LoRA does not fit this backbone's composer adapter "
+                         f"({len(unexpected)} unexpected keys, e.g. {unexpected[0]!r}); set model.init_args.composer_lora "
+                         f"to the one it was pretrained with")
+    return dict(state.get("info", {}))

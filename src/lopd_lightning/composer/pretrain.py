@@ -1,0 +1,281 @@
+"""The composer's pretraining (the paper's warm start, or cold start), a stage of its own run by Lightning.
+
+One step on B successful train records r_1..r_B of the bank (:func:`pretraining_losses`):
+
+1. each record's task is solved again by its reference solution y*, and the composer reads the task's
+   J experiences: its top-J retrieval, where, with ``warm_start_self_retrieval``, the record itself takes
+   one of the J slots (slot ``(step + b) mod J``): the answer is then in one experience, so L_init rewards a
+   composer that carries it (the paper's warm start retrieves other tasks only, where a generic prompt
+   fits L_init as well as a specific one);
+2. L_init = the teacher's NLL of y* with all J*K latents in its context (:func:`~lopd_lightning.composer.losses.latent_nll`);
+3. L_rec = the teacher's NLL of the record's own trace m_b, asked to repeat it with only that experience's
+   K latents in its context (:data:`RECONSTRUCTION_INSTRUCTION`): an objective that a constant prompt
+   cannot satisfy;
+4. L_pre = w_task L_init + w_rec L_rec; AdamW on phi = (chi, psi) with the two clip norms.
+
+:class:`ComposerPretraining` runs these steps under ``Trainer.fit`` (progress, checkpoints, resume and
+TensorBoard from Lightning; the checkpoints hold phi only); :func:`pretrain_composer` builds the trainer
+and saves the composer with :func:`~lopd_lightning.composer.model.save_composer`. ``lopd pretrain-composer
+-c CONFIG`` calls it; LOPD's ``fit`` loads the result from ``model.init_args.composer_path``.
+``LOPDModule.warm_start_composer`` (``warm_start_steps`` inside ``fit``) takes the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor
+from typing_extensions import override
+
+from lopd_lightning.composer.losses import latent_nll, latent_spread, pretraining_objective
+from lopd_lightning.composer.model import ComposerOutput, clip_composer_grads, composer_parameter_groups, save_composer
+
+if TYPE_CHECKING:
+    from lopd_lightning.memory.bank import Experience
+    from lopd_lightning.modules.lopd import LOPDModule
+    from lopd_lightning.tasks import Example, Task
+
+__all__ = [
+    "RECONSTRUCTION_INSTRUCTION",
+    "ComposerPretraining",
+    "PretrainingLosses",
+    "pretrain_composer",
+    "pretraining_draws",
+    "pretraining_losses",
+    "pretraining_records",
+    "reconstruction_batch",
+]
+
+log = logging.getLogger(__name__)
+
+#: the user message of a reconstruction prompt (the latents go before it; the reply is the experience)
+RECONSTRUCTION_INSTRUCTION = "Repeat the reference example word for word."
+
+
+class PretrainingLosses(NamedTuple):
+    """One pretraining step's terms (() float tensors).
+
+    Attributes:
+        loss: L_pre, what the optimiser minimises.
+        task_nll: L_init, nats per token of the reference solutions (0 when its weight is 0).
+        reconstruction_nll: L_rec, nats per token of the reconstructed traces (0 when its weight is 0).
+        spread: :func:`~lopd_lightning.composer.losses.latent_spread` of the step's experiences' latents.
+    """
+
+    loss: Tensor
+    task_nll: Tensor
+    reconstruction_nll: Tensor
+    spread: Tensor
+
+
+def pretraining_records(module: LOPDModule, train_examples: Sequence[Example]) -> list[Experience]:
+    """The bank records pretraining draws from: successful (``reward >= success_threshold``) trajectories
+    of ``train_examples`` (never a held-out task's)."""
+    known = {ex.id for ex in train_examples}
+    return [r for r in module.bank.records if r.reward >= module.hparams.success_threshold and r.task_id in known]
+
+
+def pretraining_draws(records: Sequence, *, steps: int, batch_size: int, seed: int) -> list[list]:
+    """``steps`` batches of ``batch_size`` items of ``records``, drawn with replacement by a
+    ``torch.Generator`` seeded with ``seed``: the same every call, so a resumed run and an analysis replay
+    them (step s trains on batch s). Empty when ``records`` is."""
+    if not records:
+        return []
+    generator = torch.Generator().manual_seed(int(seed))
+    return [[records[i] for i in torch.randint(len(records), (batch_size,), generator=generator).tolist()]
+            for _ in range(steps)]
+
+
+def reconstruction_batch(module: LOPDModule, records: Sequence[Experience]):
+    """The teacher-forced batch of L_rec: per record, ``user: RECONSTRUCTION_INSTRUCTION``, ``assistant:
+    its trace`` (the latents go at the start of the user message, as for any task)."""
+    from lopd_lightning.rollout import batch_from_conversations
+
+    conversations = [[{"role": "user", "content": RECONSTRUCTION_INSTRUCTION},
+                      {"role": "assistant", "content": record.trace}] for record in records]
+    return batch_from_conversations(module.tokenizer, conversations, rewards=[1.0] * len(records),
+                                    group_ids=list(range(len(records))), example_ids=[r.task_id for r in records])
+
+
+def with_own_record(retrieved: list[list[Experience]], records: Sequence[Experience], *, num_experiences: int,
+                    step: int) -> tuple[list[list[Experience]], list[int]]:
+    """Each row's experiences with its own record in slot ``(step + b) mod J`` (the others: its retrieval,
+    without the record itself, in order): ``(experiences, the own record's slot per row)``."""
+    rows, slots = [], []
+    for b, (found, own) in enumerate(zip(retrieved, records, strict=True)):
+        others = [e for e in found if not (e.task_id == own.task_id and e.trace == own.trace)][: num_experiences - 1]
+        slot = (step + b) % (len(others) + 1)
+        rows.append(others[:slot] + [own] + others[slot:])
+        slots.append(slot)
+    return rows, slots
+
+
+def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Example], records: Sequence[Experience],
+                       *, step: int) -> PretrainingLosses:
+    """L_pre of one step on ``records`` (the bank records of ``examples``, row for row): see the module
+    docstring. Reads ``module.hparams``: ``warm_start_self_retrieval``, ``warm_start_task_weight``,
+    ``warm_start_reconstruction_weight``, ``num_experiences``.
+
+    Raises:
+        ValueError: ``num_experiences`` is 0 (no latent to pretrain).
+    """
+    hp = module.hparams
+    if hp.num_experiences < 1:
+        raise ValueError("model.init_args.num_experiences is 0: the teacher sees no latents, there is no composer to "
+                         "pretrain; set it to >= 1 or warm_start_steps to 0")
+    batch = module.reference_batch(task, list(examples)).to(module.device)
+    retrieved = module.retrieve(task, list(examples))
+    if hp.warm_start_self_retrieval:
+        experiences, slots = with_own_record(retrieved, records, num_experiences=hp.num_experiences, step=step)
+    else:
+        experiences, slots = retrieved, [0] * len(records)
+    batch.experiences = experiences
+    composed = module.compose(batch)
+    k = module.composer.num_latents
+    zero = composed.latents.sum() * 0.0
+    task_nll = zero
+    if hp.warm_start_task_weight > 0:
+        task_nll = latent_nll(module.teacher, composed, batch.input_ids, batch.attention_mask, batch.context_position,
+                              batch.assistant_mask)
+    # one experience per row (the own record, or the first retrieved one): its K latents
+    index = torch.tensor(slots, device=composed.latents.device)[:, None] * k + torch.arange(k, device=composed.latents.device)
+    rows = torch.arange(len(records), device=composed.latents.device)[:, None]
+    own = ComposerOutput(composed.latents[rows, index], composed.latent_mask[rows, index])  # [B, K, d], [B, K]
+    reconstruction = zero
+    if hp.warm_start_reconstruction_weight > 0:
+        targets = [exps[slot] if exps else record for exps, slot, record in zip(experiences, slots, records, strict=True)]
+        rec = reconstruction_batch(module, targets).to(module.device)
+        reconstruction = latent_nll(module.teacher, own, rec.input_ids, rec.attention_mask, rec.context_position,
+                                    rec.assistant_mask)
+    loss = pretraining_objective(task_nll, reconstruction, task_weight=hp.warm_start_task_weight,
+                                 reconstruction_weight=hp.warm_start_reconstruction_weight)
+    spread = latent_spread(own.latents, own.latent_mask.any(dim=1))
+    return PretrainingLosses(loss, task_nll.detach(), reconstruction.detach(), spread)
+
+
+class ComposerPretraining(LightningModule):
+    """The composer's pretraining as a LightningModule: ``Trainer.fit`` runs :func:`pretraining_losses`.
+
+    Step s trains on batch s of :func:`pretraining_draws` (``warm_start_steps`` batches of
+    ``warm_start_batch_size`` records, seeded with the module's ``seed``), indexed by ``global_step`` so
+    that a resumed run continues where it stopped. The optimiser is AdamW at ``warm_start_lr`` (no weight
+    decay) over phi, the compressor and the LoRA each clipped to its own norm
+    (:func:`~lopd_lightning.composer.model.clip_composer_grads`). Checkpoints hold phi and the optimiser's
+    state only (not the backbone). Logs ``pretrain/loss``, ``pretrain/task_nll``,
+    ``pretrain/reconstruction_nll`` and ``pretrain/latent_spread``.
+
+    Args:
+        module: the LOPDModule whose composer, teacher and bank are used (its settings: ``module.hparams``).
+        task: the task whose train examples the records solve.
+        examples: the train examples by id.
+        records: :func:`pretraining_records`.
+
+    Raises:
+        ValueError: no record to draw from, or ``warm_start_steps`` < 1.
+    """
+
+    def __init__(self, module: LOPDModule, task: Task, examples: dict[str, Example], records: Sequence[Experience]):
+        super().__init__()
+        hp = module.hparams
+        if not records:
+            raise ValueError("the bank holds no successful trajectory of the train split to pretrain the composer on; "
+                             "build one with `lopd build-memory -c CONFIG --from-references`")
+        if hp.warm_start_steps < 1:
+            raise ValueError(f"model.init_args.warm_start_steps must be >= 1 to pretrain, got {hp.warm_start_steps}")
+        self.lopd = module
+        self.task = task
+        self.examples = examples
+        self.draws = pretraining_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size,
+                                       seed=hp.seed)
+        self.strict_loading = False  # checkpoints hold phi only
+        self.automatic_optimization = True
+
+    def trainable_names(self) -> set[str]:
+        """The state-dict keys of phi (what the checkpoints hold)."""
+        ids = {id(p) for p in self.lopd.composer.trainable_parameters()}
+        return {name for name, p in self.named_parameters() if id(p) in ids}
+
+    @override
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(range(len(self.draws)), batch_size=None, shuffle=False)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        step = int(self.global_step)
+        records = self.draws[step]
+        examples = [self.examples[r.task_id] for r in records]
+        self.lopd.train()
+        losses = pretraining_losses(self.lopd, self.task, examples, records, step=step)
+        self.log_dict({"pretrain/loss": losses.loss.detach(), "pretrain/task_nll": losses.task_nll,
+                       "pretrain/reconstruction_nll": losses.reconstruction_nll,
+                       "pretrain/latent_spread": losses.spread}, prog_bar=True, batch_size=len(records))
+        return losses.loss
+
+    @override
+    def configure_optimizers(self):
+        hp = self.lopd.hparams
+        groups = composer_parameter_groups(self.lopd.composer, lr=hp.warm_start_lr, weight_decay=0.0,
+                                           compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
+        return torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0)
+
+    @override
+    def on_before_optimizer_step(self, optimizer) -> None:
+        hp = self.lopd.hparams
+        norms = clip_composer_grads(self.lopd.composer, compressor_clip=hp.composer_clip_compressor,
+                                    lora_clip=hp.composer_clip_lora)
+        self.log_dict({"pretrain/grad_norm_compressor": norms.compressor, "pretrain/grad_norm_lora": norms.lora})
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        keep = self.trainable_names()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+
+
+def pretrain_composer(module: LOPDModule, datamodule: Any, out: str | Path, *, resume: bool = False,
+                      trainer_options: dict[str, Any] | None = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Pretrain ``module``'s composer with Lightning and save it to ``out`` (:func:`save_composer`).
+
+    Args:
+        module: an LOPDModule (its ``warm_start_*`` settings, bank, composer and teacher).
+        datamodule: an :class:`~lopd_lightning.data.OnPolicyDataModule` (its task and train split).
+        out: the composer's folder: ``composer.pt``, ``checkpoints/`` (Lightning's, every 10% of the
+            steps and the last) and ``tensorboard/``.
+        resume: continue from ``out/checkpoints/last.ckpt`` when it exists.
+        trainer_options: more ``Trainer`` arguments (accelerator, precision, ...).
+        callbacks: Lightning callbacks besides the checkpointing one (e.g. an evaluation every n steps).
+
+    Returns:
+        What was saved beside the weights: steps, seconds, the last losses, the bank's size.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    out = Path(out)
+    examples = {ex.id: ex for ex in datamodule.train_examples}
+    records = pretraining_records(module, datamodule.train_examples)
+    pretraining = ComposerPretraining(module, datamodule.task, examples, records)
+    steps = len(pretraining.draws)
+    every = max(1, steps // 10)
+    options = dict(accelerator="cpu", devices=1, logger=TensorBoardLogger(str(out), name="tensorboard"),
+                   enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0)
+    options.update(trainer_options or {})
+    options.update(max_steps=steps)
+    checkpoints = ModelCheckpoint(dirpath=str(out / "checkpoints"), save_last=True, every_n_train_steps=every,
+                                  save_top_k=1, monitor=None)
+    trainer = Trainer(callbacks=[checkpoints, *callbacks], **options)
+    last = out / "checkpoints" / "last.ckpt"
+    start = time.perf_counter()
+    trainer.fit(pretraining, ckpt_path=str(last) if resume and last.exists() else None)
+    seconds = time.perf_counter() - start
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pretrain/")}
+    info = {"steps": int(trainer.global_step), "seconds": seconds, "records": len(records), "metrics": metrics,
+            "warm_start_batch_size": module.hparams.warm_start_batch_size, "warm_start_lr": module.hparams.warm_start_lr}
+    save_composer(module.composer, out, info=info)
+    log.info("composer pretrained for %d steps (%.0f s) -> %s", info["steps"], seconds, out)
+    return info
