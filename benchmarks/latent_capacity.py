@@ -42,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
+from compare_runs import src_provenance  # noqa: E402
 
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.steps < 1 or args.curve_every < 1:
         parser.error("--steps and --curve-every must be >= 1")
 
+    src = src_provenance()  # the code this run imports (before any later edit)
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hp = module.hparams
     result = {
         **run_metadata(seed=args.seed, argv=sys.argv[1:] if argv is None else argv),
+        **src,
         "student": args.student,
         "composer": {"architecture": module.composer.architecture, "warm_start_lr": hp.warm_start_lr,
                      "warm_start_task_weight": hp.warm_start_task_weight,
