@@ -21,6 +21,8 @@ section 5). Contexts:
 - ``latent_untrained``: the latents of the freshly initialised composer (J experiences, K latents each);
 - ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
   (L_init on the bank's successful train trajectories);
+- ``latent_pretrained``: the composer that ``lopd pretrain-composer`` saved in ``--composer-path`` (its
+  ``composer.pt``); null without one;
 - ``latent_trained``: the composer of a finished LOPD run (the first ``--trained-checkpoint``); null
   without one. Each further checkpoint is the context ``latent_trained[<run>]``, ``<run>`` the two folders
   above its ``checkpoints/`` (``lopd/seed_1``); with two or more, ``latent_trained_over_seeds`` gives
@@ -87,7 +89,7 @@ LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 #: bump when this script's warm start of a composer changes (the composer cache's key holds it)
 CACHE_VERSION = 2
-CONTEXTS = ("text_nearest", "text_random", "latent_untrained", "latent_warm_start", "latent_trained")
+CONTEXTS = ("text_nearest", "text_random", "latent_untrained", "latent_warm_start", "latent_pretrained", "latent_trained")
 
 
 # ---------------------------------------------------------------------------------------- statistics
@@ -182,6 +184,7 @@ def build_module(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, num_latents=args.num_latents, num_experiences=args.num_experiences,
         composer_depth=8, max_experience_tokens=192, embedder="minilm", warm_start_steps=args.warm_start_steps,
         warm_start_batch_size=2, composer_lr=1e-4, teacher_mode="live", seed=args.seed,
+        **({"composer_architecture": args.composer_architecture} if getattr(args, "composer_architecture", None) else {}),
     )
 
 
@@ -370,7 +373,7 @@ def snapshot_composer(module, name: str):
 def parse_variant(spec: str, *, warm_start_steps: int, num_latents: int) -> dict[str, Any]:
     """A composer variant of the investigation, e.g. ``gain_embedding``, ``warm_100``, ``k32``, ``lr1e-3`` or
     a ``+`` join of them: the output gain ("embedding": the latents start at the token embeddings' RMS), the
-    warm start's length, K and the warm start's learning rate (the module's ``composer_lr`` otherwise); what
+    warm start's length, K and the warm start's learning rate (the module's ``warm_start_lr`` otherwise); what
     a variant does not name is the measurement's own setting. The batch size is not a part: the train
     references are the draws of the module's warm start, which a longer warm start extends and another
     learning rate repeats, but another batch size would not.
@@ -411,13 +414,13 @@ def warm_started_variant(module, datamodule, spec: str, options: dict[str, Any],
         for param in adapter_parameters(module.backbone, name):
             param.requires_grad_(True)
         hp = module.hparams
-        own, steps, lr = module.composer, hp.warm_start_steps, hp.composer_lr
+        own, steps, lr = module.composer, hp.warm_start_steps, hp.warm_start_lr
         module.composer, hp.warm_start_steps = variant, options["warm_start_steps"]
-        hp.composer_lr = options.get("composer_lr", lr)
+        hp.warm_start_lr = options.get("composer_lr", lr)
         try:
             module.warm_start_composer(datamodule)
         finally:
-            module.composer, hp.warm_start_steps, hp.composer_lr = own, steps, lr
+            module.composer, hp.warm_start_steps, hp.warm_start_lr = own, steps, lr
 
     if cache is None:
         warm_start()
@@ -630,7 +633,9 @@ def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
             "samples": args.samples, "num_latents": args.num_latents, "num_experiences": args.num_experiences,
             "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
             "batch_questions": args.batch_questions, "seed": args.seed,
-            "trained_checkpoint": trained_stamp, "variants": args.variants, **contexts}
+            "trained_checkpoint": trained_stamp, "variants": args.variants, **contexts,
+            **({"composer_path": file_stamp(args.composer_path / "composer.pt")} if getattr(args, "composer_path", None) else {}),
+            **({"composer_architecture": args.composer_architecture} if getattr(args, "composer_architecture", None) else {})}
 
 
 def warm_start_key(args: argparse.Namespace, module) -> dict[str, Any]:
@@ -695,6 +700,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--trained-checkpoint", type=Path, nargs="+", default=None,
                         help="LOPD checkpoints (last.ckpt) whose composers are measured: the first as latent_trained, "
                              "each further one as latent_trained[<run folder>]")
+    parser.add_argument("--composer-path", type=Path, default=None,
+                        help="a folder of `lopd pretrain-composer` (composer.pt), measured as latent_pretrained")
+    parser.add_argument("--composer-architecture", default=None,
+                        help="model.init_args.composer_architecture of the module (default: LOPDModule's); "
+                             "perceiver reproduces the committed results of the paper's composer")
     parser.add_argument("--contexts", default="", help="comma-separated contexts to measure (default all); a name "
                         "without [...] also selects its bracketed variants, e.g. latent_trained")
     parser.add_argument("--resamples", type=int, default=2000)
@@ -713,6 +723,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [c for c in chosen if c.split("[")[0] not in CONTEXTS]
     if unknown:
         parser.error(f"--contexts: unknown {', '.join(unknown)}; choose from {', '.join(CONTEXTS)}")
+    if args.composer_path is not None and not (args.composer_path / "composer.pt").is_file():
+        parser.error(f"--composer-path {args.composer_path} holds no composer.pt; make it with `lopd pretrain-composer`")
     for checkpoint in args.trained_checkpoint or []:
         if not Path(checkpoint).is_file():
             parser.error(f"--trained-checkpoint {checkpoint} is not a file; pass an LOPD run's checkpoints/last.ckpt")
@@ -758,6 +770,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         composers[f"latent_warm_start[{spec}]"] = warm_started_variant(module, dm, spec, options, seed=args.seed,
                                                                        cache=cache)
         timings[f"warm_start[{spec}]_s"] = time.perf_counter() - t0
+    if args.composer_path is not None:
+        from lopd_lightning.composer import load_composer
+
+        pretrained = composer_on_adapter(module, module.composer.adapter_name, "composer_pretrained")
+        load_composer(pretrained, args.composer_path, key="--composer-path")
+        pretrained.requires_grad_(False)
+        composers["latent_pretrained"] = pretrained
     checkpoints = args.trained_checkpoint or []
     for i, (name, checkpoint) in enumerate(zip(trained_context_names(checkpoints), checkpoints, strict=True)):
         load_trained_composer(module, checkpoint)
@@ -892,7 +911,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in names:
         if not per_question.get(name) and name.startswith("latent"):
             results["contexts"][name] = None
-            results.setdefault("notes", []).append(f"{name}: no composer (pass --trained-checkpoint of an LOPD run)")
+            source = "--composer-path of `lopd pretrain-composer`" if name == "latent_pretrained" else \
+                "--trained-checkpoint of an LOPD run"
+            results.setdefault("notes", []).append(f"{name}: no composer (pass {source})")
             continue
         entry = summarise(per_question[name], resamples=args.resamples, seed=args.seed)
         entry["teacher_greedy_success"] = teacher_success.get(name)

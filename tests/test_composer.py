@@ -257,3 +257,16 @@ def test_load_refuses_a_missing_file_and_another_shape(tmp_path):
 def test_unknown_architecture_is_refused():
     with pytest.raises(ValueError, match="architecture 'resampler' is not one of memory_tokens, perceiver"):
         make(architecture="resampler")
+
+
+def test_a_long_task_text_is_cut_before_the_experience():
+    _, composer = make(max_experience_tokens=70)
+    tokenizer = composer.tokenizer
+    ids = composer.experience_ids("describe " * 40, "call f(1)")
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) <= 70 and text.endswith("Reference past trajectory:\ncall f(1)") and "describe" in text
+    short = composer.experience_ids("add", "call f(1)")
+    assert tokenizer.decode(short, skip_special_tokens=True) == experience_prompt("add", "call f(1)")
+    long_trace = composer.experience_ids("add", "step " * 40)  # the trace alone is too long: its beginning stays
+    assert len(long_trace) == 70
+    assert tokenizer.decode(long_trace, skip_special_tokens=True).startswith("Task to solve:\n\n\nReference past")

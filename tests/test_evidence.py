@@ -155,7 +155,8 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
             margin.parse_variant(bad, warm_start_steps=2, num_latents=8)
     for name in ("latent_warm_start[gain_embedding]", "latent_warm_start[k2+warm_2]"):
         assert varied["contexts"][name]["teacher_greedy_success"] is not None and varied["contexts"][name]["latent_rms"] > 0
-    assert varied["contexts"]["latent_warm_start[gain_embedding]"]["latent_rms"] < 0.5 * varied["contexts"]["latent_warm_start"]["latent_rms"]
+    # a variant starts at gain 1.0 unless it names gain_embedding (the module's own composer starts at the embeddings')
+    assert varied["contexts"]["latent_warm_start[gain_embedding]"]["latent_rms"] < 0.5 * trained["latent_rms"]
     assert varied["contexts"]["latent_warm_start"] == resumed["contexts"]["latent_warm_start"]  # the module's own is untouched
     # the warm-started composers are kept in the work dir: a second run (here a fresh journal with two variants
     # fewer) loads them instead of warm-starting again, and scores the same composers
@@ -226,6 +227,17 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
         torch.save({"state_dict": {k: v for k, v in built.state_dict().items()
                                    if k.startswith("composer.") or ".composer." in k}}, path)  # resampler and LoRA
         checkpoints.append(str(path))
+    # a composer of `lopd pretrain-composer` (here the last perturbed one, saved as the stage saves it) is
+    # latent_pretrained: the same numbers as the same composer read from an LOPD checkpoint
+    from lopd_lightning.composer import save_composer
+
+    save_composer(built.composer, tmp_path / "pretrained")
+    pretrained = margin.main([*margin_args[:-4], "--out", str(tmp_path / "pretrained.json"), "--work-dir",
+                              str(tmp_path / "pw"), "--contexts", "latent_pretrained,latent_trained",
+                              "--composer-path", str(tmp_path / "pretrained"), "--trained-checkpoint", checkpoints[2]])
+    assert pretrained["contexts"]["latent_pretrained"] == pretrained["contexts"]["latent_trained"]
+    with pytest.raises(SystemExit):
+        margin.main([*margin_args, "--composer-path", str(tmp_path / "nothing")])
     single = margin.main([*margin_args, "--fresh", "--trained-checkpoint", checkpoints[0]])
     only = margin.main([*margin_args[:-4], "--out", str(tmp_path / "trained.json"), "--work-dir", str(tmp_path / "tw"),
                         "--contexts", "latent_trained", "--trained-checkpoint", *checkpoints])

@@ -137,6 +137,7 @@ REQUIRED_TAGS = [
     "train/loss", "train/distill_kl", "train/margin_delta", "train/margin_m", "train/beta",
     "train/composer_anchor", "train/reward_mean", "train/success_rate", "train/rollouts",
     "time/generation", "time/teacher", "time/student_step", "time/composer_step", "by_rollouts/reward_mean",
+    "train/latent_spread", "train/latent_swap_effect", "train/latent_own_minus_other",  # the probe, at step 0
 ]
 
 

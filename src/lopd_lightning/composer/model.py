@@ -305,8 +305,8 @@ class LatentComposer(nn.Module):
         num_heads: Perceiver heads; the backbone's ``num_attention_heads`` when None (head width from the
             backbone's ``head_dim`` when it has one; the perceiver only).
         ff_mult: Perceiver feed-forward expansion (4; the perceiver only).
-        max_experience_tokens: each encoder input is truncated (on the right) to this many tokens (the K
-            memory tokens come on top).
+        max_experience_tokens: each encoder input is cut to this many tokens, the task text first
+            (:meth:`experience_ids`; the K memory tokens come on top).
         adapter_name: the encoder's LoRA adapter on the backbone.
         output_gain: initial gain of the compressor's output LayerNorm; ``"embedding"`` (the default) sets
             it to the RMS of the backbone's input embeddings, so that the initial latents have the scale of
@@ -394,6 +394,22 @@ class LatentComposer(nn.Module):
 
         return get_peft_model_state_dict(self.backbone, adapter_name=self.adapter_name)
 
+    def experience_ids(self, task_text: str, trace: str) -> list[int]:
+        """The token ids of :func:`experience_prompt` at most ``max_experience_tokens`` long. What does not fit is
+        cut from the task text x first (the experience m_j is what the composer exists to read), then from
+        the end of the trace."""
+        limit = self.max_experience_tokens
+        ids = list(self.tokenizer(experience_prompt(task_text, trace))["input_ids"])
+        if len(ids) <= limit:
+            return ids
+        without_task = list(self.tokenizer(experience_prompt("", trace))["input_ids"])
+        room = limit - len(without_task)
+        if room <= 0:
+            return without_task[:limit]
+        task_ids = self.tokenizer(task_text, add_special_tokens=False)["input_ids"][:room]
+        cut = self.tokenizer.decode(task_ids, skip_special_tokens=False)
+        return list(self.tokenizer(experience_prompt(cut, trace))["input_ids"])[:limit]
+
     def tokenize_experiences(self, experiences: list[list[tuple[str, str]]]) -> ExperienceBatch:
         """Tokenise the encoder inputs of each row's retrieved experiences.
 
@@ -403,20 +419,15 @@ class LatentComposer(nn.Module):
 
         Returns:
             :class:`ExperienceBatch` with (B, J, T) ids and mask (right padding, T = the longest encoder
-            input after truncation to ``max_experience_tokens``, at least 1) and the (B, J) experience mask.
+            input after :meth:`experience_ids` cut it to ``max_experience_tokens``, at least 1) and the (B, J)
+            experience mask.
         """
         batch = len(experiences)
         num_exp = max((len(row) for row in experiences), default=0)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         encoded: list[list[list[int]]] = []
         for row in experiences:
-            ids_row = []
-            for task_text, trace in row:
-                ids = self.tokenizer(
-                    experience_prompt(task_text, trace), truncation=True, max_length=self.max_experience_tokens
-                )["input_ids"]
-                ids_row.append(list(ids))
-            encoded.append(ids_row)
+            encoded.append([self.experience_ids(task_text, trace) for task_text, trace in row])
         length = max((len(ids) for row in encoded for ids in row), default=1)
         length = max(length, 1)
         input_ids = torch.full((batch, num_exp, length), pad_id, dtype=torch.long)
