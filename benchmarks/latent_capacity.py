@@ -145,10 +145,10 @@ def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None 
         with torch.no_grad():
             for i, (example, record) in enumerate(zip(examples, own, strict=True)):
                 replies = {
-                    "none": teacher_greedy_reply(module, task, example, max_new_tokens=12),
-                    "text": teacher_greedy_reply(module, task, example, max_new_tokens=12,
+                    "none": teacher_greedy_reply(module, task, example, max_new_tokens=32),
+                    "text": teacher_greedy_reply(module, task, example, max_new_tokens=32,
                                                  context_ids=module.teacher.encode_text_context([record.trace])[0]),
-                    "latent": teacher_greedy_reply(module, task, example, max_new_tokens=12,
+                    "latent": teacher_greedy_reply(module, task, example, max_new_tokens=32,
                                                    composed=type(mine)(mine.latents[i:i + 1], mine.latent_mask[i:i + 1])),
                 }
                 for name, reply in replies.items():

@@ -91,7 +91,8 @@ options:
 
 examples:
   lopd fit -c configs/tiny.yaml                     # the whole pipeline on a tiny random model (seconds)
-  lopd fit -c configs/quickstart/lopd.yaml --trainer.max_steps=20 --model.init_args.num_latents=32
+  lopd pretrain-composer -c configs/quickstart/lopd.yaml --steps 100   # the composer, before fit
+  lopd fit -c configs/quickstart/lopd.yaml --trainer.max_steps=20
   lopd export runs/quickstart/checkpoints/last.ckpt --out runs/quickstart/student
 """
 

@@ -1,12 +1,15 @@
 """The composer: the trainable latent context c_phi, its pretraining and its losses (docs/METHOD.md 3 and 5).
 
-* :mod:`.model`: :class:`LatentComposer` (LoRA encoder Enc_psi + a compressor Comp_chi: memory tokens or
-  the paper's Perceiver resampler), its parameter groups and clip norms, saving and loading.
+* :mod:`.model`: :class:`LatentComposer` (LoRA encoder Enc_psi + a compressor Comp_chi), its parameter groups
+  and clip norms, saving and loading.
+* :mod:`.compressors`: the compressors, :class:`MemoryTokens` (default) and the paper's :class:`PerceiverResampler`.
 * :mod:`.losses`: :func:`latent_nll` (L_init and the reconstruction term L_rec), :func:`latent_spread`.
 * :mod:`.pretrain`: the pretraining stage (the paper's warm start) run by Lightning
   (:class:`ComposerPretraining`, :func:`pretrain_composer`; ``lopd pretrain-composer``).
+* :mod:`.probe`: whether the latents carry each row's experience, measured during training.
 """
 
+from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler
 from lopd_lightning.composer.losses import latent_nll, latent_spread, pretraining_objective
 from lopd_lightning.composer.model import (
     ARCHITECTURES,
@@ -14,8 +17,6 @@ from lopd_lightning.composer.model import (
     ComposerOutput,
     ExperienceBatch,
     LatentComposer,
-    MemoryTokens,
-    PerceiverResampler,
     clip_composer_grads,
     composer_parameter_groups,
     experience_prompt,

@@ -5,7 +5,7 @@ Map to the method (docs/METHOD.md):
 
 * :func:`latent_nll`: section 5, the composer cold start L_init = -log pi_theta_bar(y* | s, c_phi) on a
   batch of solved tasks; on a batch of reconstruction prompts it is the autoencoding term L_rec
-  (docs/METHOD.md "Deviations": the teacher reproduces an experience from its latents alone).
+  (docs/METHOD.md section 3, "Deviation": the teacher reproduces an experience from its latents alone).
 * :func:`pretraining_objective`: L_pre = w_task L_init + w_rec L_rec.
 * :func:`latent_spread`: how much the latents differ across experiences (0: one constant prompt).
 """

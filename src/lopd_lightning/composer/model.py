@@ -9,7 +9,7 @@ compressors Comp_chi turn one experience into K latent tokens (``architecture``)
   embeddings are appended to the encoder's input and the latents are its last hidden states at those K
   positions, through ``LayerNorm(proj(.))`` started at the scale of the token embeddings
   (:class:`MemoryTokens`). Every latent is computed by the whole backbone attending over the experience.
-  docs/METHOD.md "Deviations" gives the measurement that made it the default.
+  docs/METHOD.md section 3, "Deviation" gives the measurement that made it the default.
 - ``"perceiver"`` (the paper's): the encoder's last hidden states H_j (T_j x d) go through a Perceiver
   resampler (:class:`PerceiverResampler`): K learned queries, a shared block applied ``depth`` times.
 
@@ -33,16 +33,15 @@ Map to the method (docs/METHOD.md):
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from peft import PeftModel
 from torch import Tensor, nn
 
 from lopd_lightning.adapters import COMPOSER, composer_lora_parameters, use_adapter
+from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler
 
 __all__ = [
     "ARCHITECTURES",
@@ -50,8 +49,7 @@ __all__ = [
     "ComposerOutput",
     "ExperienceBatch",
     "LatentComposer",
-    "MemoryTokens",
-    "PerceiverResampler",
+    "check_composer_options",
     "clip_composer_grads",
     "composer_parameter_groups",
     "experience_prompt",
@@ -65,6 +63,8 @@ ARCHITECTURES = ("memory_tokens", "perceiver")
 #: Clip norms of docs/METHOD.md section 5 (composer cold start): 30 for the compressor, 3 for the LoRA.
 COMPRESSOR_CLIP = 30.0
 LORA_CLIP = 3.0
+#: the file :func:`save_composer` writes in its folder
+COMPOSER_FILE = "composer.pt"
 
 
 def experience_prompt(task_text: str, trace: str) -> str:
@@ -112,182 +112,6 @@ class ClipNorms(NamedTuple):
 
     compressor: Tensor
     lora: Tensor
-
-
-class _ResamplerBlock(nn.Module):
-    """One Perceiver block: queries attend over concat(media, queries), residual; feed-forward, residual."""
-
-    def __init__(self, d_model: int, *, num_heads: int, head_dim: int, ff_mult: int) -> None:
-        super().__init__()
-        inner = num_heads * head_dim
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.norm_media = nn.LayerNorm(d_model)
-        self.norm_latents = nn.LayerNorm(d_model)
-        self.to_q = nn.Linear(d_model, inner, bias=False)
-        self.to_kv = nn.Linear(d_model, 2 * inner, bias=False)
-        self.to_out = nn.Linear(inner, d_model, bias=False)
-        self.ff = nn.Sequential(
-            nn.LayerNorm(d_model),
-            nn.Linear(d_model, ff_mult * d_model),
-            nn.GELU(),
-            nn.Linear(ff_mult * d_model, d_model),
-        )
-
-    def _heads(self, x: Tensor) -> Tensor:
-        n, t, _ = x.shape
-        return x.view(n, t, self.num_heads, self.head_dim).transpose(1, 2)  # [N, h, t, hd]
-
-    def forward(self, latents: Tensor, media: Tensor, media_mask: Tensor) -> Tensor:
-        """latents (N, K, d), media (N, T, d) already normed, media_mask (N, T) bool -> (N, K, d)."""
-        n, k, _ = latents.shape
-        q_in = self.norm_latents(latents)
-        kv_in = torch.cat([media, q_in], dim=1)  # [N, T+K, d]
-        q = self._heads(self.to_q(q_in))
-        key, value = self.to_kv(kv_in).chunk(2, dim=-1)
-        key, value = self._heads(key), self._heads(value)
-        keep = torch.cat([media_mask, media_mask.new_ones(n, k)], dim=1)  # queries always visible
-        attn = F.scaled_dot_product_attention(q, key, value, attn_mask=keep[:, None, None, :])
-        attn = attn.transpose(1, 2).reshape(n, k, self.num_heads * self.head_dim)
-        latents = latents + self.to_out(attn)
-        return latents + self.ff(latents)
-
-
-class PerceiverResampler(nn.Module):
-    """Perceiver resampler Comp_chi: a variable-length sequence (T x d) -> K latent tokens (K x d).
-
-    K learned queries (init ``randn / sqrt(d)``), an input projection of the media (Linear d -> d), then
-    ONE block [pre-norm attention of the queries over concat(projected media, queries), residual;
-    feed-forward LayerNorm, Linear d -> ff_mult*d, GELU, Linear back, residual] applied ``depth`` times
-    (weights shared across depth: the parameter count does not depend on ``depth``), and an output
-    ``LayerNorm(proj_out(.))``. docs/METHOD.md section 3; the block layout follows Flamingo's resampler.
-
-    Args:
-        d_model: d, the backbone's hidden size (input and output width).
-        num_latents: K, latent tokens per sequence (32 in the paper).
-        depth: how many times the shared block is applied (8 in the paper).
-        num_heads: attention heads (the backbone's).
-        head_dim: width of a head; ``d_model // num_heads`` when None (the backbone's ``head_dim``
-            where it has one: the attention's inner width is ``num_heads * head_dim``).
-        ff_mult: feed-forward expansion (4).
-        output_gain: initial weight of the output LayerNorm (1.0 = PyTorch's default; a smaller value
-            starts the latents closer to the scale of the backbone's token embeddings).
-
-    Raises:
-        ValueError: a size is not positive, or ``d_model`` is not divisible by ``num_heads`` when
-            ``head_dim`` is None.
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        *,
-        num_latents: int = 32,
-        depth: int = 8,
-        num_heads: int = 8,
-        head_dim: int | None = None,
-        ff_mult: int = 4,
-        output_gain: float = 1.0,
-    ) -> None:
-        super().__init__()
-        if min(d_model, num_latents, depth, num_heads, ff_mult) <= 0:
-            raise ValueError("d_model, num_latents, depth, num_heads and ff_mult must be positive")
-        if head_dim is None:
-            if d_model % num_heads:
-                raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
-            head_dim = d_model // num_heads
-        self.d_model = d_model
-        self.num_latents = num_latents
-        self.depth = depth
-        self.queries = nn.Parameter(torch.randn(num_latents, d_model) / math.sqrt(d_model))
-        self.proj_in = nn.Linear(d_model, d_model)
-        self.block = _ResamplerBlock(d_model, num_heads=num_heads, head_dim=head_dim, ff_mult=ff_mult)
-        self.proj_out = nn.Linear(d_model, d_model)
-        self.norm_out = nn.LayerNorm(d_model)
-        with torch.no_grad():
-            self.norm_out.weight.fill_(output_gain)
-
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
-        """Resample.
-
-        Args:
-            hidden: (N, T, d) float, the encoder's last hidden states.
-            mask: (N, T) bool or {0, 1}, 1 on real tokens (key padding mask).
-
-        Returns:
-            (N, K, d) float in the resampler's dtype.
-        """
-        hidden = hidden.to(self.proj_in.weight.dtype)
-        media = self.block.norm_media(self.proj_in(hidden))  # [N, T, d], normed once: the block is shared
-        mask = mask.bool()
-        latents = self.queries.unsqueeze(0).expand(hidden.shape[0], -1, -1)
-        for _ in range(self.depth):
-            latents = self.block(latents, media, mask)
-        return self.norm_out(self.proj_out(latents))
-
-
-class MemoryTokens(nn.Module):
-    """Memory-token compressor Comp_chi: K learned embeddings read out at the end of the encoder's input.
-
-    The encoder reads ``[experience tokens] [m_1 ... m_K]`` (the K memory embeddings after each row's last
-    real token); its last hidden states at the memory positions, ``LayerNorm(proj(h))``, are the K latents.
-    ``proj`` starts as the identity, the LayerNorm's gain at ``output_gain``. The in-context autoencoder's
-    memory slots (Ge et al., ICLR 2024), with a learned output map to the input-embedding scale.
-
-    Args:
-        d_model: d, the backbone's hidden size.
-        num_latents: K.
-        init_embeddings: (V, d) float, the backbone's input embeddings: the memory embeddings start as K rows
-            drawn at random (torch's global generator) from them.
-        output_gain: initial gain of the output LayerNorm (the token embeddings' RMS puts the latents at
-            their scale).
-
-    Raises:
-        ValueError: ``d_model`` or ``num_latents`` is not positive, or ``init_embeddings`` is not (V, d_model).
-    """
-
-    def __init__(self, d_model: int, *, num_latents: int, init_embeddings: Tensor, output_gain: float = 1.0) -> None:
-        super().__init__()
-        if min(d_model, num_latents) <= 0:
-            raise ValueError("d_model and num_latents must be positive")
-        if init_embeddings.dim() != 2 or init_embeddings.shape[1] != d_model:
-            raise ValueError(f"init_embeddings must be (V, {d_model}), got {tuple(init_embeddings.shape)}")
-        self.d_model = d_model
-        self.num_latents = num_latents
-        rows = torch.randint(init_embeddings.shape[0], (num_latents,))
-        self.memory = nn.Parameter(init_embeddings[rows].detach().float().clone())  # [K, d]
-        self.proj = nn.Linear(d_model, d_model)
-        self.norm_out = nn.LayerNorm(d_model)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.eye(d_model))
-            self.proj.bias.zero_()
-            self.norm_out.weight.fill_(output_gain)
-
-    def append_to(self, token_embeds: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The encoder's input with the memory embeddings after each row's real tokens.
-
-        Args:
-            token_embeds: (N, T, d) float, the input embeddings of right-padded rows.
-            mask: (N, T) {0, 1}, 1 on real tokens (right padding).
-
-        Returns:
-            ``(inputs_embeds (N, T+K, d), attention_mask (N, T+K) long, memory_slots (N, T+K) bool)``; row n's
-            memory embeddings sit at positions ``len_n .. len_n+K-1``, padding after them.
-        """
-        n, t, d = token_embeds.shape
-        k = self.num_latents
-        lengths = mask.long().sum(dim=1)  # [N]
-        steps = torch.arange(t + k, device=token_embeds.device)[None, :]  # [1, T+K]
-        is_token = steps < lengths[:, None]  # [N, T+K]
-        is_memory = (steps >= lengths[:, None]) & (steps < lengths[:, None] + k)
-        padded = torch.cat([token_embeds, token_embeds.new_zeros(n, k, d)], dim=1)  # [N, T+K, d]
-        memory = self.memory.to(token_embeds.dtype)[(steps - lengths[:, None]).clamp(0, k - 1)]  # [N, T+K, d]
-        embeds = torch.where(is_token[..., None], padded, torch.where(is_memory[..., None], memory, torch.zeros_like(memory)))
-        return embeds, (is_token | is_memory).long(), is_memory
-
-    def forward(self, memory_hidden: Tensor) -> Tensor:
-        """(N, K, d) last hidden states at the memory positions -> (N, K, d) latents, in chi's dtype."""
-        return self.norm_out(self.proj(memory_hidden.to(self.proj.weight.dtype)))
 
 
 class LatentComposer(nn.Module):
@@ -592,14 +416,42 @@ def clip_composer_grads(
     return ClipNorms(chi_norm, psi_norm)
 
 
-#: the file :func:`save_composer` writes in its folder
-COMPOSER_FILE = "composer.pt"
-
 
 def composer_settings(composer: LatentComposer) -> dict:
     """What a saved composer must agree on with the one it is loaded into: architecture, K and d."""
     return {"architecture": composer.architecture, "num_latents": composer.num_latents,
             "hidden_size": composer.hidden_size}
+
+
+def check_composer_options(architecture: str, output_gain: float | str, path: str | None,
+                           warm_start_weights: tuple[float, float]) -> None:
+    """Refuse composer options that are wrong whatever the model, naming the ``model.init_args`` key.
+
+    Args:
+        architecture, output_gain, path: ``composer_architecture``, ``composer_output_gain``, ``composer_path``.
+        warm_start_weights: (``warm_start_task_weight``, ``warm_start_reconstruction_weight``).
+
+    Raises:
+        ValueError: an unknown architecture, a gain that is neither "embedding" nor a number > 0, or weights
+            that are negative or both 0.
+        FileNotFoundError: ``path`` holds no ``composer.pt``.
+    """
+    import difflib
+
+    if architecture not in ARCHITECTURES:
+        close = difflib.get_close_matches(str(architecture), ARCHITECTURES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"model.init_args.composer_architecture {architecture!r} is not a composer; "
+                         f"{hint}choose one of {', '.join(ARCHITECTURES)}")
+    if output_gain != "embedding" and (isinstance(output_gain, (str, bool)) or not float(output_gain) > 0):
+        raise ValueError(f"model.init_args.composer_output_gain must be \"embedding\" or a number > 0, got "
+                         f"{output_gain!r}")
+    if path and not (Path(path) / COMPOSER_FILE).is_file():
+        raise FileNotFoundError(f"model.init_args.composer_path {path!r} holds no pretrained composer; "
+                                f"pretrain one with `lopd pretrain-composer -c CONFIG`, or set it to null")
+    if min(warm_start_weights) < 0 or not any(warm_start_weights):
+        raise ValueError(f"model.init_args.warm_start_task_weight and warm_start_reconstruction_weight must be >= 0 "
+                         f"and not both 0, got {warm_start_weights[0]} and {warm_start_weights[1]}")
 
 
 def save_composer(composer: LatentComposer, folder: str | Path, *, info: dict | None = None) -> Path:

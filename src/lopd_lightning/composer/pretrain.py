@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RECONSTRUCTION_INSTRUCTION",
+    "warm_start",
+    "warm_start_draws",
     "ComposerPretraining",
     "PretrainingLosses",
     "pretrain_composer",
@@ -157,6 +159,45 @@ def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Exampl
                                  reconstruction_weight=hp.warm_start_reconstruction_weight)
     spread = latent_spread(own.latents, own.latent_mask.any(dim=1))
     return PretrainingLosses(loss, task_nll.detach(), reconstruction.detach(), spread)
+
+
+def warm_start_draws(module: LOPDModule, datamodule: Any) -> list[list[Experience]]:
+    """The records the in-process warm start trains on, one list per step (``warm_start_steps`` of
+    ``warm_start_batch_size``; empty without any): :func:`pretraining_records` of ``datamodule``'s (an
+    ``OnPolicyDataModule``) train split drawn by :func:`pretraining_draws` with ``hparams.seed`` (the batches
+    of :class:`ComposerPretraining`'s steps). Logs at INFO how many bank records qualify."""
+    records = pretraining_records(module, datamodule.train_examples)
+    if len(records) < len(module.bank):
+        log.info("composer warm start: %d of %d bank records are successful trajectories of this task's "
+                 "train split", len(records), len(module.bank))
+    hp = module.hparams
+    return pretraining_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size, seed=hp.seed)
+
+
+def warm_start(module: LOPDModule, datamodule: Any) -> None:
+    """The pretraining's steps in this process, without Lightning (LOPD's ``fit`` runs it first when the composer
+    is fresh): ``warm_start_steps`` AdamW steps (``warm_start_lr``, no weight decay, the two clip norms) of
+    :func:`pretraining_losses` on the batches of :func:`warm_start_draws`, the same steps as
+    :class:`ComposerPretraining`'s. Source: docs/METHOD.md section 5, "Composer cold start", and section 3, "Deviation"."""
+    draws = warm_start_draws(module, datamodule)
+    if not draws and module.hparams.warm_start_steps > 0:
+        log.warning("composer warm start skipped: the bank holds no successful trajectory")
+    if not draws:
+        return
+    hp = module.hparams
+    groups = composer_parameter_groups(module.composer, lr=hp.warm_start_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0)
+    for step, chosen in enumerate(draws):
+        examples = [datamodule.example(r.task_id) for r in chosen]
+        losses = pretraining_losses(module, datamodule.task, examples, chosen, step=step)
+        losses.loss.backward()
+        clip_composer_grads(module.composer, compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 10 == 0 or step == len(draws) - 1:
+            log.info("composer warm start %d/%d: L_pre %.4f (L_init %.4f, L_rec %.4f, spread %.3f)", step + 1,
+                     len(draws), losses.loss.item(), losses.task_nll.item(), losses.reconstruction_nll.item(),
+                     losses.spread.item())
 
 
 class ComposerPretraining(LightningModule):

@@ -84,3 +84,34 @@ def read_bank_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any]
         "counters": meta.get("counters", {}),
     }
     return meta.get("settings", {}), state
+
+
+def check_bank(bank_path: str, num_experiences: int, *, capacity: int | None = None, size: int | None = None) -> None:
+    """Refuse a ``bank_path`` that holds no bank, or a bank smaller than J, naming the config keys.
+
+    Args:
+        size: the bank's size (default: read from its ``meta.json``, capped at ``capacity``), so the check
+            runs before anything is loaded.
+
+    Raises:
+        FileNotFoundError: no ``meta.json`` in ``bank_path``.
+        ValueError: the bank holds fewer than ``num_experiences`` experiences.
+    """
+    meta = Path(bank_path) / "meta.json"
+    if not meta.exists():
+        raise FileNotFoundError(
+            f"model.init_args.bank_path {bank_path!r} holds no experience bank; build it first with "
+            f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), "
+            f"or set model.init_args.bank_path to null to start with an empty bank"
+        )
+    if size is None:
+        size = json.loads(meta.read_text(encoding="utf-8")).get("size")
+        if size is None:
+            return  # a bank written without its size: checked once it is loaded
+        size = int(size) if capacity is None else min(int(size), int(capacity))
+    if size < num_experiences:
+        raise ValueError(
+            f"num_experiences J={num_experiences} is larger than the bank at {bank_path!r} "
+            f"({size} experiences); set model.init_args.num_experiences <= {size} "
+            f"or build a larger bank (`lopd build-memory`)"
+        )

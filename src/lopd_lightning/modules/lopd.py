@@ -38,19 +38,14 @@ from lopd_lightning.checkpointing import recorded_forwards
 from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
-from lopd_lightning.losses import anchor_loss, composer_objective, token_logps
+from lopd_lightning.losses import anchor_loss, composer_objective
 from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS, has_both_outcomes
-from lopd_lightning.composer import (
-    ARCHITECTURES,
-    ComposerOutput,
-    LatentComposer,
-    clip_composer_grads,
-    composer_parameter_groups,
-    load_composer,
-)
-from lopd_lightning.composer.losses import latent_spread
-from lopd_lightning.composer.pretrain import pretraining_draws, pretraining_losses, pretraining_records
+from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_composer_grads, load_composer
+from lopd_lightning.composer.model import check_composer_options
+from lopd_lightning.composer.probe import latent_probe
+from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
 from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory.persistence import check_bank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
@@ -70,37 +65,6 @@ DEFAULT_COMPOSER_LORA = {
     "lora_dropout": 0.0,
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-
-
-def check_bank(bank_path: str, num_experiences: int, *, capacity: int | None = None, size: int | None = None) -> None:
-    """Refuse a ``bank_path`` that holds no bank, or a bank smaller than J, naming the config keys.
-
-    Args:
-        size: the bank's size (default: read from its ``meta.json``, capped at ``capacity``), so the check
-            runs before anything is loaded.
-
-    Raises:
-        FileNotFoundError: no ``meta.json`` in ``bank_path``.
-        ValueError: the bank holds fewer than ``num_experiences`` experiences.
-    """
-    meta = Path(bank_path) / "meta.json"
-    if not meta.exists():
-        raise FileNotFoundError(
-            f"model.init_args.bank_path {bank_path!r} holds no experience bank; build it first with "
-            f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), "
-            f"or set model.init_args.bank_path to null to start with an empty bank"
-        )
-    if size is None:
-        size = json.loads(meta.read_text(encoding="utf-8")).get("size")
-        if size is None:
-            return  # a bank written without its size: checked once it is loaded
-        size = int(size) if capacity is None else min(int(size), int(capacity))
-    if size < num_experiences:
-        raise ValueError(
-            f"num_experiences J={num_experiences} is larger than the bank at {bank_path!r} "
-            f"({size} experiences); set model.init_args.num_experiences <= {size} "
-            f"or build a larger bank (`lopd build-memory`)"
-        )
 
 
 class LOPDLosses(NamedTuple):
@@ -143,7 +107,7 @@ class LOPDModule(OnPolicyModule):
             encoder LoRA psi (paper: 30 and 3).
         composer_architecture: the compressor: ``"memory_tokens"`` (the default: K learned embeddings read
             out at the end of the encoder's input) or ``"perceiver"`` (the paper's Perceiver resampler);
-            docs/METHOD.md "Deviations" gives the measurement (benchmarks/results/latent_capacity.json).
+            docs/METHOD.md section 3, "Deviation" gives the measurement (benchmarks/results/latent_capacity.json).
         composer_output_gain: the initial gain of the compressor's output LayerNorm: ``"embedding"`` (the
             default: the RMS of the backbone's token embeddings, so the latents start at their scale) or a
             number (1.0: PyTorch's default, what the paper's code leaves it at).
@@ -342,21 +306,7 @@ class LOPDModule(OnPolicyModule):
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; {hint}"
                              f"choose one of {', '.join(MARGIN_WEIGHTINGS)}")
-        if composer_architecture not in ARCHITECTURES:
-            close = difflib.get_close_matches(str(composer_architecture), ARCHITECTURES, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"model.init_args.composer_architecture {composer_architecture!r} is not a composer; "
-                             f"{hint}choose one of {', '.join(ARCHITECTURES)}")
-        if composer_output_gain != "embedding" and (isinstance(composer_output_gain, (str, bool))
-                                                    or not float(composer_output_gain) > 0):
-            raise ValueError(f"model.init_args.composer_output_gain must be \"embedding\" or a number > 0, got "
-                             f"{composer_output_gain!r}")
-        if composer_path and not (Path(composer_path) / "composer.pt").is_file():
-            raise FileNotFoundError(f"model.init_args.composer_path {composer_path!r} holds no pretrained composer; "
-                                    f"pretrain one with `lopd pretrain-composer -c CONFIG`, or set it to null")
-        if min(warm_start_weights) < 0 or not any(warm_start_weights):
-            raise ValueError(f"model.init_args.warm_start_task_weight and warm_start_reconstruction_weight must be >= 0 "
-                             f"and not both 0, got {warm_start_weights[0]} and {warm_start_weights[1]}")
+        check_composer_options(composer_architecture, composer_output_gain, composer_path, warm_start_weights)
         if latent_probe_every_n_steps < 0:
             raise ValueError(f"model.init_args.latent_probe_every_n_steps must be >= 0 (0: never), got "
                              f"{latent_probe_every_n_steps}")
@@ -578,49 +528,9 @@ class LOPDModule(OnPolicyModule):
         return bool(every) and self.global_step % every == 0 and self.hparams.num_experiences > 0
 
     def latent_probe(self, batch: RolloutBatch) -> dict[str, Tensor]:
-        """Whether the latents carry each row's experiences: ``train/latent_spread`` (the latents' spread
-        across the batch's distinct experiences, :func:`~lopd_lightning.composer.losses.latent_spread`; 0 for a
-        composer that gives every input one prompt), ``train/latent_swap_effect`` (the mean over the
-        student's tokens of |log pi_T(a | own experiences) - log pi_T(a | another task's)|, nats per token:
-        0 when the teacher does not depend on which experiences it gets) and ``train/latent_own_minus_other``
-        (the same difference signed). Rows of one group share their experiences, so "another task's" is the
-        experiences of the next task in the batch (cyclically over the batch's distinct tasks). No gradient;
-        each value is averaged over ranks (weighted by the ranks that could compute it: a rank with one task
-        has no other task to swap in)."""
-        experiences = batch.experiences or [[] for _ in range(len(batch))]
-        ids = list(dict.fromkeys(batch.example_ids))
-        first = {example_id: i for i, example_id in reversed(list(enumerate(batch.example_ids)))}
-        other_of = {example_id: ids[(n + 1) % len(ids)] for n, example_id in enumerate(ids)}
-        zero = torch.zeros((), device=self.device)
-        spread, swap, signed, valid = zero, zero, zero, zero
-        with torch.no_grad():
-            composed = self.compose(batch)
-            k = self.composer.num_latents
-            distinct = torch.tensor([first[e] for e in ids], device=composed.latents.device)
-            per_experience = composed.latents[distinct].reshape(-1, k, composed.latents.shape[-1])
-            present = composed.latent_mask[distinct].reshape(-1, k).any(dim=1)
-            value = latent_spread(per_experience, present)
-            if len(ids) > 1 and bool(torch.isfinite(value)):
-                swapped = [experiences[first[other_of[e]]] for e in batch.example_ids]
-                original = batch.experiences
-                batch.experiences = swapped
-                other = self.compose(batch)
-                batch.experiences = original
-                targets, mask = self.shifted(batch)
-                logps = []
-                for latents in (composed, other):
-                    logits = self.teacher.logits_on_student_positions(
-                        batch.input_ids, batch.attention_mask, batch.context_position, positions=self.unshift(mask),
-                        latents=latents.latents, latent_mask=latents.latent_mask)
-                    logps.append(token_logps(logits[None], targets[mask][None])[0])
-                diff = logps[0] - logps[1]
-                if diff.numel() > 0:
-                    spread, swap, signed, valid = value, diff.abs().mean(), diff.mean(), zero + 1.0
-        weight = self.global_mean(valid)
-        if float(weight) == 0:
-            return {}
-        return {name: self.global_mean(v * valid) / weight for name, v in (
-            ("train/latent_spread", spread), ("train/latent_swap_effect", swap), ("train/latent_own_minus_other", signed))}
+        """``train/latent_spread``, ``train/latent_swap_effect``, ``train/latent_own_minus_other`` of ``batch``
+        (:func:`~lopd_lightning.composer.probe.latent_probe`); {} when no rank could measure them."""
+        return latent_probe(self, batch)
 
     @override
     def setup(self, stage: str) -> None:
@@ -639,48 +549,20 @@ class LOPDModule(OnPolicyModule):
             self.freeze_anchor()
 
     def warm_start_draws(self, datamodule: Any) -> list[list[Experience]]:
-        """The bank records :meth:`warm_start_composer` trains on, one list per step (``warm_start_steps``
-        of ``warm_start_batch_size``; empty without any): the successful trajectories of ``datamodule``'s
-        (an ``OnPolicyDataModule``) train split, drawn by :func:`~lopd_lightning.composer.pretrain.pretraining_draws`
-        with ``hparams.seed``. Logs at INFO how many bank records qualify."""
-        records = pretraining_records(self, datamodule.train_examples)
-        if len(records) < len(self.bank):
-            log.info("composer warm start: %d of %d bank records are successful trajectories of this task's "
-                     "train split", len(records), len(self.bank))
-        hp = self.hparams
-        return pretraining_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size, seed=hp.seed)
+        """The bank records :meth:`warm_start_composer` trains on, one list per step
+        (:func:`~lopd_lightning.composer.pretrain.warm_start_draws`)."""
+        return warm_start_draws(self, datamodule)
 
     def warm_start_composer(self, datamodule: Any | None = None) -> None:
-        """The composer's pretraining inside ``fit``: the steps of ``lopd pretrain-composer``, in this process.
-
-        Runs ``warm_start_steps`` AdamW steps (``warm_start_lr``, no weight decay, the two clip norms) of
-        :func:`~lopd_lightning.composer.pretrain.pretraining_losses` on the batches of :meth:`warm_start_draws`.
-        For budgets of more than a few minutes run ``lopd pretrain-composer`` (checkpoints, resume, TensorBoard)
-        and load its result with ``composer_path``. Source: docs/METHOD.md section 5, "Composer cold start",
-        and "Deviations".
+        """The composer's pretraining inside ``fit``: the steps of ``lopd pretrain-composer``, in this process
+        (:func:`~lopd_lightning.composer.pretrain.warm_start`). For budgets of more than a few minutes run
+        ``lopd pretrain-composer`` (checkpoints, resume, TensorBoard) and load its result with ``composer_path``.
 
         Args:
             datamodule: the :class:`~lopd_lightning.data.OnPolicyDataModule` whose train split's records
                 are used (default: the trainer's; pass one to warm-start outside ``fit``).
         """
-        dm = datamodule if datamodule is not None else self.trainer.datamodule
-        draws = self.warm_start_draws(dm)
-        if not draws and self.hparams.warm_start_steps > 0:
-            log.warning("composer warm start skipped: the bank holds no successful trajectory")
-        hp = self.hparams
-        groups = composer_parameter_groups(self.composer, lr=hp.warm_start_lr, weight_decay=0.0)
-        optimizer = torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0) if draws else None
-        for step, chosen in enumerate(draws):
-            examples = [dm.example(r.task_id) for r in chosen]
-            losses = pretraining_losses(self, dm.task, examples, chosen, step=step)
-            losses.loss.backward()
-            clip_composer_grads(self.composer, compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step % 10 == 0 or step == len(draws) - 1:
-                log.info("composer warm start %d/%d: L_pre %.4f (L_init %.4f, L_rec %.4f, spread %.3f)", step + 1,
-                         len(draws), losses.loss.item(), losses.task_nll.item(), losses.reconstruction_nll.item(),
-                         losses.spread.item())
+        warm_start(self, datamodule if datamodule is not None else self.trainer.datamodule)
         self.warm_started = True
 
     # ------------------------------------------------------------------ optimisers and state
