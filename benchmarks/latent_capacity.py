@@ -9,8 +9,8 @@ is S.", S five random lowercase letters), the first 48 for the composer's pretra
 only at evaluation). The composer is pretrained by the stage LOPD uses (``lopd pretrain-composer``:
 :func:`~lopd_lightning.composer.pretrain.pretrain_composer`, ``Trainer.fit``), with the LOPDModule's defaults
 unless ``--paper`` (the paper's composer and warm start: the Perceiver resampler, L_init only, no
-self-retrieval, the module's ``composer_lr`` 1e-4 of the quickstart) or the variant options say otherwise;
-K = 8 latents, J = 1 experience.
+self-retrieval, output gain 1.0, ``warm_start_lr`` 1e-4: the quickstart's former composer rate, the paper's
+being 1e-5) or the variant options say otherwise; K = 8 latents, J = 1 experience.
 
 The teacher (the student's weights, ``teacher_mode: live``) is asked "What is the access code of project X?"
 and scored on the reply's code, teacher-forced: the NLL summed over the reply's tokens before its
@@ -142,6 +142,7 @@ def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None 
         from privileged_margin import teacher_greedy_reply
 
         contains = {"none": 0, "text": 0, "latent": 0}
+        result["replies"] = {"none": [], "text": [], "latent": []}
         with torch.no_grad():
             for i, (example, record) in enumerate(zip(examples, own, strict=True)):
                 replies = {
@@ -153,6 +154,7 @@ def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None 
                 }
                 for name, reply in replies.items():
                     contains[name] += int(task.score(example, reply) > 0)
+                    result["replies"][name].append({"code": example.data["code"], "reply": reply})
         result["contains"] = {name: count / len(examples) for name, count in contains.items()}
     return result
 
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="warm_start_reconstruction_weight (default: the module's)")
     parser.add_argument("--self-retrieval", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="warm_start_self_retrieval true|false (default: the module's)")
+    parser.add_argument("--save-composer", type=Path, default=None, help="also save the pretrained composer here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "latent_capacity.json")
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lopd_lightning.composer.pretrain import pretrain_composer
 
     with tempfile.TemporaryDirectory() as folder:
-        info = pretrain_composer(module, datamodule, folder, callbacks=[Curve()],
+        info = pretrain_composer(module, datamodule, args.save_composer or folder, callbacks=[Curve()],
                                  trainer_options={"enable_progress_bar": False, "logger": False})
     after = {"heldout": evaluate(module, task, heldout, greedy=True, text=text["heldout"]),
              "train": evaluate(module, task, train, text=text["train"])}
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "spread": after["heldout"]["spread"],
         "spread_untrained": before["heldout"]["spread"],
         "teacher_contains_heldout": after["heldout"]["contains"],
+        "teacher_replies_heldout": after["heldout"]["replies"],
         "curve": curve,
         "wall_s": time.perf_counter() - started,
     }

@@ -254,6 +254,27 @@ def test_load_refuses_a_missing_file_and_another_shape(tmp_path):
         load_composer(perceiver, tmp_path)
 
 
+def test_load_refuses_another_encoder_lora(tmp_path):
+    from lopd_lightning.adapters import as_lora_config
+
+    _, composer = make()
+    save_composer(composer, tmp_path)
+    torch.manual_seed(0)
+    backbone = prepare_backbone(tiny_model(), student_lora=STUDENT_LORA,
+                                composer_lora=as_lora_config({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    other = LatentComposer(backbone, tiny_tokenizer(), num_latents=K, depth=2)
+    with pytest.raises(ValueError, match="lora_r 8 \\(this run: 4\\)"):
+        load_composer(other, tmp_path)
+
+
+def test_checkpoint_keys_of_the_resampler_are_read_as_the_compressor():
+    from lopd_lightning.composer.model import upgrade_composer_keys
+
+    state = {"composer.resampler.queries": 1, "anchor_composer.resampler.norm_out.weight": 2, "backbone.x.weight": 3}
+    assert upgrade_composer_keys(state) == {"composer.compressor.queries": 1,
+                                            "anchor_composer.compressor.norm_out.weight": 2, "backbone.x.weight": 3}
+
+
 def test_unknown_architecture_is_refused():
     with pytest.raises(ValueError, match="architecture 'resampler' is not one of memory_tokens, perceiver"):
         make(architecture="resampler")

@@ -84,8 +84,8 @@ def test_reconstruction_batch_asks_for_the_trace_and_predicts_it(bank_dir):
 
 
 # ------------------------------------------------------------------ the stage under Lightning
-def pretraining_module(bank_dir, steps: int) -> LOPDModule:
-    torch.manual_seed(0)  # the composer's initialisation draws from torch's generator
+def pretraining_module(bank_dir, steps: int, init_seed: int = 0) -> LOPDModule:
+    torch.manual_seed(init_seed)  # the composer's initialisation draws from torch's generator
     return make_module(bank_dir, warm_start_steps=steps, warm_start_batch_size=2, warm_start_lr=1e-2, seed=3)
 
 
@@ -111,10 +111,11 @@ def test_pretrain_composer_saves_phi_and_resumes_exactly(tmp_path, bank_dir):
     acc.Reload()
     assert len(acc.Scalars("pretrain/reconstruction_nll")) == 4
 
-    # 2 steps, then the same run extended to 4 from its last checkpoint: the same composer as 4 straight
-    resumed = pretraining_module(bank_dir, 2)
-    pretrain_composer(resumed, make_dm(), tmp_path / "resumed", trainer_options={"enable_progress_bar": False})
-    resumed.hparams.warm_start_steps = 4
+    # 2 steps, then the run extended to 4 from its last checkpoint, in a module built afresh with another
+    # initialisation (so phi and the optimiser's state come from the checkpoint): the composer of 4 straight
+    first = pretraining_module(bank_dir, 2)
+    pretrain_composer(first, make_dm(), tmp_path / "resumed", trainer_options={"enable_progress_bar": False})
+    resumed = pretraining_module(bank_dir, 4, init_seed=1)
     pretrain_composer(resumed, make_dm(), tmp_path / "resumed", resume=True, trainer_options={"enable_progress_bar": False})
     for a, b in zip(composer_weights(straight), composer_weights(resumed), strict=True):
         torch.testing.assert_close(a, b)
@@ -127,6 +128,27 @@ def test_pretrain_composer_saves_phi_and_resumes_exactly(tmp_path, bank_dir):
     anchor = loaded.anchor_composer.compressor.state_dict()
     for key, value in loaded.composer.compressor.state_dict().items():
         torch.testing.assert_close(anchor[key], value)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("warm_start_lr", 0.0, "warm_start_lr must be a finite number > 0"),
+    ("warm_start_lr", float("inf"), "warm_start_lr must be a finite number > 0"),
+    ("warm_start_batch_size", 0, "warm_start_batch_size must be an int >= 1"),
+    ("composer_output_gain", None, "composer_output_gain must be"),
+    ("composer_output_gain", float("inf"), "composer_output_gain must be"),
+    ("composer_output_gain", "embeding", "composer_output_gain must be"),
+    ("warm_start_reconstruction_weight", float("nan"), "must be finite, >= 0 and not both 0"),
+    ("warm_start_task_weight", -1.0, "must be finite, >= 0 and not both 0"),
+    ("composer_architecture", "memory_token", "did you mean 'memory_tokens'"),
+])
+def test_bad_composer_options_name_their_key(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        make_module(None, **{key: value})
+
+
+def test_both_weights_zero_is_refused():
+    with pytest.raises(ValueError, match="not both 0"):
+        make_module(None, warm_start_task_weight=0.0, warm_start_reconstruction_weight=0.0)
 
 
 def test_pretraining_refuses_no_records_and_no_steps(tmp_path, bank_dir):
@@ -151,8 +173,9 @@ def test_the_command_writes_what_fit_loads(tmp_path, bank_dir, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps must be >= 1"),
     ([], "give --out FOLDER or set model.init_args.composer_path"),
-    (["--model.init_args.composer_path=/nowhere/composer", "--model.init_args.bank_path=null"],
-     "holds no successful trajectory"),
+    (["--model.init_args.composer_path=/nowhere/composer"], "warm_start_steps is 0: give --steps N"),
+    (["--model.init_args.composer_path=/nowhere/composer", "--steps", "2"], "holds no successful trajectory"),
+    (["--out", "/nowhere/composer", "--steps", "2", "--resume"], "--resume: /nowhere/composer/checkpoints/last.ckpt"),
 ])
 def test_the_command_says_what_to_fix_in_one_line(tmp_path, argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -2,7 +2,7 @@
 
 A Lightning checkpoint of LOPD, GRPO, SDPO, OPSD, Skill-SD or SFT holds the whole module: the shared
 backbone with its adapters (the student's LoRA and, for LOPD, the composer's and its frozen anchor; an
-EMA teacher's), the composer's resampler, optimiser states, the bank. :func:`export_checkpoint` rebuilds
+EMA teacher's), the composer's compressor, optimiser states, the bank. :func:`export_checkpoint` rebuilds
 the module from the checkpoint's hyperparameters, loads its weights and writes the student alone as a
 Hugging Face folder, in one of two forms:
 
@@ -206,6 +206,11 @@ def load_module(
     params = set(init_parameters(cls))
     if "bank_path" in params:
         init["bank_path"] = None
+    if "composer_path" in params:  # the checkpoint holds the composer it trained
+        init["composer_path"] = None
+    if "composer_architecture" in params and "composer_architecture" not in init:
+        # written before the memory-token default: its composer is the paper's Perceiver at gain 1.0
+        init.update(composer_architecture="perceiver", composer_output_gain=1.0)
     if model is not None:
         init["model"] = model
     else:

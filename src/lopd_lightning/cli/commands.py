@@ -18,6 +18,7 @@ import importlib
 import inspect
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from lopd_lightning.cli.errors import (
@@ -203,7 +204,10 @@ def build_memory_command(argv: list[str]) -> int:
         except AttributeError as error:  # a hook that reads what only the whole module has
             log.info("build-memory: a hook needs the whole module (%s); loading it", error)
     if experiences is None:
-        cli = lightning_cli([*config_args, "--model.init_args.bank_path=null"], run=False)
+        nothing_to_load = ["--model.init_args.bank_path=null"]  # and no pretrained composer (stage 3 comes later)
+        if "composer_path" in init:
+            nothing_to_load.append("--model.init_args.composer_path=null")
+        cli = lightning_cli([*config_args, *nothing_to_load], run=False)
         module, dm = cli.model, cli.datamodule
         bank = module.bank
         examples = dm.train_examples[: args.limit] if args.limit else dm.train_examples
@@ -232,7 +236,8 @@ def pretrain_composer_command(argv: list[str]) -> int:
     parser = ArgumentParser(prog="lopd pretrain-composer")
     parser.add_argument("-c", "--config", action="append", required=True, help="the LOPD fit config(s)")
     parser.add_argument("--out", default=None, help="composer folder (default: model.init_args.composer_path)")
-    parser.add_argument("--steps", type=int, default=None, help="pretraining steps (default: model.init_args.warm_start_steps)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="pretraining steps (default: model.init_args.warm_start_steps)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.ckpt")
     args, rest = parser.parse_known_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -250,6 +255,11 @@ def pretrain_composer_command(argv: list[str]) -> int:
     out = args.out or init.composer_path
     if not out:
         raise CLIError("give --out FOLDER or set model.init_args.composer_path in the config", 2)
+    if args.resume and not (Path(out) / "checkpoints" / "last.ckpt").is_file():
+        raise CLIError(f"--resume: {out}/checkpoints/last.ckpt does not exist (check --out, or leave --resume out "
+                       f"to start over)", 2)
+    if args.steps is None and int(init.get("warm_start_steps") or 0) < 1:
+        raise CLIError("model.init_args.warm_start_steps is 0: give --steps N or set warm_start_steps >= 1", 2)
     overrides = ["--model.init_args.composer_path=null"]  # the folder is where the composer goes, not one to load
     if args.steps is not None:
         overrides.append(f"--model.init_args.warm_start_steps={args.steps}")

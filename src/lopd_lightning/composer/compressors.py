@@ -185,7 +185,8 @@ class MemoryTokens(nn.Module):
         is_memory = (steps >= lengths[:, None]) & (steps < lengths[:, None] + k)
         padded = torch.cat([token_embeds, token_embeds.new_zeros(n, k, d)], dim=1)  # [N, T+K, d]
         memory = self.memory.to(token_embeds.dtype)[(steps - lengths[:, None]).clamp(0, k - 1)]  # [N, T+K, d]
-        embeds = torch.where(is_token[..., None], padded, torch.where(is_memory[..., None], memory, torch.zeros_like(memory)))
+        memory = torch.where(is_memory[..., None], memory, torch.zeros_like(memory))
+        embeds = torch.where(is_token[..., None], padded, memory)
         return embeds, (is_token | is_memory).long(), is_memory
 
     def forward(self, memory_hidden: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ Map to the method (docs/METHOD.md):
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,6 +51,7 @@ __all__ = [
     "ExperienceBatch",
     "LatentComposer",
     "check_composer_options",
+    "upgrade_composer_keys",
     "clip_composer_grads",
     "composer_parameter_groups",
     "experience_prompt",
@@ -418,22 +420,37 @@ def clip_composer_grads(
 
 
 def composer_settings(composer: LatentComposer) -> dict:
-    """What a saved composer must agree on with the one it is loaded into: architecture, K and d."""
+    """What a saved composer must agree on with the one it is loaded into: architecture, K, d and the encoder
+    LoRA's rank, alpha and target modules."""
+    config = composer.backbone.peft_config[composer.adapter_name]
+    targets = config.target_modules
     return {"architecture": composer.architecture, "num_latents": composer.num_latents,
-            "hidden_size": composer.hidden_size}
+            "hidden_size": composer.hidden_size, "lora_r": int(config.r), "lora_alpha": float(config.lora_alpha),
+            "lora_target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else str(targets)}
+
+
+def upgrade_composer_keys(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A state dict written before the compressor's rename (``composer.resampler.*``) under today's keys
+    (``composer.compressor.*``), in place; returns it."""
+    for key in [k for k in state_dict if ".resampler." in f".{k}" and "composer" in k]:
+        state_dict[key.replace("resampler.", "compressor.", 1)] = state_dict.pop(key)
+    return state_dict
 
 
 def check_composer_options(architecture: str, output_gain: float | str, path: str | None,
-                           warm_start_weights: tuple[float, float]) -> None:
+                           warm_start_weights: tuple[float, float], *, warm_start_lr: float = 1e-3,
+                           warm_start_batch_size: int = 1) -> None:
     """Refuse composer options that are wrong whatever the model, naming the ``model.init_args`` key.
 
     Args:
         architecture, output_gain, path: ``composer_architecture``, ``composer_output_gain``, ``composer_path``.
         warm_start_weights: (``warm_start_task_weight``, ``warm_start_reconstruction_weight``).
+        warm_start_lr, warm_start_batch_size: the pretraining's learning rate and batch.
 
     Raises:
-        ValueError: an unknown architecture, a gain that is neither "embedding" nor a number > 0, or weights
-            that are negative or both 0.
+        ValueError: an unknown architecture, a gain that is neither "embedding" nor a finite number > 0,
+            weights that are negative, not finite or both 0, a learning rate that is not a finite number > 0,
+            or a batch size below 1.
         FileNotFoundError: ``path`` holds no ``composer.pt``.
     """
     import difflib
@@ -443,15 +460,25 @@ def check_composer_options(architecture: str, output_gain: float | str, path: st
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"model.init_args.composer_architecture {architecture!r} is not a composer; "
                          f"{hint}choose one of {', '.join(ARCHITECTURES)}")
-    if output_gain != "embedding" and (isinstance(output_gain, (str, bool)) or not float(output_gain) > 0):
-        raise ValueError(f"model.init_args.composer_output_gain must be \"embedding\" or a number > 0, got "
+    if output_gain != "embedding" and not (_is_number(output_gain) and 0 < float(output_gain) < math.inf):
+        raise ValueError(f"model.init_args.composer_output_gain must be \"embedding\" or a finite number > 0, got "
                          f"{output_gain!r}")
     if path and not (Path(path) / COMPOSER_FILE).is_file():
         raise FileNotFoundError(f"model.init_args.composer_path {path!r} holds no pretrained composer; "
                                 f"pretrain one with `lopd pretrain-composer -c CONFIG`, or set it to null")
-    if min(warm_start_weights) < 0 or not any(warm_start_weights):
-        raise ValueError(f"model.init_args.warm_start_task_weight and warm_start_reconstruction_weight must be >= 0 "
-                         f"and not both 0, got {warm_start_weights[0]} and {warm_start_weights[1]}")
+    weights = warm_start_weights
+    if not all(_is_number(w) and 0 <= float(w) < math.inf for w in weights) or not any(weights):
+        raise ValueError(f"model.init_args.warm_start_task_weight and warm_start_reconstruction_weight must be finite, "
+                         f">= 0 and not both 0, got {weights[0]} and {weights[1]}")
+    if not (_is_number(warm_start_lr) and 0 < float(warm_start_lr) < math.inf):
+        raise ValueError(f"model.init_args.warm_start_lr must be a finite number > 0, got {warm_start_lr!r}")
+    batch_size = warm_start_batch_size
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"model.init_args.warm_start_batch_size must be an int >= 1, got {warm_start_batch_size!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def save_composer(composer: LatentComposer, folder: str | Path, *, info: dict | None = None) -> Path:
@@ -501,14 +528,14 @@ def load_composer(composer: LatentComposer, folder: str | Path, *, key: str = "m
     state = torch.load(path, map_location="cpu", weights_only=True)
     saved, mine = state["settings"], composer_settings(composer)
     if saved != mine:
-        diff = ", ".join(f"{name} {saved.get(name)!r} (this run: {mine[name]!r})" for name in mine if saved.get(name) != mine[name])
+        diff = ", ".join(f"{name} {saved.get(name)!r} (this run: {mine[name]!r})"
+                         for name in mine if saved.get(name) != mine[name])
         raise ValueError(f"{key} {str(folder)!r} holds a composer with {diff}; set the module's "
-                         f"composer_architecture / num_latents to match, or pretrain a new one")
+                         f"composer_architecture / num_latents / composer_lora to match, or pretrain a new one")
+    own = set(composer.lora_state_dict())
+    if set(state["lora"]) != own:
+        raise ValueError(f"{key} {str(folder)!r}: its encoder LoRA has other weights than this backbone's composer "
+                         f"adapter ({len(set(state['lora']) ^ own)} differ); pretrain it with this model")
     composer.compressor.load_state_dict(state["compressor"])
-    result = set_peft_model_state_dict(composer.backbone, state["lora"], adapter_name=composer.adapter_name)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ValueError(f"{key} {str(folder)!r}: its encoder LoRA does not fit this backbone's composer adapter "
-                         f"({len(unexpected)} unexpected keys, e.g. {unexpected[0]!r}); set model.init_args.composer_lora "
-                         f"to the one it was pretrained with")
+    set_peft_model_state_dict(composer.backbone, state["lora"], adapter_name=composer.adapter_name)
     return dict(state.get("info", {}))

@@ -4,10 +4,12 @@ One step on B successful train records r_1..r_B of the bank (:func:`pretraining_
 
 1. each record's task is solved again by its reference solution y*, and the composer reads the task's
    J experiences: its top-J retrieval, where, with ``warm_start_self_retrieval``, the record itself takes
-   one of the J slots (slot ``(step + b) mod J``): the answer is then in one experience, so L_init rewards a
-   composer that carries it (the paper's warm start retrieves other tasks only, where a generic prompt
-   fits L_init as well as a specific one);
-2. L_init = the teacher's NLL of y* with all J*K latents in its context (:func:`~lopd_lightning.composer.losses.latent_nll`);
+   one of the slots (slot ``(step + b) mod n_b``, n_b the row's experiences: J when retrieval found
+   enough). The answer is then in one experience, so L_init rewards a composer that carries it (the
+   paper's warm start retrieves other tasks only, where a generic prompt fits L_init as well as a
+   specific one);
+2. L_init = the teacher's NLL of y* with all J*K latents in its context
+   (:func:`~lopd_lightning.composer.losses.latent_nll`);
 3. L_rec = the teacher's NLL of the record's own trace m_b, asked to repeat it with only that experience's
    K latents in its context (:data:`RECONSTRUCTION_INSTRUCTION`): an objective that a constant prompt
    cannot satisfy;
@@ -34,7 +36,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.composer.losses import latent_nll, latent_spread, pretraining_objective
-from lopd_lightning.composer.model import ComposerOutput, clip_composer_grads, composer_parameter_groups, save_composer
+from lopd_lightning.composer.model import (
+    ClipNorms,
+    ComposerOutput,
+    clip_composer_grads,
+    composer_parameter_groups,
+    save_composer,
+)
 
 if TYPE_CHECKING:
     from lopd_lightning.memory.bank import Experience
@@ -137,6 +145,9 @@ def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Exampl
         experiences, slots = with_own_record(retrieved, records, num_experiences=hp.num_experiences, step=step)
     else:
         experiences, slots = retrieved, [0] * len(records)
+    if not any(experiences):
+        raise ValueError("no row of this pretraining batch has an experience (retrieval found none and "
+                         "model.init_args.warm_start_self_retrieval is false); set it to true, or fill the bank")
     batch.experiences = experiences
     composed = module.compose(batch)
     k = module.composer.num_latents
@@ -145,20 +156,37 @@ def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Exampl
     if hp.warm_start_task_weight > 0:
         task_nll = latent_nll(module.teacher, composed, batch.input_ids, batch.attention_mask, batch.context_position,
                               batch.assistant_mask)
-    # one experience per row (the own record, or the first retrieved one): its K latents
-    index = torch.tensor(slots, device=composed.latents.device)[:, None] * k + torch.arange(k, device=composed.latents.device)
-    rows = torch.arange(len(records), device=composed.latents.device)[:, None]
-    own = ComposerOutput(composed.latents[rows, index], composed.latent_mask[rows, index])  # [B, K, d], [B, K]
+    # one experience per row that has one (the own record, or the first retrieved one): its K latents
+    kept = [b for b, exps in enumerate(experiences) if exps]
+    device = composed.latents.device
+    index = torch.tensor([slots[b] for b in kept], device=device)[:, None] * k + torch.arange(k, device=device)
+    rows = torch.tensor(kept, device=device)[:, None]
+    own = ComposerOutput(composed.latents[rows, index], composed.latent_mask[rows, index])  # [B', K, d], [B', K]
     reconstruction = zero
     if hp.warm_start_reconstruction_weight > 0:
-        targets = [exps[slot] if exps else record for exps, slot, record in zip(experiences, slots, records, strict=True)]
-        rec = reconstruction_batch(module, targets).to(module.device)
+        rec = reconstruction_batch(module, [experiences[b][slots[b]] for b in kept]).to(module.device)
         reconstruction = latent_nll(module.teacher, own, rec.input_ids, rec.attention_mask, rec.context_position,
                                     rec.assistant_mask)
     loss = pretraining_objective(task_nll, reconstruction, task_weight=hp.warm_start_task_weight,
                                  reconstruction_weight=hp.warm_start_reconstruction_weight)
     spread = latent_spread(own.latents, own.latent_mask.any(dim=1))
     return PretrainingLosses(loss, task_nll.detach(), reconstruction.detach(), spread)
+
+
+def pretraining_optimizer(module: LOPDModule) -> torch.optim.AdamW:
+    """AdamW at ``warm_start_lr`` without weight decay over phi: the compressor and the encoder LoRA as two
+    parameter groups, each with its clip norm (``composer_clip_compressor``, ``composer_clip_lora``)."""
+    hp = module.hparams
+    groups = composer_parameter_groups(module.composer, lr=hp.warm_start_lr, weight_decay=0.0,
+                                       compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
+    return torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0)
+
+
+def clip_pretraining_grads(module: LOPDModule) -> ClipNorms:
+    """Clip phi's gradients, the compressor and the LoRA each to its own norm; their norms before clipping."""
+    hp = module.hparams
+    return clip_composer_grads(module.composer, compressor_clip=hp.composer_clip_compressor,
+                               lora_clip=hp.composer_clip_lora)
 
 
 def warm_start_draws(module: LOPDModule, datamodule: Any) -> list[list[Experience]]:
@@ -178,20 +206,19 @@ def warm_start(module: LOPDModule, datamodule: Any) -> None:
     """The pretraining's steps in this process, without Lightning (LOPD's ``fit`` runs it first when the composer
     is fresh): ``warm_start_steps`` AdamW steps (``warm_start_lr``, no weight decay, the two clip norms) of
     :func:`pretraining_losses` on the batches of :func:`warm_start_draws`, the same steps as
-    :class:`ComposerPretraining`'s. Source: docs/METHOD.md section 5, "Composer cold start", and section 3, "Deviation"."""
+    :class:`ComposerPretraining`'s. Source: docs/METHOD.md section 5, "Composer cold start", and section 3,
+    "Deviation"."""
     draws = warm_start_draws(module, datamodule)
     if not draws and module.hparams.warm_start_steps > 0:
         log.warning("composer warm start skipped: the bank holds no successful trajectory")
     if not draws:
         return
-    hp = module.hparams
-    groups = composer_parameter_groups(module.composer, lr=hp.warm_start_lr, weight_decay=0.0)
-    optimizer = torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0)
+    optimizer = pretraining_optimizer(module)
     for step, chosen in enumerate(draws):
         examples = [datamodule.example(r.task_id) for r in chosen]
         losses = pretraining_losses(module, datamodule.task, examples, chosen, step=step)
         losses.loss.backward()
-        clip_composer_grads(module.composer, compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
+        clip_pretraining_grads(module)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == len(draws) - 1:
@@ -260,16 +287,11 @@ class ComposerPretraining(LightningModule):
 
     @override
     def configure_optimizers(self):
-        hp = self.lopd.hparams
-        groups = composer_parameter_groups(self.lopd.composer, lr=hp.warm_start_lr, weight_decay=0.0,
-                                           compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
-        return torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0)
+        return pretraining_optimizer(self.lopd)
 
     @override
     def on_before_optimizer_step(self, optimizer) -> None:
-        hp = self.lopd.hparams
-        norms = clip_composer_grads(self.lopd.composer, compressor_clip=hp.composer_clip_compressor,
-                                    lora_clip=hp.composer_clip_lora)
+        norms = clip_pretraining_grads(self.lopd)
         self.log_dict({"pretrain/grad_norm_compressor": norms.compressor, "pretrain/grad_norm_lora": norms.lora})
 
     @override
@@ -316,7 +338,8 @@ def pretrain_composer(module: LOPDModule, datamodule: Any, out: str | Path, *, r
     seconds = time.perf_counter() - start
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pretrain/")}
     info = {"steps": int(trainer.global_step), "seconds": seconds, "records": len(records), "metrics": metrics,
-            "warm_start_batch_size": module.hparams.warm_start_batch_size, "warm_start_lr": module.hparams.warm_start_lr}
+            "warm_start_batch_size": module.hparams.warm_start_batch_size,
+            "warm_start_lr": module.hparams.warm_start_lr}
     save_composer(module.composer, out, info=info)
     log.info("composer pretrained for %d steps (%.0f s) -> %s", info["steps"], seconds, out)
     return info

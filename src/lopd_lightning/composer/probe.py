@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from lopd_lightning.composer.losses import latent_spread
-from lopd_lightning.losses import token_logps
 
 if TYPE_CHECKING:
     from lopd_lightning.modules.lopd import LOPDModule
@@ -43,7 +42,7 @@ def latent_probe(module: LOPDModule, batch: RolloutBatch) -> dict[str, Tensor]:
     experiences = batch.experiences or [[] for _ in range(len(batch))]
     ids = list(dict.fromkeys(batch.example_ids))
     first = {example_id: i for i, example_id in reversed(list(enumerate(batch.example_ids)))}
-    other_of = {example_id: ids[(n + 1) % len(ids)] for n, example_id in enumerate(ids)}
+    other_of = {example_id: ids[(n + 1) % len(ids)] for n, example_id in enumerate(ids)}  # one task: itself
     zero = torch.zeros((), device=module.device)
     spread, swap, signed, valid = zero, zero, zero, zero
     with torch.no_grad():
@@ -53,21 +52,23 @@ def latent_probe(module: LOPDModule, batch: RolloutBatch) -> dict[str, Tensor]:
         per_experience = composed.latents[distinct].reshape(-1, k, composed.latents.shape[-1])
         present = composed.latent_mask[distinct].reshape(-1, k).any(dim=1)
         value = latent_spread(per_experience, present)
-        if len(ids) > 1 and bool(torch.isfinite(value)):
-            swapped = [experiences[first[other_of[e]]] for e in batch.example_ids]
+        usable = len(ids) > 1 and bool(torch.isfinite(value))
+        if usable or module.sharded:  # a sharded strategy's forwards are collectives: every rank runs them
             original = batch.experiences
-            batch.experiences = swapped
-            other = module.compose(batch)
-            batch.experiences = original
+            batch.experiences = [experiences[first[other_of[e]]] for e in batch.example_ids]
+            try:
+                other = module.compose(batch)
+            finally:
+                batch.experiences = original
             targets, mask = module.shifted(batch)
             logps = []
-            for latents in (composed, other):
-                logits = module.teacher.logits_on_student_positions(
+            for latents in (composed, other):  # the LM head in chunks where distill_chunk_size asks for it
+                values = module.teacher.on_student_positions(
                     batch.input_ids, batch.attention_mask, batch.context_position, positions=module.unshift(mask),
-                    latents=latents.latents, latent_mask=latents.latent_mask)
-                logps.append(token_logps(logits[None], targets[mask][None])[0])
+                    output=module.lm_head.output, latents=latents.latents, latent_mask=latents.latent_mask)
+                logps.append(module.lm_head.token_logps(values, targets[mask], side="teacher"))
             diff = logps[0] - logps[1]
-            if diff.numel() > 0:
+            if usable and diff.numel() > 0:
                 spread, swap, signed, valid = value, diff.abs().mean(), diff.mean(), zero + 1.0
     weight = module.global_mean(valid)
     if float(weight) == 0:

@@ -41,7 +41,7 @@ from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delt
 from lopd_lightning.losses import anchor_loss, composer_objective
 from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS, has_both_outcomes
 from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_composer_grads, load_composer
-from lopd_lightning.composer.model import check_composer_options
+from lopd_lightning.composer.model import check_composer_options, upgrade_composer_keys
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
 from lopd_lightning.memory.bank import Experience, ExperienceBank
@@ -100,7 +100,8 @@ class LOPDModule(OnPolicyModule):
     Args:
         num_latents: K, latent tokens per experience (paper: 32).
         num_experiences: J, experiences retrieved per task (paper: 3).
-        composer_depth: Perceiver resampler depth, weights shared across depth (paper: 8).
+        composer_depth: depth of the Perceiver resampler (``composer_architecture: perceiver``), weights shared
+            (paper: 8).
         composer_lora: LoRA of the composer's encoder (paper: rank 8, alpha 16, dropout 0, all projections).
         composer_lr: AdamW learning rate of the composer (paper: 1e-5).
         composer_clip_compressor, composer_clip_lora: separate grad-clip norms of the compressor chi and the
@@ -110,7 +111,7 @@ class LOPDModule(OnPolicyModule):
             docs/METHOD.md section 3, "Deviation" gives the measurement (benchmarks/results/latent_capacity.json).
         composer_output_gain: the initial gain of the compressor's output LayerNorm: ``"embedding"`` (the
             default: the RMS of the backbone's token embeddings, so the latents start at their scale) or a
-            number (1.0: PyTorch's default, what the paper's code leaves it at).
+            number (1.0: PyTorch's default and this project's before; the paper does not say).
         composer_path: a folder written by ``lopd pretrain-composer`` (``composer.pt``): the composer is
             loaded from it at construction, becomes the anchor c_phi0, and no warm start runs in ``fit``.
         distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20).
@@ -235,6 +236,7 @@ class LOPDModule(OnPolicyModule):
             composer_lora=composer_cfg, beta_init=beta_init, dual_lr=dual_lr, margin_weighting=margin_weighting,
             composer_architecture=composer_architecture, composer_path=composer_path, composer_output_gain=composer_output_gain,
             warm_start_weights=(warm_start_task_weight, warm_start_reconstruction_weight),
+            warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size,
             latent_probe_every_n_steps=latent_probe_every_n_steps,
         )
         super().__init__(model, **kwargs)
@@ -262,7 +264,7 @@ class LOPDModule(OnPolicyModule):
             bank_path, embedder, num_experiences=num_experiences, capacity=bank_capacity, eviction=bank_eviction,
             allow_self_retrieval=allow_self_retrieval,
         )
-        # c_phi0: a frozen snapshot of the composer (its own LoRA adapter on the same backbone + a resampler)
+        # c_phi0: a frozen snapshot of the composer (its own LoRA adapter on the same backbone + a compressor)
         copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
         self.anchor_composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=ANCHOR_ADAPTER, **composer_options)
         #: what ``lopd pretrain-composer`` saved beside the composer loaded from ``composer_path`` (None: none)
@@ -271,42 +273,33 @@ class LOPDModule(OnPolicyModule):
         self.margin = float(margin)
         #: beta and its dual ascent (docs/METHOD.md 5); ``self.beta`` reads and sets its value.
         self.dual = DualAscent(beta_init, lr=dual_lr)
-        self.warm_started = warm_start_steps == 0 or composer_path is not None
+        self.warm_started = warm_start_steps == 0 or bool(composer_path)
 
     @staticmethod
     def _check_options(
-        *,
-        num_latents: int,
-        num_experiences: int,
-        distill_top_k: int,
-        embedder: str,
-        bank_path: str | None,
-        bank_capacity: int | None,
-        distill_chunk_size: Any,
-        composer_lora: Any,
-        beta_init: float,
-        dual_lr: float,
-        margin_weighting: str,
-        composer_architecture: str,
-        composer_path: str | None,
-        composer_output_gain: float | str,
-        warm_start_weights: tuple[float, float],
+        *, num_latents: int, num_experiences: int, distill_top_k: int, embedder: str, bank_path: str | None,
+        bank_capacity: int | None, distill_chunk_size: Any, composer_lora: Any, beta_init: float, dual_lr: float,
+        margin_weighting: str, composer_architecture: str, composer_path: str | None, composer_output_gain: float | str,
+        warm_start_weights: tuple[float, float], warm_start_lr: float, warm_start_batch_size: int,
         latent_probe_every_n_steps: int,
     ) -> None:
         """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
 
         Raises:
-            ValueError: an unknown ``margin_weighting``, K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``, an unknown embedder, a
-                missing or too small bank, a ``distill_chunk_size`` that is not null
-                or an int >= 1, or a composer LoRA that the shared backbone cannot honour.
-            FileNotFoundError: ``bank_path`` holds no bank.
+            ValueError: an unknown ``margin_weighting``, K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``,
+                an unknown embedder, a missing or too small bank, a ``distill_chunk_size`` that is not null or an
+                int >= 1, a composer LoRA that the shared backbone cannot honour, a negative
+                ``latent_probe_every_n_steps``, or a composer or pretraining option
+                :func:`~lopd_lightning.composer.model.check_composer_options` refuses.
+            FileNotFoundError: ``bank_path`` holds no bank, or ``composer_path`` no composer.
         """
         if margin_weighting not in MARGIN_WEIGHTINGS:
             close = difflib.get_close_matches(str(margin_weighting), MARGIN_WEIGHTINGS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; {hint}"
                              f"choose one of {', '.join(MARGIN_WEIGHTINGS)}")
-        check_composer_options(composer_architecture, composer_output_gain, composer_path, warm_start_weights)
+        check_composer_options(composer_architecture, composer_output_gain, composer_path, warm_start_weights,
+                               warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size)
         if latent_probe_every_n_steps < 0:
             raise ValueError(f"model.init_args.latent_probe_every_n_steps must be >= 0 (0: never), got "
                              f"{latent_probe_every_n_steps}")
@@ -379,7 +372,7 @@ class LOPDModule(OnPolicyModule):
             return self.compose(batch, self.anchor_composer).latents
 
     def freeze_anchor(self) -> None:
-        """Copy the current composer (LoRA and resampler) into the frozen anchor c_phi0."""
+        """Copy the current composer (LoRA and compressor) into the frozen anchor c_phi0."""
         copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
         self.anchor_composer.compressor.load_state_dict(self.composer.compressor.state_dict())
         self.anchor_composer.requires_grad_(False)
@@ -582,6 +575,12 @@ class LOPDModule(OnPolicyModule):
             "warm_started": self.warm_started,
             "bank": self.bank.state_dict(),
         }
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if isinstance(checkpoint.get("state_dict"), dict):  # written before the compressor's rename
+            upgrade_composer_keys(checkpoint["state_dict"])
+        super().on_load_checkpoint(checkpoint)
 
     @override
     def load_method_state(self, state: dict[str, Any]) -> None:
