@@ -460,6 +460,7 @@ class LOPDModule(OnPolicyModule):
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         opt_student, opt_composer = self.optimizers()
+        probe = self.latent_probe(batch) if self._probe_due() else {}  # the composer that makes this step's teacher
         loss_student, loss_composer, _, delta, anchor, has_latents = self.losses(batch)
         self._check_layers_checkpointed()
 
@@ -498,7 +499,6 @@ class LOPDModule(OnPolicyModule):
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()
 
-        probe = self.latent_probe(batch) if self._probe_due() else {}
         self.log_rollout_metrics(
             batch,
             {
