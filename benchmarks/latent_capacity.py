@@ -27,8 +27,8 @@ the latents carry; ``closing_ratio_heldout`` = (none - latent) / (none - text), 
 gain; ``spread`` and ``spread_untrained`` (:func:`~lopd_lightning.composer.losses.latent_spread` of the
 held-out facts' latents, after and before pretraining: 0 is one constant prompt);
 ``teacher_contains_heldout`` (none / text / latent: the fraction of held-out facts whose code the teacher's
-own greedy reply contains); ``curve``: ``info_ratio_heldout`` and ``closing_ratio_heldout`` every
-``--curve-every`` steps; ``pretrain_steps``, ``pretrain_s`` (the stage's wall time), and the run's metadata
+own greedy reply contains, within 32 tokens; ``teacher_replies_heldout``: those replies); ``curve``:
+``info_ratio_heldout`` and ``closing_ratio_heldout`` every ``--curve-every`` steps; ``pretrain_steps``, ``pretrain_s`` (the stage's wall time), and the run's metadata
 (``src_hash``, ``src_tree``: the code it ran).
 """
 
