@@ -115,8 +115,9 @@ def reconstruction_batch(module: LOPDModule, records: Sequence[Experience]):
 
 def with_own_record(retrieved: list[list[Experience]], records: Sequence[Experience], *, num_experiences: int,
                     step: int) -> tuple[list[list[Experience]], list[int]]:
-    """Each row's experiences with its own record in slot ``(step + b) mod J`` (the others: its retrieval,
-    without the record itself, in order): ``(experiences, the own record's slot per row)``."""
+    """Each row's experiences with its own record in slot ``(step + b) mod n_b`` (n_b: the row's experiences, J
+    when its retrieval found J - 1 others; the others: its retrieval without the record itself, in order):
+    ``(experiences, the own record's slot per row)``."""
     rows, slots = [], []
     for b, (found, own) in enumerate(zip(retrieved, records, strict=True)):
         others = [e for e in found if not (e.task_id == own.task_id and e.trace == own.trace)][: num_experiences - 1]
