@@ -24,7 +24,6 @@ One training step (manual optimisation, two optimisers):
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
