@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import torch
