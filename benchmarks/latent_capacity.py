@@ -106,12 +106,7 @@ def answer_nll(module, batch, **context) -> list[float]:
 
 def latents_for(module, examples, experiences):
     """The composer's latents for each example with the given experience (one per row)."""
-    from lopd_lightning.rollout import RolloutBatch
-
-    fake = RolloutBatch.__new__(RolloutBatch)  # compose() reads only the task text and the experiences
-    fake.metadata = [{"task_text": ex.text} for ex in examples]
-    fake.experiences = [[e] for e in experiences]
-    return module.compose(fake)
+    return module.compose_experiences([ex.text for ex in examples], [[e] for e in experiences])
 
 
 def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None = None) -> dict[str, Any]:

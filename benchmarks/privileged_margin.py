@@ -295,12 +295,7 @@ def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=No
     attn = torch.ones_like(ids)
     kwargs: dict[str, Any] = {}
     if composer is not None:
-        from lopd_lightning.rollout import RolloutBatch
-
-        experiences = module.retrieve(task, [example])
-        fake = RolloutBatch.__new__(RolloutBatch)  # compose() reads only the task text and the experiences
-        fake.metadata, fake.experiences = [{"task_text": example.text}], experiences
-        composed = module.compose(fake, composer)
+        composed = module.compose_experiences([example.text], module.retrieve(task, [example]), composer)
     if composed is not None:
         kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
     elif context_ids is not None:

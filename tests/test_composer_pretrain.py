@@ -21,7 +21,6 @@ from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.losses import token_logps
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.modules import LOPDModule
-from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks.facts import FactsTask
 
 from test_lopd_module import TINY_YAML, bank_dir, make_dm, make_module  # noqa: F401  (bank_dir: a fixture)
@@ -238,9 +237,7 @@ def own_and_other(module: LOPDModule, task: FactsTask) -> tuple[float, float, fl
     values = []
     with torch.no_grad():
         for experiences in (own, own[1:] + own[:1]):
-            fake = RolloutBatch.__new__(RolloutBatch)
-            fake.metadata, fake.experiences = [{"task_text": ex.text} for ex in examples], [[e] for e in experiences]
-            composed = module.compose(fake)
+            composed = module.compose_experiences([ex.text for ex in examples], [[e] for e in experiences])
             logits = module.teacher.logits_on_student_positions(
                 batch.input_ids, batch.attention_mask, batch.context_position, positions=module.unshift(mask),
                 latents=composed.latents, latent_mask=composed.latent_mask)

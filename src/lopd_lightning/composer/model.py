@@ -438,8 +438,8 @@ def upgrade_composer_keys(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def check_composer_options(architecture: str, output_gain: float | str, path: str | None,
-                           warm_start_weights: tuple[float, float], *, warm_start_lr: float = 1e-3,
-                           warm_start_batch_size: int = 1) -> None:
+                           warm_start_weights: tuple[float, float], *, warm_start_lr: float,
+                           warm_start_batch_size: int) -> None:
     """Refuse composer options that are wrong whatever the model, naming the ``model.init_args`` key.
 
     Args:

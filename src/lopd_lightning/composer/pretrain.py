@@ -263,7 +263,6 @@ class ComposerPretraining(LightningModule):
         self.draws = pretraining_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size,
                                        seed=hp.seed)
         self.strict_loading = False  # checkpoints hold phi only
-        self.automatic_optimization = True
 
     def trainable_names(self) -> set[str]:
         """The state-dict keys of phi (what the checkpoints hold)."""

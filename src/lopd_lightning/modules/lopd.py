@@ -355,9 +355,14 @@ class LOPDModule(OnPolicyModule):
 
         Each trajectory's encoder input is "Task to solve: <its own task>" + one retrieved trajectory.
         """
-        composer = composer or self.composer
         experiences = batch.experiences or [[] for _ in range(len(batch))]
-        pairs = [[(meta["task_text"], e.trace) for e in exps] for meta, exps in zip(batch.metadata, experiences, strict=True)]
+        return self.compose_experiences([meta["task_text"] for meta in batch.metadata], experiences, composer)
+
+    def compose_experiences(self, task_texts: list[str], experiences: list[list[Experience]],
+                            composer: LatentComposer | None = None) -> ComposerOutput:
+        """Latents of B rows given as texts: row b's experiences, each read with "Task to solve: <task_texts[b]>"."""
+        composer = composer or self.composer
+        pairs = [[(text, e.trace) for e in exps] for text, exps in zip(task_texts, experiences, strict=True)]
         tokens = composer.tokenize_experiences(pairs)
         return composer(
             tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device), tokens.experience_mask.to(self.device)
