@@ -38,11 +38,15 @@ class MemoryRefresh(Callback):
         self.min_reward = min_reward
         self.pending: list[dict[str, Any]] = []
         self.added_total = 0
+        #: steps that ran with an empty bank (no experiences: LOPD trained nothing in them)
+        self.empty_steps = 0
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps == 0 or not hasattr(pl_module, "bank"):
             return
+        was_empty = len(pl_module.bank) == 0  # the bank changes only here, so it was empty all step
+        self.empty_steps += was_empty
         rewards = batch.rewards.tolist()
         for i, reward in enumerate(rewards):
             if reward >= self.min_reward:
@@ -51,6 +55,16 @@ class MemoryRefresh(Callback):
                 )
         if trainer.global_step % self.every_n_steps == 0:
             self.refresh(trainer, pl_module)
+        if was_empty and len(pl_module.bank):
+            log.warning("the bank was empty for the first %d steps, which trained nothing; it now holds %d "
+                        "experiences", self.empty_steps, len(pl_module.bank))
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.every_n_steps and hasattr(pl_module, "bank") and len(pl_module.bank) == 0 and self.empty_steps:
+            log.warning("the bank stayed empty: all %d steps ran without experiences and trained nothing; build "
+                        "one with `lopd build-memory -c CONFIG --from-references` (model.init_args.bank_path)",
+                        self.empty_steps)
 
     def refresh(self, trainer: Trainer, pl_module: LightningModule) -> int:
         """Add the pending candidates (from every rank) to the bank; returns how many entered it."""
@@ -78,12 +92,13 @@ class MemoryRefresh(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"pending": self.pending, "added_total": self.added_total}
+        return {"pending": self.pending, "added_total": self.added_total, "empty_steps": self.empty_steps}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pending = list(state_dict["pending"])
         self.added_total = int(state_dict["added_total"])
+        self.empty_steps = int(state_dict.get("empty_steps", 0))
 
 
 class MarginSchedule(Callback):
