@@ -359,3 +359,20 @@ def test_add_composer_adapter_keeps_a_full_students_own_flags_and_refuses_bad_in
         add_composer_adapter(prepare_backbone(tiny_model(), student_lora=STUDENT_LORA), {"r": 2, "target_modules": ["norm"]})
     with pytest.raises(ValueError, match=r"names \['q_prj'\], which this model does not have"):
         add_composer_adapter(tiny_model(), {"r": 2, "target_modules": ["q_prj"]})
+
+
+def test_a_student_lora_on_a_weight_tied_other_than_as_the_word_embeddings_is_refused_in_one_line():
+    """Only the word embeddings' tie is declared by the config (tie_word_embeddings), so only that one can be
+    merged apart and saved (merged_student unties it); a LoRA on a weight two layers share otherwise is refused
+    when the backbone is built, not at export."""
+    model = tiny_model()
+    layers = model.model.layers
+    layers[1].self_attn.q_proj.weight = layers[0].self_attn.q_proj.weight  # one matrix, two layers
+    with pytest.raises(ValueError) as error:
+        prepare_backbone(model, student_lora={**STUDENT_LORA, "target_modules": ["q_proj"]})
+    assert str(error.value) == (
+        "model.init_args.lora.target_modules: 'model.layers.0.self_attn.q_proj' shares its weight with "
+        "['model.layers.1.self_attn.q_proj.base_layer.weight'] (tied weights other than the word embeddings), "
+        "which a merged student cannot keep apart; remove it from target_modules")
+    tied = prepare_backbone(tiny_model(), student_lora={**STUDENT_LORA, "target_modules": ["embed_tokens", "lm_head"]})
+    assert tied.base_model.model.config.tie_word_embeddings  # the word embeddings' tie: accepted, kept in training

@@ -116,6 +116,35 @@ def test_a_full_parameter_student_exports_merged_and_refuses_adapter(tmp_path, c
     assert err[-1].startswith("error: --adapter needs a LoRA student") and "Traceback" not in "".join(err)
 
 
+@pytest.mark.parametrize("targets", [["embed_tokens"], ["lm_head"], ["q_proj", "embed_tokens", "lm_head"]])
+def test_a_lora_on_tied_embeddings_or_head_exports_untied_with_the_students_logits(tmp_path, targets):
+    """The tiny model ties its head to its embeddings (as SmolLM2). The merge wrote both LoRA updates into the one
+    shared matrix under a config that still said tied: the export's logits were 3 to 24 times the LoRA's own
+    effect away from the student's, and load_student of the adapter form the same. Now the merged form has its
+    own lm_head.weight and tie_word_embeddings: false, and the adapter form loads untied."""
+    module = make("grpo", lora={**LORA, "target_modules": targets})
+    inner = module.backbone.base_model.model
+    assert inner.config.tie_word_embeddings
+    perturb(module)
+    expected = student_logits(module.eval())
+    effect = (expected - logits_of(tiny_model(seed=0))).norm()
+
+    merged = export_student(module, tmp_path / "merged")
+    hf = AutoModelForCausalLM.from_pretrained(merged, local_files_only=True)
+    assert float((logits_of(hf) - expected).norm() / effect) < 1e-5
+    assert json.loads((merged / "config.json").read_text())["tie_word_embeddings"] is False
+    weights = load_file(merged / "model.safetensors")
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+
+    adapter = export_student(module, tmp_path / "adapter", adapter=True)
+    for model in (AutoModelForCausalLM.from_pretrained(adapter, local_files_only=True),  # unmerged, as trained
+                  load_student(str(adapter))[0], load_student(str(merged))[0]):
+        assert float((logits_of(model) - expected).norm() / effect) < 1e-5
+    assert inner.config.tie_word_embeddings  # the module's own model is left as it was: tied, shared
+    assert inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
+    torch.testing.assert_close(student_logits(module), expected, rtol=0, atol=0)
+
+
 def test_the_module_class_comes_from_the_checkpoint_or_is_asked_for():
     lopd_keys = {k: None for k in ("model", "num_latents")}
     with pytest.raises(ValueError, match="lopd export --class"):

@@ -82,7 +82,8 @@ def test_merged_weights_for_vllm_equal_peft_merge_and_leave_the_model_unchanged(
 @pytest.mark.parametrize("lora, message", [
     ({**LORA, "use_dora": True}, "use_dora: a DoRA student cannot be synced into vLLM"),
     ({**LORA, "target_modules": ["q_proj", "embed_tokens"]}, "a LoRA on the embeddings"),
-    ({**LORA, "target_modules": ["q_proj", "lm_head"]}, "a LoRA on lm_head of a model with tied embeddings"),
+    ({**LORA, "target_modules": ["q_proj", "lm_head"]},
+     "a LoRA on lm_head, whose weight is tied to model.embed_tokens.weight, is not synced into vLLM; remove lm_head"),
 ])
 def test_a_student_lora_vllm_cannot_carry_is_refused_in_one_line(lora, message):
     from lopd_lightning.models import tiny_model  # tied embeddings, as SmolLM2
@@ -92,6 +93,8 @@ def test_a_student_lora_vllm_cannot_carry_is_refused_in_one_line(lora, message):
     with pytest.raises(ValueError, match=message):
         check_mergeable(backbone, STUDENT)
     check_mergeable(prepare_backbone(tiny_model(vocab_size=len(tokenizer)), student_lora=LORA), STUDENT)  # fine
+    untied, _ = peaked_model()  # a head of its own: its LoRA merges like any linear layer's
+    check_mergeable(prepare_backbone(untied, student_lora={**LORA, "target_modules": ["lm_head"]}), STUDENT)
 
 
 def test_unknown_backend_and_options_name_the_config_key(peaked):
@@ -248,3 +251,4 @@ def test_vllm_engine_resyncs_after_a_checkpoint_load_or_a_marked_change():
     module._backend_step = 0
     module.mark_weights_changed()
     assert module._backend_step == -1
+

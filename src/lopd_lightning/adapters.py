@@ -45,6 +45,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from lopd_lightning.tied_weights import check_tied_lora, untie_lora_weights
+
 STUDENT = "student"
 COMPOSER = "composer"
 TEACHER_EMA = "teacher_ema"
@@ -186,7 +188,10 @@ def prepare_backbone(
 
     Raises:
         TypeError: ``model`` is already a ``PeftModel`` or a config has the wrong type.
-        ValueError: a config asks for what one shared backbone cannot honour (:func:`check_lora_config`).
+        ValueError: a config asks for what one shared backbone cannot honour (:func:`check_lora_config`); the
+            student LoRA targets a weight tied other than as the word embeddings
+            (:func:`~lopd_lightning.tied_weights.check_tied_lora`; a LoRA on tied embeddings or head is fine:
+            :func:`merged_student` unties it).
     """
     if isinstance(model, PeftModel):
         raise TypeError("prepare_backbone expects a plain model; it is already a PeftModel")
@@ -197,6 +202,7 @@ def prepare_backbone(
     backbone = model
     if student_cfg is not None:
         backbone = get_peft_model(model, student_cfg, adapter_name=STUDENT)
+        check_tied_lora(backbone, STUDENT, "lora")
         for p in base_parameters(backbone):
             p.requires_grad_(False)
         for p in adapter_parameters(backbone, STUDENT):
@@ -530,7 +536,16 @@ def copy_adapter(peft_model: PeftModel, source: str, target: str) -> list[nn.Par
 def merged_student(peft_model: PeftModel) -> nn.Module:
     """A standalone copy of the student: the base weights with the student LoRA merged, no other adapter.
 
-    The shared backbone is left untouched (the copy is made first). Ready for ``save_pretrained``.
+    The shared backbone is left untouched (the copy is made first). Ready for ``save_pretrained``. The copy
+    computes what the student computes:
+
+    * tied weights: a LoRA on ``embed_tokens`` or ``lm_head`` of a model with tied word embeddings is merged
+      into an untied copy (:func:`lopd_lightning.tied_weights.untie_lora_weights`): separate embeddings and
+      head, ``config.tie_word_embeddings`` False.
+
+    Raises:
+        ValueError: a student LoRA on a weight tied other than as the word embeddings
+            (:func:`~lopd_lightning.tied_weights.check_tied_lora`; refused when the backbone is built).
     """
     import copy
 
@@ -540,7 +555,8 @@ def merged_student(peft_model: PeftModel) -> nn.Module:
     for name in adapter_names(clone):
         if name != STUDENT:
             clone.delete_adapter(name)
-    if is_lora_student(clone):
-        clone.set_adapter(STUDENT)
-        return clone.merge_and_unload()
-    return clone.unload()
+    if not is_lora_student(clone):
+        return clone.unload()
+    clone.set_adapter(STUDENT)
+    untie_lora_weights(clone, STUDENT)
+    return clone.merge_and_unload()

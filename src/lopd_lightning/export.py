@@ -8,7 +8,9 @@ Hugging Face folder, in one of two forms:
 
 - **merged** (default): the base weights with the student LoRA merged in (or the full-parameter student),
   ``config.json``, ``generation_config.json``, the safetensors weights and the tokenizer: a plain
-  causal-LM folder;
+  causal-LM folder (:func:`lopd_lightning.adapters.merged_student`). A LoRA on ``embed_tokens`` or ``lm_head``
+  of a model with tied word embeddings (SmolLM2) is written untied: its own ``lm_head.weight`` and
+  ``tie_word_embeddings: false`` in ``config.json``;
 - **adapter** (``adapter=True``, LoRA students only): the student LoRA alone (``adapter_config.json`` and
   ``adapter_model.safetensors``, peft's format) and the tokenizer. ``adapter_config.json`` names the
   base model by its absolute folder (``base_model_name_or_path``); a base that has no folder of its own
@@ -18,8 +20,8 @@ No other adapter, no composer, no optimiser state goes into the folder. ``lopd_e
 method, checkpoint, step, form and base model (``smollm2-135m-instruct`` for the packaged model, whose
 converted folder lives in the local cache). Either form loads with
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` (the adapter form through transformers'
-peft integration) and is a valid ``model.init_args.model`` for ``lopd fit|validate|test``
-(:func:`lopd_lightning.models.load_student` merges an adapter folder into its base).
+peft integration, unmerged) and is a valid ``model.init_args.model`` for ``lopd fit|validate|test``
+(:func:`lopd_lightning.models.load_student` merges an adapter folder into its base, untied as above).
 """
 
 from __future__ import annotations
@@ -297,7 +299,8 @@ def export_student(module: Any, folder: str | Path, *, adapter: bool = False, in
         config.base_model_name_or_path = base
         config.inference_mode = True
         config.save_pretrained(tmp)
-        state = get_peft_model_state_dict(backbone, adapter_name=STUDENT)
+        # the LoRA weights alone: peft would add the (frozen, unchanged) base embeddings of a LoRA on them
+        state = get_peft_model_state_dict(backbone, adapter_name=STUDENT, save_embedding_layers=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp / "adapter_model.safetensors",
                   metadata={"format": "pt"})
         record["base_model_name_or_path"] = base

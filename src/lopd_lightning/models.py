@@ -211,7 +211,9 @@ def load_student(
     Args:
         name_or_path: ``"tiny"`` (random, from :func:`tiny_model`), ``"smollm2-135m-instruct"`` (the
             packaged model), a local Hugging Face folder, or an adapter folder of ``lopd export --adapter``
-            (its base loaded and the LoRA merged in: a plain model).
+            (its base loaded and the LoRA merged in: a plain model; a LoRA on the embeddings or the head of a
+            model with tied word embeddings is merged into separate embeddings and head, and the model's
+            ``config.tie_word_embeddings`` is then False: :func:`lopd_lightning.tied_weights.untie_lora_weights`).
         dtype: weights dtype (float32 by default; bfloat16 on GPUs).
         seed: seed of the tiny model's weights.
 
@@ -244,8 +246,12 @@ def load_student(
         else:  # an exported student LoRA beside its base: merged into a plain model
             from peft import PeftModel
 
+            from lopd_lightning.tied_weights import untie_lora_weights
+
             model = AutoModelForCausalLM.from_pretrained(config_folder, local_files_only=True, dtype=dtype)
-            model = PeftModel.from_pretrained(model, folder, local_files_only=True).merge_and_unload()
+            model = PeftModel.from_pretrained(model, folder, local_files_only=True)
+            untie_lora_weights(model, model.active_adapter)  # a LoRA on tied embeddings or head: merged apart
+            model = model.merge_and_unload()
     _check_vocab(len(tokenizer), model.get_input_embeddings().weight.shape[0], name_or_path)
     model.config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config is not None:

@@ -102,10 +102,13 @@ def check_mergeable(model: Any, adapter: str | None) -> None:
 
     Raises:
         ValueError: the adapter is DoRA (its magnitude vectors are not a B A update), targets the token
-            embeddings (their LoRA matrices are not merged), or targets ``lm_head`` of a model with tied
-            embeddings (the engine rebuilds the head from the embeddings); the message names
+            embeddings (their LoRA matrices are not merged), or targets a layer whose weight is tied to
+            another (:func:`~lopd_lightning.tied_weights.tied_lora_weights`: ``lm_head`` of a model with tied
+            word embeddings; the engine rebuilds the head from the embeddings); the message names
             ``model.init_args.lora`` and the fix.
     """
+    from lopd_lightning.tied_weights import tied_lora_weights
+
     if adapter is None or not hasattr(model, "peft_config"):
         return
     config = model.peft_config.get(adapter)
@@ -113,14 +116,16 @@ def check_mergeable(model: Any, adapter: str | None) -> None:
         raise ValueError("model.init_args.lora.use_dora: a DoRA student cannot be synced into vLLM; "
                          "drop use_dora or use generation_backend: hf")
     inner = model.base_model.model
-    tied = bool(getattr(inner.config, "tie_word_embeddings", False))
     for name, module in inner.named_modules():
         if adapter in getattr(module, "lora_embedding_A", {}):
             raise ValueError(f"model.init_args.lora.target_modules: a LoRA on the embeddings ({name}) is not "
                              "synced into vLLM; remove it from target_modules or use generation_backend: hf")
-        if tied and name.endswith("lm_head") and adapter in getattr(module, "lora_A", {}):
-            raise ValueError("model.init_args.lora.target_modules: a LoRA on lm_head of a model with tied "
-                             "embeddings is not synced into vLLM; remove lm_head or use generation_backend: hf")
+    tied = tied_lora_weights(model, adapter)
+    if tied:
+        name, others = next(iter(tied.items()))
+        raise ValueError(f"model.init_args.lora.target_modules: a LoRA on {name}, whose weight is tied to "
+                         f"{others[0]}, is not synced into vLLM; remove {name.rpartition('.')[2]} from target_modules "
+                         "or use generation_backend: hf")
 
 
 class VLLMBackend(GenerationBackend):
