@@ -14,6 +14,9 @@ import lightning as L
 from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
 
+#: the bank that ships with configs/tiny.yaml: the toy train split's 24 reference solutions, hashing embedder
+TINY_BANK = Path(__file__).resolve().parents[1] / "configs" / "tiny_bank"
+
 
 class EvenToy(ToyTask):
     """Rewards we control: 1 for the even-numbered examples ("toy/0", "toy/2", ...), 0 for the others."""

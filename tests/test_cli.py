@@ -22,6 +22,7 @@ from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks import TASK_NAMES
 from lopd_lightning.tasks.toy import ToyTask
+from helpers import TINY_BANK
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("**/*.yaml"))
@@ -124,7 +125,7 @@ def test_validate_and_test_subcommands_run_greedy_episodes(tmp_path, subcommand,
     monkeypatch.chdir(tmp_path / "cwd")
     cli = _lightning_cli([
         subcommand, "-c", str(TINY_YAML), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_progress_bar=false", f"--model.init_args.bank_path={TINY_BANK}",
     ])
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     assert metrics[f"{prefix}/turns_mean"] == 1.0  # the toy task is single-turn
@@ -495,7 +496,7 @@ def old_tiny_text() -> str:
     for new, old in TINY_OLD_SPELLINGS.items():
         assert f"    {new}: " in text
         text = text.replace(f"    {new}: ", f"    {old}: ")
-    return text
+    return text.replace("bank_path: configs/tiny_bank", f"bank_path: {TINY_BANK}")  # run from other folders
 
 
 def old_tiny_config(folder: Path) -> Path:

@@ -173,7 +173,8 @@ def test_the_command_writes_what_fit_loads(tmp_path, bank_dir, capsys):
     (["--steps", "0"], "--steps must be >= 1"),
     ([], "give --out FOLDER or set model.init_args.composer_path"),
     (["--model.init_args.composer_path=/nowhere/composer"], "warm_start_steps is 0: give --steps N"),
-    (["--model.init_args.composer_path=/nowhere/composer", "--steps", "2"], "holds no successful trajectory"),
+    (["--model.init_args.composer_path=/nowhere/composer", "--steps", "2", "--model.init_args.bank_path=null"],
+     "holds no successful trajectory"),
     (["--out", "/nowhere/composer", "--steps", "2", "--resume"], "--resume: /nowhere/composer/checkpoints/last.ckpt"),
 ])
 def test_the_command_says_what_to_fix_in_one_line(tmp_path, argv, message, capsys):

@@ -461,16 +461,16 @@ def test_warm_start_draws_are_seeded_successful_train_records_and_are_what_it_tr
 
 
 def test_warm_start_without_successful_records_is_skipped(tmp_path):
-    module = make_module(None, warm_start_steps=3)
+    module = make_module(None, warm_start_steps=3)  # an empty bank that MemoryRefresh may fill
     fresh = snapshot(module.composer.trainable_parameters())
-    make_trainer(tmp_path, max_steps=1, limit_train_batches=0).fit(module, make_dm())
+    make_trainer(tmp_path, max_steps=1, limit_train_batches=0, callbacks=[MemoryRefresh(1)]).fit(module, make_dm())
     assert module.warm_started
     assert same(fresh, module.composer.trainable_parameters())
 
 
 # ------------------------------------------------------------------- validation before training
-def test_validate_before_training_records_step_zero(tmp_path):
-    module = make_module(None, validate_before_training=True)
+def test_validate_before_training_records_step_zero(tmp_path, bank_dir):
+    module = make_module(bank_dir, validate_before_training=True)
     make_trainer(tmp_path, max_steps=1).fit(module, make_dm(val_examples=3))
     step, values = module.val_history[0]
     assert step == 0
@@ -531,8 +531,8 @@ def test_beta_stays_put_without_latents(tmp_path):
     """An empty bank gives no latents: delta is 0 by construction, so the dual step is skipped (no wind-up:
     the rule would otherwise add eta * m = 0.025 per step) and beta keeps its value."""
     module = make_module(None, beta_init=0.3)
-    recorder = Recorder()
-    make_trainer(tmp_path, max_steps=2, callbacks=[recorder]).fit(module, datamodule=make_dm())
+    recorder = Recorder()  # MemoryRefresh may fill the bank; the tiny random model solves nothing, so it stays empty
+    make_trainer(tmp_path, max_steps=2, callbacks=[recorder, MemoryRefresh(1)]).fit(module, datamodule=make_dm())
     assert [s["beta_after"] for s in recorder.steps] == [0.3, 0.3]
 
 
@@ -662,3 +662,64 @@ def test_the_composer_adapter_comes_after_the_base_constructor_with_its_config(m
     monkeypatch.setattr("lopd_lightning.modules.base.load_student", refuse)
     with pytest.raises(ValueError, match=r"model.init_args.composer_lora.rank is not a LoraConfig field"):
         make_module(None, composer_lora={"rank": 2})
+
+
+# ------------------------------------------------------------------- an empty bank trains nothing
+def test_an_empty_bank_that_nothing_fills_is_refused_before_the_first_step(tmp_path):
+    module = make_module(None)
+    recorder = Recorder()
+    with pytest.raises(ValueError, match=r"^model.init_args.bank_path is null, so LOPD's teacher has no experiences.*"
+                                         r"lopd build-memory.*MemoryRefresh") as raised:
+        make_trainer(tmp_path, max_steps=2, callbacks=[recorder]).fit(module, datamodule=make_dm())
+    assert "\n" not in str(raised.value) and recorder.steps == []
+    # MemoryRefresh turned off (every_n_steps 0) fills nothing either; J = 0 (no retrieval) needs no bank
+    with pytest.raises(ValueError, match="bank_path is null"):
+        make_trainer(tmp_path, max_steps=1, callbacks=[MemoryRefresh(0)]).fit(make_module(None), make_dm())
+    make_trainer(tmp_path, max_steps=1).fit(make_module(None, num_experiences=0), make_dm())
+
+
+def test_an_empty_bank_that_memory_refresh_fills_says_how_many_steps_trained_nothing(tmp_path, caplog):
+    """The tiny random model solves nothing, so a callback marks the rollouts of step 2 successful: MemoryRefresh
+    fills the bank after that step, and its warning counts the two steps that ran on the empty bank."""
+    class Solves(Callback):  # placed before MemoryRefresh, so the refresh sees the changed rewards
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                batch.rewards.fill_(1.0)
+
+    refresh = MemoryRefresh(every_n_steps=1)
+    with caplog.at_level("WARNING"):
+        make_trainer(tmp_path, max_steps=3, callbacks=[Solves(), refresh]).fit(make_module(None), make_dm())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "model.init_args.bank_path is null: LOPD trains nothing until MemoryRefresh adds" in warnings[0]
+    assert any("the bank was empty for the first 2 steps, which trained nothing; it now holds" in w for w in warnings)
+    assert refresh.empty_steps == 2 and refresh.state_dict()["empty_steps"] == 2
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # never filled: said once at the end
+        make_trainer(tmp_path, max_steps=2, callbacks=[MemoryRefresh(1)]).fit(make_module(None), make_dm())
+    ends = [r.getMessage() for r in caplog.records if "the bank stayed empty" in r.getMessage()]
+    assert ends == ["the bank stayed empty: all 2 steps ran without experiences and trained nothing; build one with "
+                    "`lopd build-memory -c CONFIG --from-references` (model.init_args.bank_path)"]
+
+
+def test_the_smoke_config_ships_its_bank_and_trains_lopd(tmp_path, monkeypatch):
+    """configs/tiny.yaml (the README's smoke test) reads configs/tiny_bank/, which is exactly what build-memory
+    makes from the toy task's references today, and its steps train: loss, Delta and beta are not 0."""
+    from lopd_lightning.cli import main
+
+    monkeypatch.chdir(CONFIGS.parent)
+    out = tmp_path / "bank"
+    assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", f"--out={out}"]) == 0
+    shipped = CONFIGS / "tiny_bank"
+    for name in ("experiences.jsonl", "meta.json"):
+        assert (out / name).read_text() == (shipped / name).read_text(), name
+    assert (out / "embeddings.npy").read_bytes() == (shipped / "embeddings.npy").read_bytes()
+    recorder = Recorder()
+    cli = _lightning_cli(["-c", str(TINY_YAML), "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+                          f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=0"], run=False)
+    assert len(cli.model.bank) == 24
+    cli.trainer.callbacks.append(recorder)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert [s["batch"].experiences is not None and all(len(e) == 2 for e in s["batch"].experiences)
+            for s in recorder.steps] == [True, True]
+    assert all(s["logged"]["train/loss"] > 0 and s["logged"]["train/margin_delta"] != 0 for s in recorder.steps)
+    assert recorder.steps[-1]["beta_after"] > 0  # Delta below m moved beta

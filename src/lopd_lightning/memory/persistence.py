@@ -14,10 +14,13 @@ Files:
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "read_bank_folder", "write_bank_folder"]
 
@@ -102,7 +105,8 @@ def check_bank(bank_path: str, num_experiences: int, *, capacity: int | None = N
         raise FileNotFoundError(
             f"model.init_args.bank_path {bank_path!r} holds no experience bank; build it first with "
             f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), "
-            f"or set model.init_args.bank_path to null to start with an empty bank"
+            f"or set model.init_args.bank_path to null to start with an empty bank that a MemoryRefresh "
+            f"callback fills from the run's own successes"
         )
     if size is None:
         size = json.loads(meta.read_text(encoding="utf-8")).get("size")
@@ -115,3 +119,30 @@ def check_bank(bank_path: str, num_experiences: int, *, capacity: int | None = N
             f"({size} experiences); set model.init_args.num_experiences <= {size} "
             f"or build a larger bank (`lopd build-memory`)"
         )
+
+
+def check_bank_fills(size: int, num_experiences: int, bank_path: str | None, *, refresh: bool) -> None:
+    """Refuse to train LOPD on an empty bank that nothing will fill: with no experience the teacher sees no
+    latents, the loss, Delta and beta stay 0, and the run trains nothing.
+
+    Args:
+        size: the bank's size when ``fit`` starts.
+        num_experiences: J; 0 (no retrieval, the ablation) needs no bank.
+        bank_path: the config's ``bank_path`` (named in the message).
+        refresh: a MemoryRefresh callback will add the run's successful trajectories; the bank may then start
+            empty, and the callback says how many steps ran before the first experience.
+
+    Raises:
+        ValueError: ``size`` is 0, ``num_experiences`` > 0 and ``refresh`` is False.
+    """
+    if size or not num_experiences:
+        return
+    where = f"the bank at {bank_path!r} is empty" if bank_path else "model.init_args.bank_path is null"
+    if not refresh:
+        raise ValueError(
+            f"{where}, so LOPD's teacher has no experiences and every step would train nothing (loss 0); build a "
+            f"bank with `lopd build-memory -c CONFIG --from-references` and set model.init_args.bank_path to its "
+            f"folder, or add lopd_lightning.callbacks.MemoryRefresh to trainer.callbacks to fill it from the "
+            f"run's own successes"
+        )
+    log.warning("%s: LOPD trains nothing until MemoryRefresh adds the run's first successful trajectory", where)

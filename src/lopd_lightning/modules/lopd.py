@@ -43,7 +43,7 @@ from lopd_lightning.composer.model import check_composer_options, upgrade_compos
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
 from lopd_lightning.memory.bank import Experience, ExperienceBank
-from lopd_lightning.memory.persistence import check_bank
+from lopd_lightning.memory.persistence import check_bank, check_bank_fills
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
@@ -123,7 +123,8 @@ class LOPDModule(OnPolicyModule):
         teacher_mode: "live" (current student weights: the design card's weight sharing), "base"
             (initial weights: the paper's frozen teacher) or "ema".
         teacher_ema_rate: EMA rate of teacher_mode "ema".
-        bank_path: folder of a saved ExperienceBank (``lopd build-memory``); None starts empty.
+        bank_path: folder of a saved ExperienceBank (``lopd build-memory``); None starts empty, which ``fit``
+            refuses unless a MemoryRefresh callback will fill it (an empty bank trains nothing).
         embedder: "minilm" (all-MiniLM-L6-v2, default), "backbone" or "hashing".
         bank_capacity: cap of the bank (None: unbounded); eviction rule ``bank_eviction``.
         allow_self_retrieval: let a task retrieve its own records (the paper's code: allowed).
@@ -540,6 +541,10 @@ class LOPDModule(OnPolicyModule):
 
     @override
     def on_fit_start(self) -> None:
+        from lopd_lightning.callbacks import MemoryRefresh  # callbacks may look up this module's class
+
+        refresh = any(isinstance(c, MemoryRefresh) and c.every_n_steps for c in self.trainer.callbacks)
+        check_bank_fills(len(self.bank), self.hparams.num_experiences, self.hparams.bank_path, refresh=refresh)
         if not self.warm_started:
             self.warm_start_composer()
             self.freeze_anchor()
