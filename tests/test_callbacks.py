@@ -14,9 +14,9 @@ from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory.bank import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
-from lopd_lightning.modules import LOPDModule
+from lopd_lightning.modules import GRPOModule, LOPDModule
 from lopd_lightning.tasks.toy import ToyTask
-from helpers import EvenToy
+from helpers import TINY_BANK, EvenToy
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -28,6 +28,7 @@ def make_module(**overrides) -> LOPDModule:
     options = dict(
         lora=LORA, group_size=2, max_new_tokens=8, num_latents=4, num_experiences=2, composer_depth=2,
         max_experience_tokens=64, embedder="hashing", distill_top_k=8, learning_rate=1e-3, composer_lr=1e-3,
+        bank_path=str(TINY_BANK),
     )
     options.update(overrides)
     return LOPDModule("tiny", **options)
@@ -184,3 +185,21 @@ def test_module_margin_follows_the_schedule_during_a_fit(tmp_path):
     assert margins.used == pytest.approx([0.0, 0.03, 0.06])
     assert margins.logged == pytest.approx([0.0, 0.03, 0.06])
     assert math.isclose(schedule.value(3), 0.09)
+
+
+# ------------------------------------------------------------------ LOPD-only
+@pytest.mark.parametrize(
+    "callback, does",
+    [(MarginSchedule(margin=0.05), "it sets LOPDModule's privileged margin"),
+     (MemoryRefresh(every_n_steps=1), "it adds successful rollouts to LOPDModule's experience bank")],
+    ids=["margin_schedule", "memory_refresh"],
+)
+def test_an_lopd_only_callback_refuses_a_fit_of_another_method(callback, does, tmp_path):
+    """MarginSchedule ended in AttributeError ('AttributeDict' has no 'margin') at its first step, and
+    MemoryRefresh did nothing, silently."""
+    module = GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=8)
+    with pytest.raises(ValueError) as raised:
+        fit(tmp_path, module, OnPolicyDataModule("toy", examples_per_step=1), [callback], max_steps=1)
+    name = type(callback).__name__
+    assert str(raised.value) == (f"trainer.callbacks: {name} ({does}) works only with LOPDModule, and GRPOModule is "
+                                 f"not one; drop it from trainer.callbacks")

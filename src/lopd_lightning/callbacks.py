@@ -3,13 +3,16 @@ progress bars that count training steps.
 
 The first two are independent of the module's code: they act on ``pl_module.bank`` and
 ``pl_module.margin``, take explicit constructor arguments and are configured in YAML (``trainer.callbacks``).
+They are LOPD-only (:class:`LOPDOnlyCallback`): a fit of a module without what they act on (GRPO, SDPO, ...,
+e.g. an LOPD config whose ``model.class_path`` was switched) is refused in one line naming the callback to
+drop from ``trainer.callbacks`` (:func:`lopd_only_refusal`; ``lopd fit`` says it before the weights load).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
@@ -18,7 +21,37 @@ from typing_extensions import override
 log = logging.getLogger(__name__)
 
 
-class MemoryRefresh(Callback):
+class LOPDOnlyCallback(Callback):
+    """A callback that acts on what only :class:`~lopd_lightning.modules.LOPDModule` (and its subclasses) has.
+
+    Its ``setup`` for a fit refuses a module without the attribute ``NEEDS``.
+
+    Raises:
+        ValueError: (``setup``, stage "fit") the module has no ``NEEDS`` attribute; the message names the
+            callback and says to drop it from ``trainer.callbacks`` (:func:`lopd_only_refusal`).
+    """
+
+    #: the module attribute it acts on, and what it does with it (for the refusal)
+    NEEDS: ClassVar[str] = ""
+    DOES: ClassVar[str] = ""
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self.NEEDS and not hasattr(pl_module, self.NEEDS):
+            raise ValueError(lopd_only_refusal([type(self)], type(pl_module).__name__))
+
+
+def lopd_only_refusal(callbacks: list[type[LOPDOnlyCallback]], method: str) -> str:
+    """The one line refusing the LOPD-only ``callbacks`` (classes) on a fit of ``method`` (a class name)."""
+    names = [c.__name__ for c in callbacks]
+    what = ", ".join(f"{c.__name__} ({c.DOES})" for c in callbacks[:-1])
+    what = f"{what} and {names[-1]} ({callbacks[-1].DOES})" if what else f"{names[0]} ({callbacks[0].DOES})"
+    them = "it" if len(names) == 1 else "them"
+    return (f"trainer.callbacks: {what} work{'s' if len(names) == 1 else ''} only with LOPDModule, and {method} "
+            f"is not one; drop {them} from trainer.callbacks")
+
+
+class MemoryRefresh(LOPDOnlyCallback):
     """Every ``every_n_steps`` steps, add the successful rollouts of the last steps to the bank.
 
     Args:
@@ -29,7 +62,15 @@ class MemoryRefresh(Callback):
     Experiences are made by the module's public hook ``experience_from_trajectory``. Under data
     parallelism every rank gathers all ranks' candidates and adds the same list in the same order,
     so the bank stays identical on every rank.
+
+    LOPD-only (:class:`LOPDOnlyCallback`): a fit of a module without a ``bank`` is refused at setup.
+
+    Raises:
+        ValueError: ``every_n_steps`` < 0; (``setup``) a fit of a module without an experience bank.
     """
+
+    NEEDS = "bank"
+    DOES = "it adds successful rollouts to LOPDModule's experience bank"
 
     def __init__(self, every_n_steps: int = 10, min_reward: float = 1.0):
         if every_n_steps < 0:
@@ -101,7 +142,7 @@ class MemoryRefresh(Callback):
         self.empty_steps = int(state_dict.get("empty_steps", 0))
 
 
-class MarginSchedule(Callback):
+class MarginSchedule(LOPDOnlyCallback):
     """Sets the privileged margin ``pl_module.margin`` (m of docs/METHOD.md section 5) before every step.
 
     Args:
@@ -110,7 +151,16 @@ class MarginSchedule(Callback):
         schedule: "constant" (the paper), "linear" (0 -> m over ``warmup_steps``, then m) or "cosine"
             (0 -> m along a half cosine over ``warmup_steps``, then m).
         warmup_steps: length of the ramp of "linear" and "cosine"; ignored by "constant".
+
+    LOPD-only (:class:`LOPDOnlyCallback`): a fit of a module without a ``margin`` is refused at setup.
+
+    Raises:
+        ValueError: an unknown ``schedule``, a ramp without ``warmup_steps``; (``setup``) a fit of a module
+            without a privileged margin.
     """
+
+    NEEDS = "margin"
+    DOES = "it sets LOPDModule's privileged margin"
 
     def __init__(
         self,

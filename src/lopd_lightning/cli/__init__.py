@@ -19,6 +19,10 @@ A mistake the user can fix (a bad key or value, a missing folder, an unknown tas
 one line on stderr, ``error: <message>``, naming the config key and the fix, and a non-zero exit status
 (2 for a command line or config that does not parse, 1 for the rest); ``--debug`` or ``LOPD_DEBUG=1``
 shows the full traceback instead.
+
+In ``lopd fit|validate|test``, ``${model.init_args.max_new_tokens}`` (a key's path from the config's top) in a
+config file or on the command line is resolved after every ``-c`` file and the command line are merged, so
+it follows a later override of that key (:mod:`lopd_lightning.cli.training`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ fix raises :class:`~lopd_lightning.cli.errors.CLIError`.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import time
@@ -26,6 +25,7 @@ from lopd_lightning.cli.errors import (
     CLIError,
     did_you_mean,
     import_class,
+    import_task_class,
 )
 from lopd_lightning.cli.training import lightning_cli
 
@@ -45,19 +45,7 @@ def _task(name: str):
             f"unknown task {name!r}{did_you_mean(name, TASK_NAMES, quote=True)} (known tasks: {', '.join(TASK_NAMES)}; "
             f"or a Task subclass as module.Class, importable from PYTHONPATH)", 2
         )
-    module_name, _, class_name = name.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise CLIError(f"cannot import {module_name!r} for task {name!r}: {error} (is its folder on PYTHONPATH?)", 2) from error
-    except Exception as error:  # the module itself is broken: a SyntaxError, an error at import time
-        where = f"{type(error).__name__}: {' '.join(str(error).split())}"
-        raise CLIError(f"cannot import {module_name!r} for task {name!r}: {where}; fix the module "
-                       f"(lopd --debug tasks verify {name} shows the traceback)", 1) from error
-    try:
-        cls = getattr(module, class_name)
-    except AttributeError as error:
-        raise CLIError(f"module {module_name!r} has no {class_name!r} (task {name!r})", 2) from error
+    cls = import_task_class(name)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise CLIError(f"{name!r} is not a lopd_lightning.tasks.Task subclass", 2)
     try:

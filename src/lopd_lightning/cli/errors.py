@@ -28,7 +28,9 @@ __all__ = [
     "exception_chain",
     "explain",
     "import_class",
+    "import_task_class",
     "init_parameters",
+    "interpolation_error_message",
     "parse_error_message",
 ]
 
@@ -72,6 +74,59 @@ def import_class(path: str) -> type | None:
     return None
 
 
+def import_task_class(name: str) -> type:
+    """The object at ``module.Class`` ``name``, for a task (``lopd tasks verify``, ``data.init_args.task``).
+
+    Raises:
+        CLIError: the module does not import (status 2; 1 when the module itself is broken, an error at
+            its import) or has no such attribute (2); the message names the module and the task.
+    """
+    module_name, _, class_name = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise CLIError(f"cannot import {module_name!r} for task {name!r}: {error} (is its folder on PYTHONPATH?)", 2) from error
+    except Exception as error:  # the module itself is broken: a SyntaxError, an error at import time
+        where = f"{type(error).__name__}: {' '.join(str(error).split())}"
+        raise CLIError(f"cannot import {module_name!r} for task {name!r}: {where}; fix the module "
+                       f"(lopd --debug tasks verify {name} shows the traceback)", 1) from error
+    try:
+        return getattr(module, class_name)
+    except AttributeError as error:
+        raise CLIError(f"module {module_name!r} has no {class_name!r} (task {name!r})", 2) from error
+
+
+def _known_class_paths(key: str) -> list[str]:
+    """The class paths a ``<key>`` (``model.class_path``, ``trainer.callbacks...``) is likely meant to name."""
+    import lightning.pytorch.callbacks as pl_callbacks
+    import lightning.pytorch.loggers as pl_loggers
+
+    if key.startswith("model"):
+        return [f"lopd_lightning.modules.{name}" for name in _known_classes("model")]
+    if key.startswith("data"):
+        return ["lopd_lightning.data.OnPolicyDataModule"]
+    if "callbacks" in key:
+        import lopd_lightning.callbacks as ours
+
+        return ([f"lopd_lightning.callbacks.{n}" for n, v in vars(ours).items() if isinstance(v, type)
+                 and issubclass(v, pl_callbacks.Callback) and v.__module__ == ours.__name__]
+                + [f"lightning.pytorch.callbacks.{n}" for n in pl_callbacks.__all__])
+    if "logger" in key:
+        return [f"lightning.pytorch.loggers.{n}" for n in pl_loggers.__all__]
+    return []
+
+
+def _class_path_message(key: str, class_path: str, reason: str) -> str:
+    """One line for a ``class_path`` that names no class: the key, the reason, the closest known class."""
+    if key.endswith("task.class_path"):
+        try:
+            import_task_class(class_path)
+        except CLIError as error:
+            return f"{key}: {error.message}"
+    hint = did_you_mean(class_path, _known_class_paths(key), quote=True)
+    return f"{key}: no class {class_path!r} ({' '.join(reason.split())}){hint or '; give module.Class of an importable class'}"
+
+
 def _known_classes(section: str) -> list[str]:
     if section == "model":
         import lopd_lightning.modules as modules
@@ -112,9 +167,14 @@ def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str,
         m = re.match(r"Problem with given class_path '([^']+)':", text)
         if m and (not path or path[-1] != "init_args"):
             owner = import_class(m.group(1))
+            if owner is None:  # the class does not import: its class_path is wrong, not its init_args
+                return _class_path_message(".".join([*path, "class_path"]), m.group(1), str(chain[-1]))
             path.append("init_args")
     inner = str(chain[-1]).strip()
     key = ".".join(path)
+    nested = _unimportable_class_path(chain)  # a subtype's class_path, e.g. data.init_args.task's
+    if nested is not None:
+        return _class_path_message(".".join([*path, "class_path"]), *nested)
 
     m = re.fullmatch(r"Option '([^']+)' is not accepted", _plain(inner)) or re.fullmatch(
         r"Key '([^']+)' is not expected", _plain(inner)
@@ -142,6 +202,59 @@ def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str,
     if key == "config":
         return f"-c/--config: {_plain(inner)}"
     return f"{key}: {_plain(inner)}" if key else _plain(inner)
+
+
+def _unimportable_class_path(chain: list[BaseException]) -> tuple[str, str] | None:
+    """(class path, reason) of a ``class_path`` that does not import, reported inside a Union's subtype
+    errors (the key of a ``str | Task`` such as ``data.init_args.task``), or None."""
+    pattern = re.compile(r"Problem with given class_path '([^']+)':\s*\n\s*(No module named .*|module '[^']+' has no attribute .*)")
+    for error in reversed(chain):
+        for m in pattern.finditer(str(error)):
+            if import_class(m.group(1)) is None:
+                return m.group(1), m.group(2)
+    return None
+
+
+def interpolation_error_message(error: BaseException, subcommand: str | None) -> str | None:
+    """One line for a ``${...}`` that does not resolve (an omegaconf error among ``error``'s causes): the key
+    that holds it and, for a path that names no key, the closest key; None when it is no such error.
+
+    Args:
+        subcommand: the subcommand whose config it is (``fit``): omegaconf names keys under it.
+    """
+    from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
+
+    found = next((e for e in exception_chain(error) if isinstance(e, OmegaConfBaseException)), None)
+    if found is None:
+        return None
+    strip = (lambda k: k[len(subcommand) + 1:] if k.startswith(f"{subcommand}.") else k) if subcommand else (lambda k: k)
+    key = strip(str(getattr(found, "full_key", None) or "")) or "config"
+    text = " ".join(str(found).split("\n", 1)[0].split())
+    m = re.search(r"\(resolved to '([^']+)'\)", text)
+    if isinstance(found, InterpolationKeyError) and m:
+        missing = strip(m.group(1))
+        parent = getattr(found, "parent_node", None)
+        keys = [strip(k) for k in _flat_keys(parent._get_root())] if parent is not None else []
+        match = difflib.get_close_matches(missing, keys, n=1, cutoff=0.6)
+        hint = f"; did you mean ${{{match[0]}}}?" if match else "; give the key's path from the config's top, e.g. ${trainer.max_steps}"
+        return f"{key}: ${{{missing}}} names no key{hint}"
+    return f"{key}: cannot resolve {getattr(found, 'child_node', None) or 'its ${...}'}: {text}"
+
+
+def _flat_keys(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of an omegaconf DictConfig (its lists' items as ``key[i]``)."""
+    from omegaconf import DictConfig, ListConfig
+
+    out: list[str] = []
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            out.append(path)
+            out.extend(_flat_keys(node._get_node(k), path))
+    elif isinstance(node, ListConfig):
+        for i in range(len(node)):
+            out.extend(_flat_keys(node._get_node(i), f"{prefix}[{i}]"))
+    return out
 
 
 def _argument_hint(bad: str, key: str, params: list[str], renamed: dict[str, str]) -> str:

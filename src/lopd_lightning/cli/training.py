@@ -7,16 +7,30 @@ spelling of a renamed argument (``model.init_args.rollouts_per_example``, ...) i
 module's constructor, so jsonargparse reads it wherever it reads a key (config files, the files they
 include, the command line); the constructor renames it with a FutureWarning, and both spellings with
 different values are its ValueError, one line with status 1 (:func:`~lopd_lightning.cli.errors.explain`).
+Before ``fit`` builds anything, :func:`~lopd_lightning.cli.checks.check_fit_config` refuses what would fail
+only after the student loaded (a negative learning rate, gradient accumulation, an LOPD-only callback on
+another method).
+
+Interpolation: a value ``${a.b.c}`` (OmegaConf) takes the value of the key ``a.b.c``, written as its path
+from the config's top (``${model.init_args.max_new_tokens}``, ``${trainer.max_steps}``; no ``fit.``) in a
+config file or on the command line (``'--model.init_args.x=${model.init_args.y}'``). It is resolved once,
+after every source is merged (the ``-c`` files in order, then the command line: jsonargparse's
+``omegaconf+`` mode), so it follows a later ``-c`` file or a command-line override of ``a.b.c``.
+``--print_config`` and the run's saved ``config.yaml`` show the resolved values. A path that names no key
+is one line with the closest key. A file given for one key (``--model=model.yaml``) writes paths from its
+own top (``${init_args.max_new_tokens}``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
-from lopd_lightning.cli.errors import CLIError, did_you_mean, parse_error_message
+from lopd_lightning.cli.checks import check_fit_config
+from lopd_lightning.cli.errors import CLIError, did_you_mean, interpolation_error_message, parse_error_message
 
-__all__ = ["LIGHTNING_COMMANDS", "check_task_name", "lightning_cli"]
+__all__ = ["LIGHTNING_COMMANDS", "check_task_name", "lightning_cli", "relative_interpolations"]
 
 #: The subcommands LightningCLI runs (no ``predict``: no module implements ``predict_step``).
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -51,6 +65,34 @@ def check_task_name(config: Any) -> None:
         )
 
 
+_ABSOLUTE = re.compile(r"\$\{([A-Za-z][A-Za-z0-9_.\[\]]*)\}")
+
+
+def relative_interpolations(args: list[str]) -> list[str]:
+    """``args`` with each ``${a.b}`` of a ``--key=value`` (or ``--key value``) written relative to ``key``.
+
+    OmegaConf resolves the merged config of a subcommand under its name (``fit.model...``); jsonargparse
+    rewrites the absolute paths of config files relative to where they stand, and this does the same for
+    the command line, so ``--model.init_args.x=${model.init_args.y}`` means the key the user wrote.
+    """
+    out = list(args)
+    for i, arg in enumerate(out):
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        j = i if eq else i + 1
+        if not eq:
+            if j >= len(out) or out[j].startswith("--"):  # a flag without a value
+                continue
+            value = out[j]
+        if "${" not in value or value.lstrip().startswith(("{", "[")):
+            continue
+        up = "." * (key.count(".") + 1)  # from the node at `key` up to the subcommand's top
+        value = _ABSOLUTE.sub(lambda m: "${" + up + m.group(1) + "}", value)
+        out[j] = f"--{key}={value}" if eq else value
+    return out
+
+
 def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True) -> Any:
     """The LightningCLI of ``lopd fit|validate|test`` on ``args`` (the command line less ``lopd``).
 
@@ -62,8 +104,10 @@ def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True
         The ``LightningCLI`` (``.config``; ``.model``, ``.datamodule``, ``.trainer`` once instantiated).
 
     Raises:
-        CLIError: the command line or a config does not parse (unknown key, wrong type, missing file):
-            the message names the key and, for a misspelt one, the closest valid key.
+        CLIError: the command line or a config does not parse (unknown key, wrong type, missing file, a
+            ``class_path`` that names no class, a ``${...}`` that names no key): the message names the key
+            and, for a misspelt one, the closest valid key or class; for ``fit``, what
+            :func:`~lopd_lightning.cli.checks.check_fit_config` refuses before anything is built.
     """
     from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
@@ -91,18 +135,30 @@ def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True
             # `args` is always the exact list main() took from sys.argv (less --debug) or one a command
             # built; LightningCLI's warning about passing both `args` and a command line does not apply
             try:
-                self.config = parser.parse_args(args)
+                self.config = parser.parse_args(relative_interpolations(args))
             except argparse.ArgumentError as error:
                 subparsers = getattr(self, "_subcommand_parsers", {})
                 raise CLIError(parse_error_message(error, parser, subparsers, args), 2) from error
+            except Exception as error:  # a ${...} that does not resolve (omegaconf's errors)
+                message = interpolation_error_message(error, next((a for a in args if a in LIGHTNING_COMMANDS), None))
+                if message is None:
+                    raise
+                raise CLIError(message, 2) from error
 
         def before_instantiate_classes(self) -> None:
             check_task_name(self.config[self.subcommand] if self.subcommand else self.config)
+            if self.subcommand == "fit":
+                check_fit_config(self.config.fit)
 
         def instantiate_classes(self) -> None:
             if instantiate:
                 super().instantiate_classes()
 
+    from jsonargparse import set_parsing_settings
+
+    # `${a.b}` in a config file is the path from its top; omegaconf+ resolves the merged config under the
+    # subcommand, so jsonargparse rewrites these paths relative to where they stand
+    set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     quiet = {"exit_on_error": False}  # parse errors raise, and become one line in main()
     return LOPDCLI(
         OnPolicyModule,
@@ -113,5 +169,5 @@ def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
-        parser_kwargs={"parser_mode": "omegaconf", **quiet, **{c: dict(quiet) for c in LIGHTNING_COMMANDS}},
+        parser_kwargs={"parser_mode": "omegaconf+", **quiet, **{c: dict(quiet) for c in LIGHTNING_COMMANDS}},
     )

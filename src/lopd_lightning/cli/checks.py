@@ -1,0 +1,74 @@
+"""The checks ``lopd fit`` runs on the parsed config before it builds anything (before the student's weights
+load): mistakes that would otherwise end, minutes later, in a traceback from torch, Lightning or a callback.
+
+- a learning rate (``model.init_args.learning_rate``, ``composer_lr``, any ``*_lr``) that is negative or not
+  finite (torch's optimizers refuse it once the model is built);
+- ``trainer.accumulate_grad_batches`` other than 1 (every method steps its optimizers itself, so Lightning
+  cannot accumulate);
+- an LOPD-only callback (``MarginSchedule``, ``MemoryRefresh``: :class:`~lopd_lightning.callbacks.LOPDOnlyCallback`)
+  with another method, e.g. an LOPD config whose ``model.class_path`` was switched to ``GRPOModule``.
+
+Each raises :class:`~lopd_lightning.cli.errors.CLIError` (status 1) with one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lopd_lightning.cli.errors import CLIError, import_class
+
+__all__ = ["check_fit_config"]
+
+
+def _get(node: Any, key: str) -> Any:
+    return node.get(key) if hasattr(node, "get") else None
+
+
+def _items(node: Any) -> list[tuple[str, Any]]:
+    if node is None:
+        return []
+    if hasattr(node, "as_dict"):
+        node = node.as_dict()
+    return list(node.items()) if isinstance(node, dict) else []
+
+
+def check_fit_config(config: Any) -> None:
+    """Refuse, before anything is built, what a fit of ``config`` (the parsed ``fit`` config) would refuse
+    only after the student loaded.
+
+    Raises:
+        CLIError: a negative or non-finite learning rate (``model.init_args.learning_rate``, ``*_lr``);
+            ``trainer.accumulate_grad_batches`` other than 1; an LOPD-only callback in ``trainer.callbacks``
+            with a model class that is not an LOPDModule. One line naming the key and the fix, status 1.
+    """
+    model, trainer = _get(config, "model"), _get(config, "trainer")
+    for key, value in _items(_get(model, "init_args")):
+        if (key == "learning_rate" or key.endswith("_lr")) and isinstance(value, (int, float)) and not (
+            math.isfinite(value) and value >= 0
+        ):
+            raise CLIError(f"model.init_args.{key} must be a finite number >= 0 (a learning rate such as 1e-5), "
+                           f"got {float(value)}", 1)
+    accumulate = _get(trainer, "accumulate_grad_batches")
+    if accumulate not in (None, 1):
+        raise CLIError(
+            f"trainer.accumulate_grad_batches={accumulate}: every method steps its optimizers itself (manual "
+            "optimization), so Lightning cannot accumulate gradients; remove trainer.accumulate_grad_batches (or "
+            "set it to 1) and raise data.init_args.examples_per_step for more examples per update", 1
+        )
+    _check_method_callbacks(model, _get(trainer, "callbacks"))
+
+
+def _check_method_callbacks(model: Any, callbacks: Any) -> None:
+    from lopd_lightning.callbacks import LOPDOnlyCallback, lopd_only_refusal
+    from lopd_lightning.modules import LOPDModule
+
+    method = import_class(str(_get(model, "class_path") or ""))
+    if method is None or issubclass(method, LOPDModule):
+        return
+    if callbacks is not None and not isinstance(callbacks, list):
+        callbacks = [callbacks]
+    classes = [import_class(str(_get(c, "class_path") or "")) for c in callbacks or []]
+    lopd_only = [c for c in classes if isinstance(c, type) and issubclass(c, LOPDOnlyCallback)]
+    if lopd_only:
+        raise CLIError(lopd_only_refusal(lopd_only, method.__name__), 1)

@@ -1,0 +1,174 @@
+"""Field faults of ``lopd fit``: ``${...}`` interpolation resolved after every source is merged, and the
+mistakes that were still tracebacks (a negative learning rate, Lightning's gradient accumulation, an
+LOPD-only callback on another method, a task class that does not import, a misspelt class_path), each one
+``error:`` line naming the config key and the fix, before the student loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch  # noqa: F401  (imported here, not under capsys: its log handler keeps the real stderr)
+import pytest
+import yaml
+
+from lopd_lightning.cli import _lightning_cli, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "configs" / "tiny.yaml"
+QUICKSTART_LOPD = ROOT / "configs" / "quickstart" / "lopd.yaml"
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    """``lopd <args>`` in process: (exit status, stderr)."""
+    try:
+        code = main(args)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(err: str, expected: str) -> None:
+    """stderr ends with exactly ``error: <expected>``: one error line, no traceback."""
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"error: {expected}", err
+    assert sum(line.startswith("error:") for line in lines) == 1, err
+    for noise in ("Traceback", "usage:", "Given value", "Does not validate", "Subtypes", "full_key"):
+        assert noise not in err, err
+
+
+def printed_config(args: list[str], capsys) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        _lightning_cli(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+# ----------------------------------------------------------------------------- ${...} interpolation
+INTERPOLATING = """\
+trainer:
+  max_steps: 3
+  val_check_interval: ${trainer.max_steps}
+model:
+  init_args:
+    max_new_tokens: 8
+    max_experience_tokens: ${model.init_args.max_new_tokens}
+"""
+
+
+@pytest.fixture
+def interpolating(tmp_path) -> Path:
+    path = tmp_path / "interpolating.yaml"
+    path.write_text(INTERPOLATING)
+    return path
+
+
+def test_an_interpolation_follows_a_command_line_override_of_its_source(interpolating, capsys, no_model_loading):
+    """It kept the value of the file that held the ${...} (3 and 8), silently."""
+    printed = printed_config(["-c", str(TINY_YAML), "-c", str(interpolating), "--trainer.max_steps=7",
+                              "--model.init_args.max_new_tokens=12"], capsys)
+    assert printed["trainer"]["val_check_interval"] == 7
+    assert printed["model"]["init_args"]["max_experience_tokens"] == 12
+    printed = printed_config(["-c", str(TINY_YAML), "-c", str(interpolating)], capsys)  # no override: the file's
+    assert (printed["trainer"]["val_check_interval"], printed["model"]["init_args"]["max_experience_tokens"]) == (3, 8)
+
+
+def test_an_interpolation_follows_a_later_config_file(interpolating, tmp_path, capsys, no_model_loading):
+    later = tmp_path / "later.yaml"
+    later.write_text("trainer:\n  max_steps: 5\nmodel:\n  init_args:\n    max_new_tokens: 16\n")
+    printed = printed_config(["-c", str(TINY_YAML), "-c", str(interpolating), "-c", str(later)], capsys)
+    assert printed["trainer"]["val_check_interval"] == 5
+    assert printed["model"]["init_args"]["max_experience_tokens"] == 16
+
+
+def test_an_interpolation_on_the_command_line_uses_the_same_absolute_paths(capsys, no_model_loading):
+    printed = printed_config(["-c", str(TINY_YAML), "--model.init_args.max_new_tokens=12",
+                              "--model.init_args.max_experience_tokens=${model.init_args.max_new_tokens}"], capsys)
+    assert printed["model"]["init_args"]["max_experience_tokens"] == 12
+
+
+def test_an_interpolation_of_no_key_is_one_line_with_did_you_mean(interpolating, tmp_path, capsys, no_model_loading):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(INTERPOLATING.replace("${model.init_args.max_new_tokens}", "${model.init_args.max_new_token}"))
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "-c", str(bad), "--trainer.logger=false"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "model.init_args.max_experience_tokens: ${model.init_args.max_new_token} names no "
+                               "key; did you mean ${model.init_args.max_new_tokens}?")
+
+
+# ------------------------------------------------------------------ one line, before the student loads
+ONE_STEP = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+
+
+@pytest.mark.parametrize("key", ["learning_rate", "composer_lr"])
+def test_a_negative_learning_rate_is_one_line_before_the_model_loads(key, capsys, no_model_loading):
+    """It was 49 lines of traceback from torch's optimizer, after the student had loaded."""
+    code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, f"--model.init_args.{key}=-1"], capsys)
+    assert code == 1
+    assert_one_line_error(err, f"model.init_args.{key} must be a finite number >= 0 (a learning rate such as "
+                               f"1e-5), got -1.0")
+
+
+def test_gradient_accumulation_is_one_line_before_the_model_loads(capsys, no_model_loading):
+    """Lightning refused it in 36 lines, after the student had loaded."""
+    code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, "--trainer.accumulate_grad_batches=4"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "trainer.accumulate_grad_batches=4: every method steps its optimizers itself "
+                               "(manual optimization), so Lightning cannot accumulate gradients; remove "
+                               "trainer.accumulate_grad_batches (or set it to 1) and raise "
+                               "data.init_args.examples_per_step for more examples per update")
+
+
+@pytest.mark.parametrize("config", [TINY_YAML, QUICKSTART_LOPD], ids=["tiny", "quickstart"])
+def test_switching_the_method_of_an_lopd_config_names_the_lopd_only_callback(config, capsys, no_model_loading):
+    """It ended in 76 lines at callbacks.py (AttributeDict has no attribute 'margin')."""
+    code, err = run_main(["fit", "-c", str(config), *ONE_STEP, "--model.init_args.model=tiny",
+                          "--model.class_path=lopd_lightning.modules.GRPOModule"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "trainer.callbacks: MarginSchedule (it sets LOPDModule's privileged margin) and "
+                               "MemoryRefresh (it adds successful rollouts to LOPDModule's experience bank) work only "
+                               "with LOPDModule, and GRPOModule is not one; drop them from trainer.callbacks")
+
+
+def test_a_task_class_whose_module_does_not_import_says_what_tasks_verify_says(tmp_path, capsys, no_model_loading):
+    """It said `expected str, got "{'class_path': ...}"`; `lopd tasks verify` said the right thing."""
+    expected = "cannot import 'nomod' for task 'nomod.MyTask': No module named 'nomod' (is its folder on PYTHONPATH?)"
+    code, err = run_main(["tasks", "verify", "nomod.MyTask"], capsys)
+    assert_one_line_error(err, expected)
+    config = tmp_path / "task.yaml"
+    config.write_text("data:\n  init_args:\n    task:\n      class_path: nomod.MyTask\n")
+    for args in (["--data.init_args.task.class_path=nomod.MyTask"], ["-c", str(config)]):
+        code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, *args], capsys)
+        assert code == 2
+        assert_one_line_error(err, f"data.init_args.task.class_path: {expected}")
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model.class_path=lopd_lightning.modules.GRPOModul"],
+         "model.class_path: no class 'lopd_lightning.modules.GRPOModul' (module 'lopd_lightning.modules' has no "
+         "attribute 'GRPOModul'); did you mean 'lopd_lightning.modules.GRPOModule'?"),
+        (["--model.class_path=lopd_lightning.modles.GRPOModule"],
+         "model.class_path: no class 'lopd_lightning.modles.GRPOModule' (No module named 'lopd_lightning.modles'); "
+         "did you mean 'lopd_lightning.modules.GRPOModule'?"),
+        (["--data.class_path=lopd_lightning.data.OnPolicyDataModul"],
+         "data.class_path: no class 'lopd_lightning.data.OnPolicyDataModul' (module 'lopd_lightning.data' has no "
+         "attribute 'OnPolicyDataModul'); did you mean 'lopd_lightning.data.OnPolicyDataModule'?"),
+    ],
+    ids=["class", "module", "data"],
+)
+def test_a_class_path_typo_names_class_path_and_the_closest_class(args, expected, capsys, no_model_loading):
+    """It named model.init_args, with no suggestion."""
+    code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, *args], capsys)
+    assert code == 2
+    assert_one_line_error(err, expected)
+
+
+def test_a_class_path_typo_in_a_config_file_names_class_path(tmp_path, capsys, no_model_loading):
+    config = tmp_path / "typo.yaml"
+    config.write_text(TINY_YAML.read_text().replace("lopd_lightning.modules.LOPDModule", "lopd_lightning.modules.LOPDModle"))
+    code, err = run_main(["fit", "-c", str(config), *ONE_STEP], capsys)
+    assert code == 2
+    assert_one_line_error(err, "model.class_path: no class 'lopd_lightning.modules.LOPDModle' (module "
+                               "'lopd_lightning.modules' has no attribute 'LOPDModle'); did you mean "
+                               "'lopd_lightning.modules.LOPDModule'?")
