@@ -4,6 +4,7 @@ its anchor or any other adapter, and that ``lopd validate`` accepts as its model
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lopd_lightning.adapters import adapter_parameters, is_lora_student
+from lopd_lightning.adapters import STUDENT, adapter_parameters, is_lora_student, use_adapter
 from lopd_lightning.cli import main
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.export import export_checkpoint, export_student, load_module, module_class
@@ -28,12 +29,12 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj
 IDS = torch.tensor([[60, 105, 110, 32, 116, 104, 101, 32, 119, 111, 114, 100, 1]])
 
 
-def make(method: str, lora=LORA):
+def make(method: str, lora=LORA, dtype: str = "float32"):
     if method == "lopd":
         return LOPDModule("tiny", lora=lora, num_latents=2, num_experiences=1, composer_depth=1, embedder="hashing",
                           max_new_tokens=4, distill_top_k=4, max_experience_tokens=32, learning_rate=1e-2)
     if method == "grpo":
-        return GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4, learning_rate=1e-2)
+        return GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4, learning_rate=1e-2, dtype=dtype)
     return SFTModule("tiny", lora=lora, learning_rate=1e-2)
 
 
@@ -143,6 +144,36 @@ def test_a_lora_on_tied_embeddings_or_head_exports_untied_with_the_students_logi
     assert inner.config.tie_word_embeddings  # the module's own model is left as it was: tied, shared
     assert inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
     torch.testing.assert_close(student_logits(module), expected, rtol=0, atol=0)
+
+
+def test_a_bfloat16_lora_students_export_is_float32_and_keeps_an_update_below_bfloat16s_resolution(tmp_path):
+    """A bfloat16 LoRA student with a small update (||scale B A|| / ||W|| about 1.5e-3, below bfloat16's relative
+    step): the merge rounded it onto the bfloat16 grid and the exported logits missed most of the LoRA's effect.
+    The merged export is float32 now; the adapter form loaded in float32 merges exactly."""
+    module = make("grpo", lora={**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"]}, dtype="bfloat16")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in module.backbone.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 1e-4)
+    exact = copy.deepcopy(module.backbone).float().eval()  # the student's own weights, float32 arithmetic
+    with torch.no_grad():
+        with use_adapter(exact, STUDENT):
+            student = logits_of(exact)
+        with use_adapter(exact, None):
+            base = logits_of(exact)
+
+    def error(model) -> float:
+        return float(((logits_of(model.float()) - student).norm() / (student - base).norm()).item())
+
+    merged = export_student(module, tmp_path / "merged")
+    assert error(AutoModelForCausalLM.from_pretrained(merged, local_files_only=True)) < 0.1
+    assert {t.dtype for t in load_file(merged / "model.safetensors").values()} == {torch.float32}
+    assert json.loads((merged / "config.json").read_text())["dtype"] == "float32"
+    adapter = export_student(module, tmp_path / "adapter", adapter=True)
+    assert error(load_student(str(adapter), dtype="float32")[0]) < 0.1
+    assert next(module.backbone.parameters()).dtype == torch.bfloat16  # the module's own model is left as it was
 
 
 def test_the_module_class_comes_from_the_checkpoint_or_is_asked_for():

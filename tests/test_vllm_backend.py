@@ -235,6 +235,8 @@ def test_generation_backend_vllm_fails_before_the_weights_load_with_one_line(no_
     if HAS_VLLM:
         with pytest.raises(ValueError, match=r"model.init_args.vllm_options has unknown keys \['kv_cache'\]"):
             GRPOModule("tiny", generation_backend="vllm", vllm_options={"kv_cache": 1})
+        with pytest.raises(ValueError, match=r"^model.init_args.vllm_options.dtype: 'bfloat16' cannot hold"):
+            GRPOModule("tiny", dtype="bfloat16", lora=LORA, generation_backend="vllm", vllm_options={"dtype": "bfloat16"})
     else:
         with pytest.raises(ValueError, match="generation_backend: vllm needs vLLM, which this environment lacks"):
             GRPOModule("tiny", generation_backend="vllm")
@@ -252,3 +254,110 @@ def test_vllm_engine_resyncs_after_a_checkpoint_load_or_a_marked_change():
     module.mark_weights_changed()
     assert module._backend_step == -1
 
+
+# ------------------------------------------------------------- a bfloat16 student: no update lost to the grid
+def small_update_student(model, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+    """``model`` in bfloat16 with a student LoRA whose update is below bfloat16's resolution relative to the
+    weights it is added to (||scale B A|| / ||W|| about 1.5e-3, against bfloat16's relative step of 4e-3 to 8e-3):
+    rounded onto the grid, about 70% of its elements vanish and the others grow to a whole step."""
+    backbone = prepare_backbone(model.to(torch.bfloat16), student_lora={**LORA, "target_modules": list(targets)})
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in backbone.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 1e-4)
+    return backbone
+
+
+def effect_error(logits, student, base) -> float:
+    """|| (logits - base) - (student - base) || / || student - base ||: 0 when ``logits`` carry the LoRA's effect
+    exactly, about 1 when they lost it."""
+    return float(((logits - student).norm() / (student - base).norm()).item())
+
+
+def float32_student_and_base_logits(backbone, ids):
+    """The LoRA student's and its base's logits in float32 arithmetic on the student's own weights (the bfloat16
+    base weights and the float32 LoRA, upcast exactly): the policy the trainer holds. A bfloat16 forward adds
+    rounding noise larger than such a small update, so it cannot be the reference."""
+    exact = copy.deepcopy(backbone).float()
+    with torch.no_grad():
+        with use_adapter(exact, STUDENT):
+            student = exact(input_ids=ids).logits
+        with use_adapter(exact, None):
+            base = exact(input_ids=ids).logits
+    return student, base
+
+
+def test_merged_weights_of_a_bfloat16_lora_student_keep_an_update_below_bfloat16s_resolution():
+    """The copy vLLM samples from (merged_weights) was the base weights plus the update rounded onto the
+    bfloat16 grid: its logits missed the LoRA's effect by 0.86 of the effect (here). The LoRA-touched weights
+    are float32 now."""
+    from lopd_lightning.models import tiny_model
+
+    backbone = small_update_student(tiny_model())
+    ids = torch.tensor([[60, 105, 110, 32, 116, 104, 101, 32, 119, 111, 114, 100, 1]])
+    student, base = float32_student_and_base_logits(backbone, ids)
+    merged = dict(merged_weights(backbone, STUDENT))
+    sampler = tiny_model()  # float32, as the engine runs (VLLMBackend's dtype)
+    sampler.load_state_dict({k: v.float() for k, v in merged.items()}, strict=False)
+    with torch.no_grad():
+        logits = sampler(input_ids=ids).logits
+    assert effect_error(logits, student, base) < 0.1
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32  # LoRA-touched: float32
+    assert merged["model.embed_tokens.weight"].dtype == torch.bfloat16  # the others as the student holds them
+
+
+@pytest.mark.parametrize("engine_dtype, student_dtype, lora, refused", [
+    ("float32", "bfloat16", True, False),
+    (torch.float32, torch.bfloat16, True, False),
+    ("bfloat16", "bfloat16", True, True),   # a LoRA merged onto the bfloat16 grid: the update rounded away
+    ("auto", "bfloat16", True, True),       # vLLM's auto: the checkpoint's bfloat16
+    ("half", "float16", True, True),
+    ("bfloat16", "bfloat16", False, False),  # a full-parameter bfloat16 student: its weights are bfloat16
+    ("auto", "bfloat16", False, False),
+    ("bfloat16", "float32", False, True),   # a float32 student's steps below bfloat16's resolution
+    ("float16", "bfloat16", False, True),
+])
+def test_an_engine_dtype_that_cannot_hold_the_merged_weights_is_refused_in_one_line(engine_dtype, student_dtype,
+                                                                                     lora, refused):
+    from lopd_lightning.rollout.vllm_backend import check_engine_dtype
+
+    if not refused:
+        check_engine_dtype(engine_dtype, student_dtype, lora=lora)
+        return
+    with pytest.raises(ValueError, match=r"^model.init_args.vllm_options.dtype: ") as error:
+        check_engine_dtype(engine_dtype, student_dtype, lora=lora)
+    assert "\n" not in str(error.value) and "the engine would sample from another policy" in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def bfloat16_lora_engine(peaked):
+    """A bfloat16 LoRA student with a small update and its engine (float32, the default). Module-scoped, as the
+    other engines: an engine torn down mid-module resets vLLM's process-wide state under the others."""
+    pytest.importorskip("vllm")
+    model, tokenizer = peaked
+    backbone = small_update_student(copy.deepcopy(model))
+    return backbone, make_backend("vllm", backbone, tokenizer, adapter=STUDENT,
+                                  options={"max_model_len": 1024, "kv_cache_gib": 1})
+
+
+@needs_vllm
+def test_vllm_samples_a_bfloat16_lora_students_small_update(peaked, bfloat16_lora_engine):
+    """Engine level (make test-vllm): the engine's log-probs of its own samples differ from the base's by what the
+    student's do (float32 arithmetic on the student's weights), within 10% of that effect (about 0.09 in norm
+    over 16 tokens; float32 arithmetic alone differs from float64 by 2e-5)."""
+    _, tokenizer = peaked
+    backbone, engine = bfloat16_lora_engine
+    prompt = tokenizer("Repeat the word: apple")["input_ids"]
+    completion = engine.generate([prompt], SamplingSettings(temperature=1.0, max_new_tokens=16), [5])[0]
+    ids = torch.tensor([prompt + completion.token_ids])
+    student, base = float32_student_and_base_logits(backbone, ids)
+    n, tokens = len(prompt), torch.tensor(completion.token_ids)
+    rows = torch.arange(n - 1, n - 1 + len(tokens))
+
+    def logps(logits):
+        return torch.log_softmax(logits[0], dim=-1)[rows, tokens]
+
+    sampled = torch.tensor(completion.logps)
+    effect = logps(student) - logps(base)
+    assert float((sampled - logps(student)).norm() / effect.norm()) < 0.1

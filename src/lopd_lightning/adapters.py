@@ -537,8 +537,12 @@ def merged_student(peft_model: PeftModel) -> nn.Module:
     """A standalone copy of the student: the base weights with the student LoRA merged, no other adapter.
 
     The shared backbone is left untouched (the copy is made first). Ready for ``save_pretrained``. The copy
-    computes what the student computes:
+    computes what the student computes, in exact arithmetic:
 
+    * dtype: a LoRA student whose base weights are bfloat16 or float16 is merged and returned in float32
+      (``W + scale B A`` on a 16-bit grid would round away an update below the grid's resolution, about half of
+      a small one); the copy then takes twice the memory of the 16-bit base. A full-parameter student, or a
+      float32 one, keeps its dtype.
     * tied weights: a LoRA on ``embed_tokens`` or ``lm_head`` of a model with tied word embeddings is merged
       into an untied copy (:func:`lopd_lightning.tied_weights.untie_lora_weights`): separate embeddings and
       head, ``config.tie_word_embeddings`` False.
@@ -548,6 +552,8 @@ def merged_student(peft_model: PeftModel) -> nn.Module:
             (:func:`~lopd_lightning.tied_weights.check_tied_lora`; refused when the backbone is built).
     """
     import copy
+
+    import torch
 
     clone = copy.deepcopy(peft_model)
     if not isinstance(clone, PeftModel):  # a full student without adapters is the model itself
@@ -559,4 +565,6 @@ def merged_student(peft_model: PeftModel) -> nn.Module:
         return clone.unload()
     clone.set_adapter(STUDENT)
     untie_lora_weights(clone, STUDENT)
+    if any(p.is_floating_point() and p.dtype.itemsize < 4 for p in clone.parameters()):
+        clone.to(torch.float32)  # exact for the 16-bit base weights; the merge below then rounds nothing away
     return clone.merge_and_unload()

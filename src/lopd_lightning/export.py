@@ -8,7 +8,9 @@ Hugging Face folder, in one of two forms:
 
 - **merged** (default): the base weights with the student LoRA merged in (or the full-parameter student),
   ``config.json``, ``generation_config.json``, the safetensors weights and the tokenizer: a plain
-  causal-LM folder (:func:`lopd_lightning.adapters.merged_student`). A LoRA on ``embed_tokens`` or ``lm_head``
+  causal-LM folder (:func:`lopd_lightning.adapters.merged_student`). Its dtype: float32 for a LoRA student
+  trained in bfloat16 or float16 (the merge on a 16-bit grid would round away a small update; twice the size
+  of the 16-bit base on disk), the student's own dtype otherwise. A LoRA on ``embed_tokens`` or ``lm_head``
   of a model with tied word embeddings (SmolLM2) is written untied: its own ``lm_head.weight`` and
   ``tie_word_embeddings: false`` in ``config.json``;
 - **adapter** (``adapter=True``, LoRA students only): the student LoRA alone (``adapter_config.json`` and
@@ -21,7 +23,8 @@ method, checkpoint, step, form and base model (``smollm2-135m-instruct`` for the
 converted folder lives in the local cache). Either form loads with
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` (the adapter form through transformers'
 peft integration, unmerged) and is a valid ``model.init_args.model`` for ``lopd fit|validate|test``
-(:func:`lopd_lightning.models.load_student` merges an adapter folder into its base, untied as above).
+(:func:`lopd_lightning.models.load_student` merges an adapter folder into its base, untied as above, in the
+``dtype`` it is given: float32 keeps a small update exactly).
 """
 
 from __future__ import annotations

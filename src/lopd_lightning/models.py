@@ -214,7 +214,9 @@ def load_student(
             (its base loaded and the LoRA merged in: a plain model; a LoRA on the embeddings or the head of a
             model with tied word embeddings is merged into separate embeddings and head, and the model's
             ``config.tie_word_embeddings`` is then False: :func:`lopd_lightning.tied_weights.untie_lora_weights`).
-        dtype: weights dtype (float32 by default; bfloat16 on GPUs).
+        dtype: weights dtype (float32 by default; bfloat16 on GPUs). An adapter folder is merged in this dtype:
+            in bfloat16 an update below the grid's resolution is partly rounded away (load it in float32 to
+            keep it exactly; ``lopd export`` without ``--adapter`` writes such a student in float32).
         seed: seed of the tiny model's weights.
 
     Returns:

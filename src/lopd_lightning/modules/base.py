@@ -145,8 +145,10 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             a FutureWarning; the two names with different values are an error).
 
     Raises:
-        ValueError: ``group_size`` < 1, ``temperature`` <= 0, a negative logging option or a bad LoRA
-            setting (before the weights load); an old and a new spelling of one argument with different values.
+        ValueError: ``group_size`` < 1, ``temperature`` <= 0, a negative logging option, a bad LoRA setting or
+            a vLLM engine dtype that cannot hold the student's merged weights (before the weights load:
+            :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`); an old and a new spelling of one
+            argument with different values.
 
     Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``). The
     validation that runs after training step k is logged at x = k under ``val/`` (Lightning's own
@@ -206,7 +208,10 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             raise ValueError(f"model.init_args.generation_backend must be one of {', '.join(BACKENDS)}, "
                              f"got {generation_backend!r}")
         if generation_backend == "vllm":
+            from lopd_lightning.rollout.vllm_backend import check_engine_dtype  # no vLLM import: it is lazy there
+
             check_vllm_options(vllm_options)
+            check_engine_dtype((vllm_options or {}).get("dtype", "float32"), dtype, lora=lora is not None)
         if vllm_options and generation_backend != "vllm":
             raise ValueError("model.init_args.vllm_options is set but generation_backend is "
                              f"{generation_backend!r}; set model.init_args.generation_backend: vllm or drop vllm_options")

@@ -40,7 +40,7 @@ from lopd_lightning.rollout.backends import Completion, GenerationBackend, Sampl
 
 log = logging.getLogger(__package__)
 
-__all__ = ["VLLMBackend", "check_mergeable", "cpu_environment", "merged_weights"]
+__all__ = ["VLLMBackend", "check_engine_dtype", "check_mergeable", "cpu_environment", "merged_weights"]
 
 
 def cpu_environment(*, kv_cache_gib: int = 2, threads: int | None = None) -> dict[str, str]:
@@ -80,7 +80,12 @@ def merged_weights(model: Any, adapter: str | None = None) -> Iterator[tuple[str
 
     Yields:
         ``(name, tensor)`` pairs, names as in the base model's ``state_dict`` (``model.layers.0...``),
-        tensors detached; merged ones are new tensors, the model's own are never modified.
+        tensors detached; merged ones are new tensors, the model's own are never modified. A merged weight
+        is float32 when the model's is bfloat16 or float16 (``W`` upcast exactly, the update added in float32):
+        on the 16-bit grid an update below its resolution, a small LoRA's, would be about half rounded away
+        and the engine would sample from another policy than the one that trains. It costs a float32 copy
+        of each LoRA-touched matrix while the weights pass; the engine must hold float32 weights
+        (:func:`check_engine_dtype`). Every other weight keeps its dtype.
     """
     inner = model
     if hasattr(model, "peft_config"):  # PeftModel -> LoraModel -> the transformers model
@@ -93,7 +98,8 @@ def merged_weights(model: Any, adapter: str | None = None) -> Iterator[tuple[str
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = lora_layers.get(owner) if leaf == "weight" else None
         if layer is not None and adapter is not None and adapter in layer.lora_A:
-            tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            dtype = torch.promote_types(tensor.dtype, torch.float32)
+            tensor = tensor.to(dtype) + layer.get_delta_weight(adapter).to(dtype)
         yield clean, tensor.detach()
 
 
@@ -128,6 +134,54 @@ def check_mergeable(model: Any, adapter: str | None) -> None:
                          "or use generation_backend: hf")
 
 
+#: vLLM's names of dtypes (``vllm.LLM(dtype=...)``) that are not torch attribute names.
+_ENGINE_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def check_engine_dtype(engine_dtype: str | torch.dtype, student_dtype: str | torch.dtype, *, lora: bool) -> None:
+    """Refuse an engine dtype that cannot hold the student's weights as :func:`merged_weights` gives them.
+
+    The engine must sample from the policy that trains: its weights must be the student's exactly. A LoRA
+    student's merged weights are float32 whatever the student's dtype (on a 16-bit grid a small update is
+    rounded away), so the engine of a LoRA student runs in float32: with a bfloat16 student that is twice
+    the engine's weight memory of a bfloat16 engine. A full-parameter student's weights need the engine to
+    be at least as wide as the student's dtype.
+
+    Args:
+        engine_dtype: the engine's dtype (``model.init_args.vllm_options.dtype``; vLLM's names: ``"float32"``,
+            ``"bfloat16"``, ``"float16"``, ``"half"``, ``"float"``, ``"auto"``: the checkpoint's dtype, which
+            vLLM lowers to 16 bits for a float32 one on GPUs) or a torch dtype.
+        student_dtype: the student's weights dtype (``model.init_args.dtype``).
+        lora: whether the student is LoRA-trained (its update is merged).
+
+    Raises:
+        ValueError: the engine's dtype is narrower than the merged weights' (or ``"auto"`` where they are
+            float32); one line naming ``model.init_args.vllm_options.dtype`` and the fix.
+    """
+
+    def resolve(value: str | torch.dtype) -> torch.dtype | None:
+        if isinstance(value, torch.dtype):
+            return value
+        name = _ENGINE_DTYPE_ALIASES.get(str(value), str(value))
+        dtype = getattr(torch, name, None) if name != "auto" else None
+        if name != "auto" and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"model.init_args.vllm_options.dtype: unknown dtype {value!r}; use float32")
+        return dtype
+
+    student = resolve(student_dtype) or torch.float32
+    needed = torch.promote_types(student, torch.float32) if lora else student
+    engine = resolve(engine_dtype) or (needed if needed.itemsize < 4 else None)  # auto: the checkpoint's
+    if engine is None or torch.promote_types(engine, needed) != engine:
+        short = {d: str(d).removeprefix("torch.") for d in (student, needed)}
+        what = f"a LoRA merged onto {short[student]} weights" if lora else f"a full-parameter {short[student]} student"
+        fix = "drop it (float32 is the default)" if needed == torch.float32 else f"set it to {short[needed]}"
+        raise ValueError(
+            f"model.init_args.vllm_options.dtype: {str(engine_dtype)!r} cannot hold the student's weights "
+            f"({short[needed]}: {what}), so the engine would sample from another policy than the one that trains; "
+            f"{fix}"
+        )
+
+
 class VLLMBackend(GenerationBackend):
     """Generation with a vLLM engine in this process; weights synced from the student on request.
 
@@ -136,7 +190,8 @@ class VLLMBackend(GenerationBackend):
             seed the engine (written once to a temporary folder that vLLM loads).
         tokenizer: the student's tokenizer.
         adapter: the student's LoRA adapter name merged at every sync (None: a full-parameter student).
-        dtype: the engine's weights dtype (``"float32"`` on CPU).
+        dtype: the engine's weights dtype (``"float32"``, the default, needed for a LoRA student, whose merged
+            weights are float32; a full-parameter bfloat16 student may use ``"bfloat16"``: :func:`check_engine_dtype`).
         max_model_len: the longest context (prompt + reply) the engine accepts (default: the model's).
         enable_prefix_caching: share key/value blocks of common prefixes (the G rollouts of a task; the
             turns of an episode).
@@ -146,7 +201,8 @@ class VLLMBackend(GenerationBackend):
 
     Raises:
         ImportError: vLLM is not installed (the message names the extra to install).
-        ValueError: a student LoRA the sync cannot carry (:func:`check_mergeable`).
+        ValueError: a student LoRA the sync cannot carry (:func:`check_mergeable`); a ``dtype`` that cannot
+            hold the student's merged weights (:func:`check_engine_dtype`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, adapter: str | None = None, dtype: str = "float32",
@@ -159,6 +215,8 @@ class VLLMBackend(GenerationBackend):
                 "generation_backend='vllm' needs vLLM: pip install -e '.[vllm]' (CPU) or '.[vllm-gpu]' (GPU)"
             ) from exc
         check_mergeable(model, adapter)
+        inner = model.base_model.model if hasattr(model, "peft_config") else model
+        check_engine_dtype(dtype, inner.dtype, lora=adapter is not None)
         for key, value in cpu_environment(kv_cache_gib=kv_cache_gib).items():
             os.environ.setdefault(key, value)
         self.tokenizer, self.adapter = tokenizer, adapter
