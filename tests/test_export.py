@@ -21,7 +21,7 @@ from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.export import export_checkpoint, export_student, load_module, module_class
 from lopd_lightning.models import load_student, tiny_model
 from lopd_lightning.modules import GRPOModule, LOPDModule, SFTModule
-from helpers import ParityToy
+from helpers import TINY_BANK, ParityToy
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -32,7 +32,8 @@ IDS = torch.tensor([[60, 105, 110, 32, 116, 104, 101, 32, 119, 111, 114, 100, 1]
 def make(method: str, lora=LORA, dtype: str = "float32"):
     if method == "lopd":
         return LOPDModule("tiny", lora=lora, num_latents=2, num_experiences=1, composer_depth=1, embedder="hashing",
-                          max_new_tokens=4, distill_top_k=4, max_experience_tokens=32, learning_rate=1e-2)
+                          max_new_tokens=4, distill_top_k=4, max_experience_tokens=32, learning_rate=1e-2,
+                          bank_path=str(TINY_BANK))  # LOPD refuses to fit on an empty bank
     if method == "grpo":
         return GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4, learning_rate=1e-2, dtype=dtype)
     return SFTModule("tiny", lora=lora, learning_rate=1e-2)
