@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lopd_lightning.cli import main
+from lopd_lightning.tasks.base import Example, Task
 from lopd_lightning.tasks.toy import HINT_REQUEST, ToyTask, _HintEpisode
 from lopd_lightning.tasks.verify import turn_limit, verify_task
 
@@ -128,6 +129,59 @@ def test_a_replay_error_is_shown_with_its_failure(capsys, monkeypatch):
     monkeypatch.setattr("lopd_lightning.tasks.get_task", lambda name, **kw: Raising(num_examples=2))
     code, out, _ = run_main(["tasks", "verify", "toy"], capsys)
     assert code == 1 and "  FAIL toy/0: reward 0.0 (KeyError: 'answer')" in out.splitlines()
+
+
+# ----------------------------------------------------------------------- why a reference failed
+class StrictToy(ToyTask):
+    """A checker that refuses every reply and says why in its info (as the BFCL checker does)."""
+
+    def score_with_info(self, example, completion):
+        return 0.0, {"error": f"expected {example.data['answer']!r} in capitals, got {completion!r}"}
+
+
+class NoScoreTask(Task):
+    """A single-turn task that forgot to implement ``score``."""
+
+    name = "no_score"
+
+    def all_examples(self):
+        return [Example(id="no_score/0", text="2+2?", data={"answer": "4"})]
+
+    def initial_messages(self, example):
+        return [{"role": "user", "content": "2+2?"}]
+
+    def reference_solution(self, example):
+        return example.data["answer"]
+
+
+def test_a_failing_reference_shows_the_checkers_info(capsys, monkeypatch):
+    """It printed `reward 0.0` alone, without what the checker said."""
+    report = verify_task(StrictToy(num_examples=2))
+    answer = ToyTask(num_examples=2).examples("all")[0].data["answer"]
+    first = report.failures[0][0]
+    assert report.info[first] == {"error": f"expected {answer!r} in capitals, got {answer!r}"}
+    assert report.reason(first) == f"checker: error: expected {answer!r} in capitals, got {answer!r}"
+    monkeypatch.setattr("lopd_lightning.tasks.get_task", lambda name, **kw: StrictToy(num_examples=2))
+    code, out, _ = run_main(["tasks", "verify", "toy"], capsys)
+    assert code == 1
+    assert f"  FAIL {first}: reward 0.0 (checker: error: expected {answer!r} in capitals, got {answer!r})" in out.splitlines()
+
+
+def test_a_full_marks_reference_keeps_no_info():
+    report = verify_task(ToyTask(num_examples=2))
+    assert report.ok and report.info == {}
+
+
+def test_a_single_turn_task_without_score_is_told_so_not_that_it_is_multi_turn(task_module, capsys):
+    """It said "NoScoreTask is multi-turn: use start(example).step(...)"."""
+    name = task_module("verify_no_score", "from test_verify import NoScoreTask\n")
+    code, out, _ = run_main(["tasks", "verify", f"{name}.NoScoreTask"], capsys)
+    assert code == 1
+    assert out.splitlines()[1] == (
+        "  FAIL no_score/0: reward 0.0 (NotImplementedError: NoScoreTask does not implement score(example, "
+        "completion), which a single-turn task (multi_turn = False) must; a multi-turn task sets "
+        "multi_turn = True and overrides start(example))"
+    )
 
 
 # ----------------------------------------------------------------------- one line for a mistake

@@ -227,8 +227,17 @@ class Task(abc.ABC):
         The value is checked where it is read: :func:`episode_reward` (the episode loop, ``lopd tasks
         verify``) raises ValueError naming the task and the example if it is outside [0, 1]
         (:func:`check_reward`).
+
+        Raises:
+            NotImplementedError: not overridden (the message names the class, and says a multi-turn task
+                uses ``start(example).step(...)`` instead).
         """
-        raise NotImplementedError(f"{type(self).__name__} is multi-turn: use start(example).step(...)")
+        if self.multi_turn:
+            raise NotImplementedError(f"{type(self).__name__} is multi-turn: use start(example).step(...)")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement score(example, completion), which a single-turn task "
+            f"(multi_turn = False) must; a multi-turn task sets multi_turn = True and overrides start(example)"
+        )
 
     def score_with_info(self, example: Example, completion: str) -> tuple[float, dict[str, Any]]:
         """The reward of one reply and diagnostics for :class:`StepResult.info` (single-turn tasks).

@@ -6,12 +6,15 @@ environment (or an error in the data that the checker must handle), never a reas
 A replay gets the turn limit a training episode gets (:func:`~lopd_lightning.tasks.base.turn_limit`, the rule
 :func:`lopd_lightning.rollout.generate_rollouts` applies): a reference that needs more replies than the limit
 allows would be cut there by ``lopd fit``, so it is reported as a failure whose reason names the task's
-``multi_turn`` / ``max_turns`` attributes and ``model.init_args.max_turns``.
+``multi_turn`` / ``max_turns`` attributes and ``model.init_args.max_turns``. A failing replay keeps what
+the checker said about its last reply (``StepResult.info``, e.g. the ``{"error": ...}`` of
+:meth:`~lopd_lightning.tasks.base.Task.score_with_info`), and its reason shows it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lopd_lightning.tasks.base import Split, Task, episode_reward, turn_limit
 
@@ -28,6 +31,8 @@ class VerifyReport:
             with reward 0.0).
         cut: example id -> ``(replies fed, replies of the reference)`` of the replays cut at the turn
             limit before the episode said ``done`` (failures, whatever their reward).
+        info: example id -> the checker's diagnostics (``info`` of the last step, non-empty) of the
+            failures.
         max_turns: the turn limit of the replays; ``limit_source``: where it came from (:func:`turn_limit`).
         multi_turn: the task's ``multi_turn`` attribute; ``task_name``: its name.
     """
@@ -37,6 +42,7 @@ class VerifyReport:
     failures: list[tuple[str, float]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     cut: dict[str, tuple[int, int]] = field(default_factory=dict)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
     max_turns: int = 1
     limit_source: str = ""
     multi_turn: bool = False
@@ -48,13 +54,17 @@ class VerifyReport:
         return self.n_full_marks == self.n
 
     def reason(self, example_id: str) -> str | None:
-        """Why the replay of ``example_id`` failed beyond its reward (an error, the turn limit), or None."""
+        """Why the replay of ``example_id`` failed beyond its reward (an error; the turn limit and what the
+        checker said, ``checker: error: ...``), or None."""
         if example_id in self.errors:
             return self.errors[example_id]
+        reasons = []
         if example_id in self.cut:
             fed, total = self.cut[example_id]
-            return f"cut after {fed} of its {total} replies at max_turns={self.max_turns}"
-        return None
+            reasons.append(f"cut after {fed} of its {total} replies at max_turns={self.max_turns}")
+        if self.info.get(example_id):
+            reasons.append("checker: " + "; ".join(f"{k}: {v}" for k, v in self.info[example_id].items()))
+        return "; ".join(reasons) or None
 
     def turn_limit_advice(self) -> str | None:
         """One line on the replays cut at the turn limit and the fix, naming ``multi_turn`` / ``max_turns``
@@ -80,8 +90,9 @@ def verify_task(
     ``episode.step`` until they run out, the episode is done or the turn limit is reached (as in
     training, :func:`turn_limit`); then the reward is read with :func:`episode_reward` (a value outside
     [0, 1] is an error naming the task and the example). A replay stopped by the limit with
-    replies left and the episode not done is a failure (``report.cut``), whatever its reward. Works for
-    single-turn tasks (one reply) and multi-turn ones.
+    replies left and the episode not done is a failure (``report.cut``), whatever its reward. A failure
+    keeps the ``info`` of its last step (``report.info``: the checker's verdict). Works for single-turn
+    tasks (one reply) and multi-turn ones.
 
     Args:
         task: any :class:`~lopd_lightning.tasks.base.Task`.
@@ -109,10 +120,12 @@ def verify_task(
         try:
             episode = task.start(example)
             replies = list(task.reference_replies(example))
-            done, fed = False, 0
+            done, fed, info = False, 0, {}
             for reply in replies[:turns]:
                 fed += 1
-                if episode.step(reply).done:
+                result = episode.step(reply)
+                info = dict(getattr(result, "info", None) or {})
+                if result.done:
                     done = True
                     break
             if not done and fed == turns and len(replies) > turns:
@@ -125,6 +138,8 @@ def verify_task(
             report.n_full_marks += 1
         else:
             report.failures.append((example.id, reward))
+            if example.id not in report.errors and info:
+                report.info[example.id] = info
     return report
 
 
