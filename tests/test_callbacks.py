@@ -121,7 +121,7 @@ def test_memory_refresh_zero_period_is_off():
 
 # ------------------------------------------------------------------ MemoryRefresh during a fit
 def test_memory_refresh_in_a_fit_grows_the_bank_with_successes_only(tmp_path):
-    module = make_module()
+    module = make_module(bank_path=None)  # an empty bank that MemoryRefresh fills
     log = BatchLog()
     dm = OnPolicyDataModule(EvenToy(), examples_per_step=4)
     fit(tmp_path, module, dm, [MemoryRefresh(every_n_steps=1, min_reward=1.0), log])
@@ -142,7 +142,7 @@ def test_memory_refresh_in_a_fit_grows_the_bank_with_successes_only(tmp_path):
 
 
 def test_memory_refresh_off_leaves_the_bank_frozen(tmp_path):
-    module = make_module()
+    module = make_module(bank_path=None)  # the one experience added below
     module.bank.add([Experience(task_id="seed/0", task_text="Repeat the word: apple", trace="apple", reward=1.0)])
     log = BatchLog()
     fit(tmp_path, module, OnPolicyDataModule(EvenToy(), examples_per_step=4), [MemoryRefresh(every_n_steps=0), log])
