@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from lopd_lightning.adapters import COMPOSER, composer_lora_parameters, use_adapter
 from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler
+from lopd_lightning.text import encode_data
 
 __all__ = [
     "ARCHITECTURES",
@@ -223,18 +224,23 @@ class LatentComposer(nn.Module):
     def experience_ids(self, task_text: str, trace: str) -> list[int]:
         """The token ids of :func:`experience_prompt` at most ``max_experience_tokens`` long. What does not fit is
         cut from the task text x first (the experience m_j is what the composer exists to read), then from
-        the end of the trace."""
+        the end of the trace. The text is data (:func:`~lopd_lightning.text.encode_data`): a trace's tool
+        output that spells ``</s>`` or ``<|im_end|>`` stays text; the tokenizer's own BOS/EOS are added."""
         limit = self.max_experience_tokens
-        ids = list(self.tokenizer(experience_prompt(task_text, trace))["input_ids"])
+
+        def encode(text: str, *, add_special_tokens: bool = True) -> list[int]:
+            return encode_data(self.tokenizer, text, add_special_tokens=add_special_tokens)
+
+        ids = encode(experience_prompt(task_text, trace))
         if len(ids) <= limit:
             return ids
-        without_task = list(self.tokenizer(experience_prompt("", trace))["input_ids"])
+        without_task = encode(experience_prompt("", trace))
         room = limit - len(without_task)
         if room <= 0:
             return without_task[:limit]
-        task_ids = self.tokenizer(task_text, add_special_tokens=False)["input_ids"][:room]
+        task_ids = encode(task_text, add_special_tokens=False)[:room]
         cut = self.tokenizer.decode(task_ids, skip_special_tokens=False)
-        return list(self.tokenizer(experience_prompt(cut, trace))["input_ids"])[:limit]
+        return encode(experience_prompt(cut, trace))[:limit]
 
     def tokenize_experiences(self, experiences: list[list[tuple[str, str]]]) -> ExperienceBatch:
         """Tokenise the encoder inputs of each row's retrieved experiences.

@@ -25,6 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from lopd_lightning.text import encodable, encode_data
+
 __all__ = [
     "BackboneEmbedder",
     "EmbedderError",
@@ -90,7 +92,7 @@ def embed_texts(embedder: TextEmbedder, texts: list[str]) -> np.ndarray:
 
     Args:
         embedder: any :class:`TextEmbedder`.
-        texts: N strings.
+        texts: N strings (lone UTF-16 surrogates, which no encoder accepts, reach the embedder as U+FFFD).
 
     Returns:
         (N, dim) float32, C-contiguous, unit rows. ``(0, dim)`` without calling the embedder when N = 0.
@@ -105,7 +107,7 @@ def embed_texts(embedder: TextEmbedder, texts: list[str]) -> np.ndarray:
     if n == 0:
         return np.zeros((0, dim), dtype=np.float32)
     try:
-        out = embedder.embed(list(texts))
+        out = embedder.embed([encodable(t) for t in texts])  # a lone surrogate (model-written) encodes as U+FFFD
         if isinstance(out, torch.Tensor):
             out = out.detach().float().cpu().numpy()
         vectors = np.asarray(out, dtype=np.float32)
@@ -231,9 +233,11 @@ def _config_hash(model: Any) -> str:
 class BackboneEmbedder:
     """Mean-pooled last hidden states of a causal LM (e.g. the student backbone), L2 normalised.
 
-    Texts are right-padded for the forward pass so that, under causal attention, a text's vector does
-    not depend on the other texts of its batch. Runs without gradients and in eval mode (the model's
-    train/eval mode is restored afterwards). With a PEFT model the active adapter is used.
+    Texts are data (:func:`~lopd_lightning.text.encode_data`: a trace's tool output that spells ``</s>`` or
+    ``<|im_end|>`` stays text, not a control token), right-padded for the forward pass so that, under causal
+    attention, a text's vector does not depend on the other texts of its batch. Runs without gradients and
+    in eval mode (the model's train/eval mode is restored afterwards). With a PEFT model the active adapter
+    is used.
 
     Args:
         model: a Hugging Face causal LM (``get_decoder()`` is used when available so no logits are
@@ -280,16 +284,15 @@ class BackboneEmbedder:
         chunks = []
         try:
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(
-                    list(texts[start : start + self.batch_size]),
-                    padding=True,
-                    padding_side="right",
-                    truncation=True,
-                    max_length=self.max_length,
-                    return_tensors="pt",
-                )
-                ids = batch["input_ids"].to(device)  # [b, T]
-                mask = batch["attention_mask"].to(device)  # [b, T]
+                rows = [encode_data(self.tokenizer, t, add_special_tokens=True, max_length=self.max_length)
+                        for t in texts[start : start + self.batch_size]]  # data: "</s>" in a trace stays text
+                width = max(1, max(len(r) for r in rows))
+                ids = torch.full((len(rows), width), int(self.tokenizer.pad_token_id), dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for i, row in enumerate(rows):  # right padding
+                    ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+                    mask[i, : len(row)] = 1
+                ids, mask = ids.to(device), mask.to(device)  # [b, T]
                 chunks.append(_mean_pool(self._hidden(ids, mask), mask).cpu())
         finally:
             self.model.train(was_training)

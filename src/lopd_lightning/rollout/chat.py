@@ -8,11 +8,18 @@ prompt. :func:`tokenize_conversation` builds exactly these token ids for a given
 teacher-forced batches (:func:`batch_from_conversations`: SFT on reference solutions, composer warm
 start) line up with sampled ones.
 
+Message contents are data (:mod:`lopd_lightning.text`): a tool result, a system prompt or a reference reply
+that spells a special token (``</s>``, ``<|im_end|>``, ``<|im_start|>``) is tokenised as that text, so only
+the template's own markers are control tokens; for contents that spell none, the ids are those of
+tokenising the rendered text.
+
 Source of the token layout: huggingface/trl's self-distillation trainers.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +29,9 @@ from torch import Tensor
 
 from lopd_lightning.rollout.batch import RolloutBatch, _token_tensors
 from lopd_lightning.tasks.base import Message
+from lopd_lightning.text import encode_data, encode_rendered, special_token_strings, spells_special_token
+
+log = logging.getLogger(__package__)
 
 __all__ = [
     "ChatTemplateError",
@@ -35,6 +45,14 @@ __all__ = [
 
 #: Stands in for the first user message's content when locating it in the rendered prompt.
 _CONTENT_SENTINEL = "\u2063LOPD_FIRST_USER_CONTENT_9d41c7\u2063"
+#: Stands in for message i's content when locating every content in a rendering (``{i}``: its index).
+_MESSAGE_SENTINEL = "\u2063LOPD_MESSAGE_{i}_9d41c7\u2063"
+_MESSAGE_SENTINEL_PATTERN = re.compile("\u2063LOPD_MESSAGE_([0-9]+)_9d41c7\u2063")
+#: whether the warning about a template that rewrites message contents was given (once per process).
+_WARNED_REWRITTEN_CONTENT = False
+
+#: a character span ``[start, end)`` of a rendering that holds message ``index``'s content: (index, start, end).
+ContentSpan = tuple[int, int, int]
 
 
 class ChatTemplateError(ValueError):
@@ -65,8 +83,70 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], *, tools: list[dict
     return tokenizer.apply_chat_template(list(messages), **kwargs)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+def _content_spans(
+    tokenizer: Any, messages: Sequence[Message], *, tools: list[dict] | None = None, add_generation_prompt: bool,
+    rendered: str | None = None,
+) -> list[ContentSpan] | None:
+    """Where each message's content lies in the rendering of ``messages``: the data spans of :func:`encode_rendered`.
+
+    The template is rendered once more with every string content replaced by a sentinel; the sentinels give
+    the template's own text, and the contents put back in their places must give ``rendered`` again, as
+    given or (templates that ``trim`` them) stripped.
+
+    Args:
+        rendered: ``render_chat(tokenizer, messages, ...)`` when the caller has it (else rendered here).
+
+    Returns:
+        ``(message index, start, end)`` character spans in the order they occur, or None when the template
+        writes the contents otherwise (it changes them, or its own text depends on them).
+    """
+    if rendered is None:
+        rendered = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    marked = [dict(m) for m in messages]
+    for i, m in enumerate(marked):
+        if isinstance(m.get("content"), str):
+            m["content"] = _MESSAGE_SENTINEL.format(i=i)
+    parts = _MESSAGE_SENTINEL_PATTERN.split(
+        render_chat(tokenizer, marked, tools=tools, add_generation_prompt=add_generation_prompt)
+    )  # template text, message index, template text, ...
+    for strip in (False, True):
+        out, spans = parts[0], []
+        for index, after in zip(parts[1::2], parts[2::2]):
+            content = str(messages[int(index)]["content"])
+            content = content.strip() if strip else content
+            spans.append((int(index), len(out), len(out) + len(content)))
+            out += content + after
+        if out == rendered:
+            return spans
+    return None
+
+
+def _data_spans(
+    tokenizer: Any, messages: Sequence[Message], rendered: str, *, tools: list[dict] | None,
+    add_generation_prompt: bool, first: int = 0,
+) -> list[ContentSpan]:
+    """:func:`_content_spans` of ``messages`` when a content from ``messages[first]`` on spells a special token
+    (else none are needed: []); a template that rewrites contents gets [] and one warning (its contents are
+    then tokenised as one text with the template, special-token strings included)."""
+    global _WARNED_REWRITTEN_CONTENT
+    if not any(isinstance(m.get("content"), str) and spells_special_token(tokenizer, m["content"])
+               for m in messages[first:]):
+        return []
+    spans = _content_spans(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                          rendered=rendered)
+    if spans is None:
+        if not _WARNED_REWRITTEN_CONTENT:
+            _WARNED_REWRITTEN_CONTENT = True
+            log.warning("the chat template rewrites message contents, so a content that spells a special token "
+                        "(e.g. %r) cannot be kept apart from the template's own markers and is tokenised as one",
+                        special_token_strings(tokenizer)[0])
+        return []
+    return spans
+
+
+def _encode_piece(tokenizer: Any, rendered: str, spans: Sequence[ContentSpan], start: int, end: int) -> list[int]:
+    """:func:`encode_rendered` of ``rendered[start:end]`` with the contents in ``spans`` as data."""
+    return encode_rendered(tokenizer, rendered[start:end], [(a - start, b - start) for _, a, b in spans])
 
 
 def _eos(tokenizer: Any) -> tuple[str, int]:
@@ -80,7 +160,8 @@ def encode_prompt(tokenizer: Any, messages: Sequence[Message], *, tools: list[di
 
     The rendered text is split where the first user message's content starts; the text before and the
     text from there on are tokenized separately (``add_special_tokens=False``) and concatenated, so that
-    ``context_position`` is a token boundary. Rollouts use this same split tokenization.
+    ``context_position`` is a token boundary. Rollouts use this same split tokenization. Message contents
+    are data: special-token strings in them stay text (:func:`~lopd_lightning.text.encode_rendered`).
 
     Raises:
         ValueError: no user message.
@@ -90,17 +171,21 @@ def encode_prompt(tokenizer: Any, messages: Sequence[Message], *, tools: list[di
     if user_index is None:
         raise ValueError("the conversation has no user message; context_position needs one")
     text = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=True)
-    marked = [dict(m) for m in messages]
-    marked[user_index]["content"] = _CONTENT_SENTINEL
-    marked_text = render_chat(tokenizer, marked, tools=tools, add_generation_prompt=True)
-    cut = marked_text.find(_CONTENT_SENTINEL)
-    if cut < 0 or not text.startswith(marked_text[:cut]):
-        raise ChatTemplateError(
-            "cannot locate the first user message's content in the rendered prompt: the chat template "
-            "changes the text before it depending on the content"
-        )
-    before = _encode(tokenizer, text[:cut])
-    return PromptEncoding(input_ids=before + _encode(tokenizer, text[cut:]), context_position=len(before), text=text)
+    spans = _data_spans(tokenizer, messages, text, tools=tools, add_generation_prompt=True)
+    cut = next((a for i, a, _ in spans if i == user_index), None)
+    if cut is None:
+        marked = [dict(m) for m in messages]
+        marked[user_index]["content"] = _CONTENT_SENTINEL
+        marked_text = render_chat(tokenizer, marked, tools=tools, add_generation_prompt=True)
+        cut = marked_text.find(_CONTENT_SENTINEL)
+        if cut < 0 or not text.startswith(marked_text[:cut]):
+            raise ChatTemplateError(
+                "cannot locate the first user message's content in the rendered prompt: the chat template "
+                "changes the text before it depending on the content"
+            )
+    before = _encode_piece(tokenizer, text, spans, 0, cut)
+    return PromptEncoding(input_ids=before + _encode_piece(tokenizer, text, spans, cut, len(text)),
+                          context_position=len(before), text=text)
 
 
 def encode_observation(
@@ -113,6 +198,9 @@ def encode_observation(
     tools: list[dict] | None = None,
 ) -> tuple[list[int], str]:
     """Token ids of what follows an assistant reply: template text + observation + next generation prompt.
+
+    The observation's contents are data: special-token strings in them stay text, only the template's own
+    markers are special (:func:`~lopd_lightning.text.encode_rendered`).
 
     Args:
         messages: the conversation up to and including the observation messages after the reply (the
@@ -147,7 +235,9 @@ def encode_observation(
     # without a generated EOS, the template's EOS is added as its token (never tokenized with its
     # neighbours), so that the ids match teacher forcing of the same conversation
     ids = [] if reply_has_eos else [eos_id]
-    return ids + _encode(tokenizer, rendered[len(head) + len(eos_text):]), rendered
+    reply_index = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    spans = _data_spans(tokenizer, messages, rendered, tools=tools, add_generation_prompt=True, first=reply_index + 1)
+    return ids + _encode_piece(tokenizer, rendered, spans, len(head) + len(eos_text), len(rendered)), rendered
 
 
 def tokenize_conversation(
@@ -163,7 +253,8 @@ def tokenize_conversation(
 
     The prompt and observation ids equal those of :func:`generate_rollouts`; a reply's ids equal the
     generated ones whenever re-tokenizing the decoded reply gives the same ids (rollouts keep the sampled
-    ids).
+    ids). Every content is data: a reference reply that spells ``</s>`` is trained as that text, never as
+    an EOS in mid-reply.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template and an EOS token.
@@ -185,7 +276,7 @@ def tokenize_conversation(
     i = first
     while i < len(messages):
         reply = str(messages[i].get("content") or "")
-        reply_ids = _encode(tokenizer, reply) + [eos_id]
+        reply_ids = encode_data(tokenizer, reply) + [eos_id]
         ids += reply_ids
         mask += [1] * len(reply_ids)
         j = next((k for k in range(i + 1, len(messages)) if messages[k].get("role") == "assistant"), len(messages))

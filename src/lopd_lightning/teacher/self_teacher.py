@@ -34,6 +34,7 @@ from lopd_lightning.teacher.splice import (
     student_to_teacher_positions,
 )
 from lopd_lightning.teacher.weights import TeacherMode, TeacherWeights
+from lopd_lightning.text import encode_data
 
 __all__ = ["SelfTeacher"]
 
@@ -96,9 +97,9 @@ class SelfTeacher(TeacherWeights):
 
     # ---------------------------------------------------------------- inputs
     def _tokenize(self, text: str) -> list[int]:
-        if not text:
-            return []
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Ids of text inserted into the user message (framing, contexts): data, so special-token strings
+        stay text (:func:`~lopd_lightning.text.encode_data`)."""
+        return encode_data(self.tokenizer, text)
 
     @property
     def framing(self) -> Framing:
@@ -108,7 +109,8 @@ class SelfTeacher(TeacherWeights):
     def encode_text_context(
         self, texts: Sequence[str | None], *, prefix: str | None = None, suffix: str | None = None
     ) -> list[list[int]]:
-        """Token ids of framed text contexts: ``prefix + text + suffix`` tokenised together, no special tokens.
+        """Token ids of framed text contexts: ``prefix + text + suffix`` tokenised together as data (no special
+        tokens added; special-token strings in them stay text: they go inside the user message).
 
         Args:
             texts: one per row; None or "" gives an empty context (nothing inserted).
