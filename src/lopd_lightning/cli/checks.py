@@ -6,13 +6,16 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
 - ``trainer.accumulate_grad_batches`` other than 1 (every method steps its optimizers itself, so Lightning
   cannot accumulate);
 - an LOPD-only callback (``MarginSchedule``, ``MemoryRefresh``: :class:`~lopd_lightning.callbacks.LOPDOnlyCallback`)
-  with another method, e.g. an LOPD config whose ``model.class_path`` was switched to ``GRPOModule``.
+  with another method, e.g. an LOPD config whose ``model.class_path`` was switched to ``GRPOModule``;
+- LOPD with no bank (``model.init_args.bank_path`` null, J > 0) and no ``MemoryRefresh`` to fill it: every step
+  would train nothing (:func:`~lopd_lightning.memory.persistence.check_bank_fills`, which ``fit`` runs too).
 
 Each raises :class:`~lopd_lightning.cli.errors.CLIError` (status 1) with one line naming the key and the fix.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -40,7 +43,8 @@ def check_fit_config(config: Any) -> None:
     Raises:
         CLIError: a negative or non-finite learning rate (``model.init_args.learning_rate``, ``*_lr``);
             ``trainer.accumulate_grad_batches`` other than 1; an LOPD-only callback in ``trainer.callbacks``
-            with a model class that is not an LOPDModule. One line naming the key and the fix, status 1.
+            with a model class that is not an LOPDModule; an LOPD fit with no bank that nothing fills. One line
+            naming the key and the fix, status 1.
     """
     model, trainer = _get(config, "model"), _get(config, "trainer")
     for key, value in _items(_get(model, "init_args")):
@@ -57,6 +61,7 @@ def check_fit_config(config: Any) -> None:
             "set it to 1) and raise data.init_args.examples_per_step for more examples per update", 1
         )
     _check_method_callbacks(model, _get(trainer, "callbacks"))
+    _check_bank_fills(model, _get(trainer, "callbacks"))
 
 
 def _check_method_callbacks(model: Any, callbacks: Any) -> None:
@@ -72,3 +77,37 @@ def _check_method_callbacks(model: Any, callbacks: Any) -> None:
     lopd_only = [c for c in classes if isinstance(c, type) and issubclass(c, LOPDOnlyCallback)]
     if lopd_only:
         raise CLIError(lopd_only_refusal(lopd_only, method.__name__), 1)
+
+
+def _default(cls: type, name: str) -> Any:
+    parameter = inspect.signature(cls).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def _check_bank_fills(model: Any, callbacks: Any) -> None:
+    from lopd_lightning.callbacks import MemoryRefresh
+    from lopd_lightning.memory.persistence import check_bank_fills
+    from lopd_lightning.modules import LOPDModule
+
+    method = import_class(str(_get(model, "class_path") or ""))
+    if not (isinstance(method, type) and issubclass(method, LOPDModule)):
+        return
+    init = dict(_items(_get(model, "init_args")))
+    bank_path = init.get("bank_path", _default(method, "bank_path"))
+    if bank_path:
+        return  # a missing or too small bank is refused by the module's own checks, also before the weights load
+    if callbacks is not None and not isinstance(callbacks, list):
+        callbacks = [callbacks]
+    refresh = False
+    for callback in callbacks or []:
+        cls = import_class(str(_get(callback, "class_path") or ""))
+        if isinstance(cls, type) and issubclass(cls, MemoryRefresh):
+            every = dict(_items(_get(callback, "init_args"))).get("every_n_steps", _default(cls, "every_n_steps"))
+            refresh = refresh or bool(every)
+    if refresh:
+        return  # fit warns once that the first steps train nothing
+    try:
+        check_bank_fills(0, int(init.get("num_experiences", _default(method, "num_experiences")) or 0), bank_path,
+                         refresh=False)
+    except ValueError as error:
+        raise CLIError(str(error), 1) from None

@@ -53,6 +53,7 @@ from lopd_lightning.lm import unpack
 from lopd_lightning.losses import k3_kl, masked_mean, token_logps
 from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs
 from lopd_lightning.rollout import RolloutBatch, encode_prompt
+from lopd_lightning.rollout.chat import eos_token_ids
 from lopd_lightning.tasks import Example, Task
 from lopd_lightning.teacher import SelfTeacher
 
@@ -427,7 +428,7 @@ class SkillSDModule(GRPOModule):
                     do_sample=False,
                     max_new_tokens=int(self.hparams.skill_max_new_tokens),
                     pad_token_id=pad,
-                    eos_token_id=tok.eos_token_id,
+                    eos_token_id=eos_token_ids(model, tok),  # every EOS id of the generation config ends it
                 )
         finally:
             model.train(was_training)

@@ -33,9 +33,11 @@ drives the loop with a scripted one):
    log-probs" of the PPO ratio (docs/METHOD.md section 6) are NOT these: the trainer recomputes them
    with its own forward pass of the student, so the backend's numerics (kernels, precision, weight-sync
    lag) never enter a loss.
-5. Ends. ``token_ids`` stop at the first of: an EOS token (included; ``finish_reason="eos"``), the token
-   whose decoded text completes one of ``settings.stop_strings`` (included, no EOS after it;
-   ``"stop_string"``), or ``max_new_tokens`` tokens (``"length"``). Nothing follows the end.
+5. Ends. ``token_ids`` stop at the first of: an EOS token (any id of
+   :func:`~lopd_lightning.rollout.chat.eos_token_ids`, included as sampled; ``finish_reason="eos"``; the
+   episode loop puts the template's own end-of-turn token in the place of another id), the token whose
+   decoded text completes one of ``settings.stop_strings`` (included, no EOS after it; ``"stop_string"``),
+   or ``max_new_tokens`` tokens (``"length"``). Nothing follows the end.
 6. Weights. ``generate`` samples from the weights of the last ``sync_weights(model)`` call (the HF
    backend samples from the live model, so its ``sync_weights`` only drops the key/value cache of an
    open session). ``generate_rollouts`` never syncs: whoever owns the training loop calls
@@ -61,7 +63,7 @@ from typing import Any, Literal, Self
 import torch
 from torch import Tensor
 
-from lopd_lightning.rollout.chat import _eos
+from lopd_lightning.rollout.chat import _eos, eos_token_ids
 from lopd_lightning.rollout.kv_reuse import (
     Hit,
     Layers,
@@ -283,11 +285,7 @@ class HFGenerateBackend(GenerationBackend):
         self.model, self.tokenizer, self.use_cache = model, tokenizer, bool(use_cache)
         self.reuse_prefixes = bool(reuse_prefixes)
         _, eos_id = _eos(tokenizer)
-        self.eos_ids = [eos_id]
-        cfg_eos = model.generation_config.eos_token_id
-        for e in ([cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])):
-            if e not in self.eos_ids:
-                self.eos_ids.append(int(e))
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
         self._config: tuple[SamplingSettings, Any] | None = None
         self._reuse: bool | None = None  # whether the model supports prefix reuse (decided on first use)

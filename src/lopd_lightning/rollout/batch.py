@@ -6,7 +6,9 @@ Conventions of every :class:`RolloutBatch`:
   the real tokens. (Generation inputs are left padded inside the backend; a batch never is.)
 - ``assistant_mask`` (docs/METHOD.md section 1, omega) is True exactly on the tokens the student generated,
   its EOS included, and False on the prompt, template tokens, tool output and padding (also when the pad
-  id equals the EOS id: the mask is built from positions, never from token values).
+  id equals the EOS id: the mask is built from positions, never from token values). A reply that ended on
+  another EOS id of the generation config holds the template's end-of-turn token there instead, with mask 0
+  (the ids are the template's rendering; the policy did not sample that token).
 - ``sampling_logps`` is ``log_softmax(z / temperature)[token]`` where ``z`` are the model's logits in
   float32 at that position (before top-k and top-p filtering), 0 off the assistant tokens: what the
   generation backend reported (:mod:`lopd_lightning.rollout.backends`). The "old log-probs" of the PPO
@@ -42,6 +44,8 @@ class RolloutStats:
         generate_calls: number of ``generate`` calls of the backend (turns x chunks).
         generated_tokens: tokens the student generated (the sum of the assistant masks).
         rollouts: number of rollouts (rows).
+        secondary_eos: replies that ended on an EOS id other than the template's end-of-turn token (a
+            second id of ``generation_config.eos_token_id``); that token is recorded as the template's, mask 0.
     """
 
     generate_seconds: float = 0.0
@@ -51,6 +55,7 @@ class RolloutStats:
     generate_calls: int = 0
     generated_tokens: int = 0
     rollouts: int = 0
+    secondary_eos: int = 0
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
         return RolloutStats(
@@ -70,7 +75,8 @@ class RolloutBatch:
         input_ids: (B, T) long; padding holds ``pad_token_id``.
         attention_mask: (B, T) long, 1 on real tokens (a prefix of each row), 0 on padding.
         assistant_mask: (B, T) bool, True exactly on tokens the student generated (its EOS included);
-            False on prompt, template tokens, tool output and padding.
+            False on prompt, template tokens, tool output and padding (and on the template's end-of-turn
+            token that replaces a secondary EOS id: :class:`RolloutStats` ``secondary_eos``).
         rewards: (B,) float32, trajectory rewards in [0, 1].
         group_ids: (B,) long; rollouts of the same example share an id and are contiguous.
         sampling_logps: (B, T) float32, log-prob of each generated token under the sampling distribution

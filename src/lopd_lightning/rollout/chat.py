@@ -11,7 +11,8 @@ start) line up with sampled ones.
 Message contents are data (:mod:`lopd_lightning.text`): a tool result, a system prompt or a reference reply
 that spells a special token (``</s>``, ``<|im_end|>``, ``<|im_start|>``) is tokenised as that text, so only
 the template's own markers are control tokens; for contents that spell none, the ids are those of
-tokenising the rendered text.
+tokenising the rendered text. A reply that the model ended on another EOS id of its generation config is
+laid out with the template's end-of-turn token (:func:`eos_token_ids`, ``generate_rollouts``).
 
 Source of the token layout: huggingface/trl's self-distillation trainers.
 """
@@ -39,6 +40,7 @@ __all__ = [
     "batch_from_conversations",
     "encode_observation",
     "encode_prompt",
+    "eos_token_ids",
     "render_chat",
     "tokenize_conversation",
 ]
@@ -155,6 +157,24 @@ def _eos(tokenizer: Any) -> tuple[str, int]:
     return tokenizer.eos_token, int(tokenizer.eos_token_id)
 
 
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a reply: the tokenizer's EOS (the template's end-of-turn token) first, then the other
+    ids of ``model.generation_config.eos_token_id`` (an int or a list: Qwen3, Llama 3 and Gemma 3 list
+    several). The HF backend and Skill-SD's skill writing stop on any of them; the episode loop records a
+    reply ended by one of the others with the template's token in its place
+    (:func:`~lopd_lightning.rollout.generate_rollouts`).
+
+    Raises:
+        ValueError: the tokenizer has no EOS token.
+    """
+    ids = [_eos(tokenizer)[1]]
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for e in [config_eos] if isinstance(config_eos, int) else list(config_eos or []):
+        if int(e) not in ids:
+            ids.append(int(e))
+    return ids
+
+
 def encode_prompt(tokenizer: Any, messages: Sequence[Message], *, tools: list[dict] | None = None) -> PromptEncoding:
     """Render ``messages`` with the generation prompt and tokenize it in two pieces.
 
@@ -253,8 +273,9 @@ def tokenize_conversation(
 
     The prompt and observation ids equal those of :func:`generate_rollouts`; a reply's ids equal the
     generated ones whenever re-tokenizing the decoded reply gives the same ids (rollouts keep the sampled
-    ids). Every content is data: a reference reply that spells ``</s>`` is trained as that text, never as
-    an EOS in mid-reply.
+    ids), and its EOS is the template's also where the rollout's reply ended on another EOS id (there the
+    rollout's mask is 0). Every content is data: a reference reply that spells ``</s>`` is trained as that
+    text, never as an EOS in mid-reply.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template and an EOS token.

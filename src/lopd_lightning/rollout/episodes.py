@@ -12,7 +12,8 @@ episodes advance together, one turn at a time:
    ``backend.session()``, told the live contexts before each turn (``retain``): the HF backend keeps the
    keys/values of each context there and reads only a turn's new tokens, and drops everything when the
    call ends (:class:`HFGenerateBackend`).
-3. advance: each reply is appended (assistant mask 1, its log-probs), decoded and fed to
+3. advance: each reply is appended (assistant mask 1, its log-probs; a reply ended on another EOS id of the
+   generation config gets the template's end-of-turn token there, mask 0), decoded and fed to
    ``episode.step``; the observation follows (:func:`encode_observation`, mask 0). An episode finishes
    when it says ``done``, after ``max_turns`` replies (``truncation="max_turns"``), or before a turn
    when its context is longer than ``max_prompt_tokens`` or ``context + max_new_tokens`` exceeds the
@@ -46,7 +47,7 @@ from lopd_lightning.rollout.backends import (
     SamplingSettings,
 )
 from lopd_lightning.rollout.batch import RolloutBatch, RolloutStats, _token_tensors
-from lopd_lightning.rollout.chat import _pad_token_id, encode_observation, encode_prompt
+from lopd_lightning.rollout.chat import _eos, _pad_token_id, encode_observation, encode_prompt
 from lopd_lightning.rollout.sampling import derive_seed
 from lopd_lightning.tasks.base import (
     Episode,
@@ -305,13 +306,13 @@ class _EpisodeLoop:
     def advance(self, r: _Rollout, completion: Completion) -> None:
         """Step 3: append the reply, step the episode, append its observation; finish the rollout if over."""
         t0 = time.perf_counter()
-        r.ids += completion.token_ids
-        r.mask += [1] * len(completion.token_ids)
-        r.logps += completion.logps
+        self.append_reply(r, completion)
         r.turns += 1
         r.reply_tokens.append(len(completion.token_ids))
         r.stop_reasons.append(completion.finish_reason)
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        ended_by_eos = completion.finish_reason == "eos" and bool(completion.token_ids)
+        body = completion.token_ids[:-1] if ended_by_eos else completion.token_ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         r.messages.append({"role": "assistant", "content": text})
         self.stats.tokenize_seconds += time.perf_counter() - t0
 
@@ -336,12 +337,40 @@ class _EpisodeLoop:
             r.messages.extend(dict(m) for m in result.messages)
             obs_ids, r.rendered = encode_observation(
                 self.tokenizer, r.messages, rendered_before_reply=r.rendered, reply=text,
-                reply_has_eos=completion.finish_reason == "eos", tools=r.tools,
+                reply_has_eos=ended_by_eos, tools=r.tools,
             )
             r.ids += obs_ids
             r.mask += [0] * len(obs_ids)
             r.logps += [0.0] * len(obs_ids)
             self.stats.tokenize_seconds += time.perf_counter() - t0
+
+    def append_reply(self, r: _Rollout, completion: Completion) -> None:
+        """The reply's tokens (mask 1, their log-probs), its end as the template writes it.
+
+        A reply that ends on an EOS id other than the tokenizer's (a second id of ``generation_config.
+        eos_token_id``: Qwen3's ``<|endoftext|>``, Llama 3's ``<|eom_id|>``) gets the template's own
+        end-of-turn token in that id's place, as context (mask 0, log-prob 0): every later turn then reads
+        exactly the template's rendering, and the ids equal those of
+        :func:`~lopd_lightning.rollout.chat.tokenize_conversation`. The sampled id is not trained on: the
+        sequence cannot hold it and the template's token at once, and the template's token is not what the
+        policy sampled (``stats.secondary_eos`` counts these replies; warned once).
+        """
+        ids, logps, mask = list(completion.token_ids), list(completion.logps), [1] * len(completion.token_ids)
+        eos_id = _eos(self.tokenizer)[1]
+        if completion.finish_reason == "eos" and ids and ids[-1] != eos_id:
+            self.stats.secondary_eos += 1
+            if not _WARNED["secondary_eos"]:
+                _WARNED["secondary_eos"] = True
+                log.warning(
+                    "a reply of task %r ended on EOS id %d of the generation config, not on the template's "
+                    "end-of-turn token %d: the template's token takes its place as context (mask 0), so the next "
+                    "turn reads the template's rendering (RolloutStats.secondary_eos counts them; warned once)",
+                    self.task.name, ids[-1], eos_id,
+                )
+            ids[-1], logps[-1], mask[-1] = eos_id, 0.0, 0
+        r.ids += ids
+        r.mask += mask
+        r.logps += logps
 
     def finish(self, t_start: float) -> RolloutBatch:
         """Steps 4 and 5: score every episode (:func:`episode_reward`) and assemble the batch."""
@@ -368,6 +397,10 @@ class _EpisodeLoop:
         self.stats.rollouts = len(batch)
         self.stats.total_seconds = time.perf_counter() - t_start
         return batch
+
+
+#: which one-time warnings of the episode loop were given (once per process).
+_WARNED = {"secondary_eos": False}
 
 
 def _metadata(r: _Rollout) -> dict[str, Any]:
