@@ -46,6 +46,8 @@ class RolloutStats:
         rollouts: number of rollouts (rows).
         secondary_eos: replies that ended on an EOS id other than the template's end-of-turn token (a
             second id of ``generation_config.eos_token_id``); that token is recorded as the template's, mask 0.
+        lone_surrogates: replies, observation messages and step infos in which lone UTF-16 surrogates
+            (invalid Unicode, model-written) were replaced with U+FFFD.
     """
 
     generate_seconds: float = 0.0
@@ -56,6 +58,7 @@ class RolloutStats:
     generated_tokens: int = 0
     rollouts: int = 0
     secondary_eos: int = 0
+    lone_surrogates: int = 0
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
         return RolloutStats(

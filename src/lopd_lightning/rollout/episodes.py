@@ -14,7 +14,9 @@ episodes advance together, one turn at a time:
    call ends (:class:`HFGenerateBackend`).
 3. advance: each reply is appended (assistant mask 1, its log-probs; a reply ended on another EOS id of the
    generation config gets the template's end-of-turn token there, mask 0), decoded and fed to
-   ``episode.step``; the observation follows (:func:`encode_observation`, mask 0). An episode finishes
+   ``episode.step``; the observation follows (:func:`encode_observation`, mask 0). Lone UTF-16 surrogates
+   in the reply, the observation and the step's info (model-written text that is not Unicode) become
+   U+FFFD first, so a bad reply ends in a reward, never in an exception. An episode finishes
    when it says ``done``, after ``max_turns`` replies (``truncation="max_turns"``), or before a turn
    when its context is longer than ``max_prompt_tokens`` or ``context + max_new_tokens`` exceeds the
    model's ``max_position_embeddings`` (``truncation="context"``).
@@ -57,6 +59,7 @@ from lopd_lightning.tasks.base import (
     episode_reward,
     turn_limit,
 )
+from lopd_lightning.text import encodable, has_lone_surrogate
 
 log = logging.getLogger(__package__)  # "lopd_lightning.rollout": one logger name for the whole package
 
@@ -312,7 +315,8 @@ class _EpisodeLoop:
         r.stop_reasons.append(completion.finish_reason)
         ended_by_eos = completion.finish_reason == "eos" and bool(completion.token_ids)
         body = completion.token_ids[:-1] if ended_by_eos else completion.token_ids
-        text = self.tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self.encodable(r, "reply", self.tokenizer.decode(body, skip_special_tokens=True,
+                                                                clean_up_tokenization_spaces=False))
         r.messages.append({"role": "assistant", "content": text})
         self.stats.tokenize_seconds += time.perf_counter() - t0
 
@@ -324,9 +328,9 @@ class _EpisodeLoop:
                 f"task {self.task.name!r}: episode.step failed for example {r.example.id!r}: {err}"
             ) from err
         self.stats.env_seconds += time.perf_counter() - t0
-        r.info = dict(result.info)
-        if result.info.get("error"):
-            r.errors.append(str(result.info["error"]))
+        r.info = self.encodable(r, "info", dict(result.info))
+        if r.info.get("error"):
+            r.errors.append(str(r.info["error"]))
         r.done = bool(result.done)
         if not r.done and r.turns >= self.max_turns:
             r.truncation = "max_turns"
@@ -334,7 +338,7 @@ class _EpisodeLoop:
         if result.messages or not r.finished:
             # observation tokens (or, with none, the template text up to the next generation prompt)
             t0 = time.perf_counter()
-            r.messages.extend(dict(m) for m in result.messages)
+            r.messages.extend(self.encodable(r, "observation", dict(m)) for m in result.messages)
             obs_ids, r.rendered = encode_observation(
                 self.tokenizer, r.messages, rendered_before_reply=r.rendered, reply=text,
                 reply_has_eos=ended_by_eos, tools=r.tools,
@@ -372,6 +376,23 @@ class _EpisodeLoop:
         r.mask += mask
         r.logps += logps
 
+    def encodable(self, r: _Rollout, what: str, value: Any) -> Any:
+        """``value`` (a reply, an observation message, an info dict) with every lone UTF-16 surrogate in its
+        strings replaced by U+FFFD (:func:`~lopd_lightning.text.encodable`; model-written text that reached
+        a parser as a JSON escape), so that no tokenizer, JSON writer or log raises on it later. Counted in
+        ``stats.lone_surrogates``, warned once."""
+        clean, changed = _encodable(value)
+        if changed:
+            self.stats.lone_surrogates += 1
+            if not _WARNED["lone_surrogates"]:
+                _WARNED["lone_surrogates"] = True
+                log.warning(
+                    "task %r, example %r: the %s held lone UTF-16 surrogates (invalid Unicode, written by the "
+                    "model); they were replaced with U+FFFD (RolloutStats.lone_surrogates counts them; warned once)",
+                    self.task.name, r.example.id, what,
+                )
+        return clean
+
     def finish(self, t_start: float) -> RolloutBatch:
         """Steps 4 and 5: score every episode (:func:`episode_reward`) and assemble the batch."""
         rewards = []
@@ -400,7 +421,24 @@ class _EpisodeLoop:
 
 
 #: which one-time warnings of the episode loop were given (once per process).
-_WARNED = {"secondary_eos": False}
+_WARNED = {"secondary_eos": False, "lone_surrogates": False}
+
+
+def _encodable(value: Any) -> tuple[Any, bool]:
+    """``value`` with :func:`~lopd_lightning.text.encodable` applied to every string in it (dict keys and
+    values, list and tuple items, nested; other objects as they are), and whether anything changed (then
+    the containers on the way are new ones; else ``value`` itself comes back)."""
+    if isinstance(value, str):
+        return (encodable(value), True) if has_lone_surrogate(value) else (value, False)
+    if type(value) is dict:
+        pairs = [(_encodable(k), _encodable(v)) for k, v in value.items()]
+        if any(kc or vc for (_, kc), (_, vc) in pairs):
+            return {k: v for (k, _), (v, _) in pairs}, True
+    elif type(value) in (list, tuple):
+        items = [_encodable(v) for v in value]
+        if any(changed for _, changed in items):
+            return type(value)(v for v, _ in items), True
+    return value, False
 
 
 def _metadata(r: _Rollout) -> dict[str, Any]:

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from lopd_lightning.text import has_lone_surrogate
+
 __all__ = ["ToolCall", "format_tool_calls", "parse_python_calls", "parse_tool_calls", "unparsed_reason"]
 
 
@@ -59,6 +61,10 @@ def parse_tool_calls(text: str) -> list[ToolCall] | None:
         3. Without tags: the whole reply as Python call syntax, ``f(a=1)`` or ``[f(a=1), m.g(b="x")]``,
            keyword arguments with literal values only (``true``/``false``/``null`` read as JSON's).
 
+    A call whose name, argument names or values hold a lone UTF-16 surrogate (a JSON escape such as
+    ``"\\ud800"``, or Python's) is malformed: such text is not Unicode, no tool, tokenizer or UTF-8 file
+    takes it.
+
     Returns:
         The calls (``[]`` for an explicit empty list: "no call"), or None when the reply is prose or
         malformed (any unreadable block makes the whole reply None). Never raises.
@@ -75,11 +81,37 @@ def unparsed_reason(text: Any) -> str:
         return f"malformed reply: not text but {type(text).__name__}"
     if not text.strip():
         return "empty reply: no tool call"
+    try:
+        _parse(text)
+    except _LoneSurrogate:
+        return "malformed tool call: a name or value holds a lone UTF-16 surrogate (not valid Unicode)"
+    except Exception:  # any other failure is told below
+        pass
     if "<tool_call>" in text:
         return "malformed tool call: a <tool_call> block is neither JSON calls nor Python call syntax"
     if text.lstrip().startswith(("[", "{", "```")):
         return "malformed tool call: the reply is neither JSON calls nor Python call syntax"
     return "no tool call: the reply is prose"
+
+
+class _LoneSurrogate(ValueError):
+    """A call holds a lone UTF-16 surrogate (see :func:`parse_tool_calls`)."""
+
+
+def _check_unicode(name: str, arguments: Any) -> None:
+    """Raise :class:`_LoneSurrogate` when ``name`` or any string in ``arguments`` (keys, nested values) holds a
+    lone surrogate."""
+    stack = [name, arguments]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if has_lone_surrogate(value):
+                raise _LoneSurrogate(f"lone surrogate in {value!r}")
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
 
 
 def _parse(text: str) -> list[ToolCall] | None:
@@ -159,6 +191,7 @@ def _call_from_json(item: Any) -> ToolCall | None:
             return None
     if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
+    _check_unicode(name, args)
     return ToolCall(name=name, arguments=args)
 
 
@@ -166,6 +199,8 @@ def _calls_from_python(text: str) -> list[ToolCall] | None:
     parsed = parse_python_calls(text, allow_positional=False)
     if parsed is None:
         return None
+    for name, _, kwargs in parsed:
+        _check_unicode(name, kwargs)
     return [ToolCall(name=name, arguments=kwargs) for name, _, kwargs in parsed]
 
 
