@@ -34,6 +34,8 @@ _REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bfcl_multi_turn_base": ("lopd_lightning.tasks.bfcl.multi_turn", "BFCLMultiTurnTask", {"category": "multi_turn_base"}),
     "toy": ("lopd_lightning.tasks.toy", "ToyTask", {}),
     "facts": ("lopd_lightning.tasks.facts", "FactsTask", {}),
+    "hidden_rules": ("lopd_lightning.tasks.hidden_rules.task", "HiddenRulesTask", {}),
+    "hidden_rules_multi_turn": ("lopd_lightning.tasks.hidden_rules.multi_turn", "HiddenRulesMultiTurnTask", {}),
 }
 
 TASK_NAMES: tuple[str, ...] = tuple(_REGISTRY)

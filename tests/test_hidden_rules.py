@@ -1,0 +1,240 @@
+"""The hidden-rules task family (issue 33, item 1): seeded generation, a fixed held-out split disjoint from
+train, references with full marks (``lopd tasks verify``), documented forms that break every rule kind with
+the rule named, format-only SFT references that parse but score 0, experience that carries the rule, and
+malformed replies scored 0 without an exception. Offline, CPU, seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lopd_lightning.cli import main
+from lopd_lightning.tasks import get_task
+from lopd_lightning.tasks.bfcl.calls import parse_tool_calls
+from lopd_lightning.tasks.hidden_rules import (
+    RULE_KINDS,
+    TOOLS,
+    HiddenRulesMultiTurnTask,
+    HiddenRulesTask,
+    check_calls,
+)
+from lopd_lightning.tasks.hidden_rules.tools import AUTHENTICATE, expected_calls, format_only_calls
+from lopd_lightning.tasks.verify import verify_task
+
+
+@pytest.fixture(scope="module")
+def task() -> HiddenRulesTask:
+    return get_task("hidden_rules")
+
+
+def key(example) -> str:
+    return json.dumps([example.data["tool"], example.data["args"]], sort_keys=True)
+
+
+def rule_fragment(example) -> str:
+    """The evidence of the rule in a call: ``"arg": value`` as the reply's JSON writes it."""
+    rule = example.data["rule"]
+    call = example.data["expected"][0] if rule["kind"] == "call_first" else example.data["expected"][-1]
+    argument = "scope" if rule["kind"] == "call_first" else rule["argument"]
+    return f'"{argument}": {json.dumps(call["arguments"][argument])}'
+
+
+# ----------------------------------------------------------------------- generation and splits
+def test_generation_is_deterministic_per_seed(task):
+    again = HiddenRulesTask(seed=0)
+    for split in ("train", "val"):
+        assert [(e.id, e.text, e.data) for e in task.examples(split)] == \
+               [(e.id, e.text, e.data) for e in again.examples(split)]
+    other = HiddenRulesTask(seed=1)
+    assert [e.text for e in other.examples("val")] != [e.text for e in task.examples("val")]
+    assert len({json.dumps(HiddenRulesTask(seed=s).rule_table(), sort_keys=True) for s in range(6)}) > 1
+
+
+def test_heldout_split_is_large_fixed_and_disjoint_from_train(task):
+    train, val = task.examples("train"), task.examples("val")
+    assert len(val) == 200 >= 150 and len(train) == 600
+    assert task.examples("all") == train + val
+    assert not {key(e) for e in train} & {key(e) for e in val}
+    assert len({key(e) for e in train + val}) == 800 and len({e.id for e in train + val}) == 800
+    assert {e.data["tool"] for e in val} == {e.data["tool"] for e in train} == {s.name for s in TOOLS}
+    # the held-out split depends on the seed alone: another train size leaves it as it is
+    assert [e.data for e in HiddenRulesTask(n_train=50).examples("val")] == [e.data for e in val]
+    assert [e.data for e in HiddenRulesTask(n_heldout=150).examples("val")] == [e.data for e in val[:150]]
+
+
+def test_registry_options_and_refusals(monkeypatch):
+    small = get_task("hidden_rules", seed=3, n_train=22, n_heldout=11, references="format_only", show_tools="all")
+    assert (len(small.examples("train")), len(small.examples("val"))) == (22, 11)
+    system = small.initial_messages(small.examples()[0])[0]["content"]
+    assert all(f'"name": "{name}"' in system for name in [s.name for s in TOOLS] + [AUTHENTICATE])
+    for bad in ({"n_heldout": 0}, {"references": "none"}, {"show_tools": "some"}, {"system_prompt": "no tools"}):
+        with pytest.raises(ValueError):
+            HiddenRulesTask(**bad)
+    import lopd_lightning.tasks.hidden_rules.task as module
+
+    monkeypatch.setattr(module, "TOOLS", tuple(s for s in TOOLS if s.name == "set_thermostat"))  # 8 rooms x 16 degrees
+    assert len(HiddenRulesTask(n_train=100, n_heldout=28).examples("train")) == 100
+    with pytest.raises(ValueError, match="only 100 distinct train requests"):
+        HiddenRulesTask(n_train=101, n_heldout=28)
+
+
+def test_the_prompt_is_the_bfcl_one_and_leaves_the_rules_out(task):
+    for example in task.examples("train"):
+        system, user = task.initial_messages(example)
+        assert "<tools>" in system["content"] and "<tool_call>" in system["content"]
+        assert user == {"role": "user", "content": example.text}
+        shown = system["content"] + user["content"]
+        assert rule_fragment(example) not in shown
+
+
+# ----------------------------------------------------------------------- references and verify
+def test_every_reference_scores_full_marks_and_verify_passes(task, capsys):
+    report = verify_task(task)
+    assert report.ok and report.n == 800, report.failures[:5]
+    assert main(["tasks", "verify", "hidden_rules"]) == 0
+    assert "hidden_rules: 800/800 reference solutions score 1.0" in capsys.readouterr().out
+    for seed in (1, 2):
+        assert verify_task(HiddenRulesTask(seed=seed, n_train=40, n_heldout=40)).ok
+
+
+def test_the_documented_forms_break_every_rule_kind_and_the_info_names_it(task):
+    kinds = set()
+    for example in task.examples("all"):
+        score, info = task.score_with_info(example, task.format_only_reply(example))
+        rule = example.data["rule"]
+        assert score == 0.0 and info["rule"] == rule["kind"], (example.id, info)
+        assert f"hidden rule of {rule['tool']} ({rule['kind']}): {rule['description']}" in info["error"]
+        kinds.add(info["rule"])
+    assert kinds == set(RULE_KINDS)
+
+
+@pytest.mark.parametrize("spec", TOOLS, ids=[s.name for s in TOOLS])
+def test_every_variant_of_every_rule_is_checked(spec):
+    """Whatever the seed draws: each variant's calls pass, the documented forms fail naming the rule."""
+    import random
+
+    rng = random.Random(0)
+    for variant in spec.variants:
+        rule = {"tool": spec.name, "kind": spec.kind, "argument": spec.argument, "description": variant.rule}
+        for _ in range(20):
+            args = spec.draw(rng).args
+            good = [{"name": c.name, "arguments": c.arguments} for c in expected_calls(spec, variant, args)]
+            assert check_calls(parse_tool_calls(HiddenRulesTask.format_calls(good)), good, rule).valid
+            verdict = check_calls(format_only_calls(spec, args), good, rule)
+            assert not verdict.valid and verdict.rule == spec.kind and variant.rule in verdict.error
+
+
+def test_format_only_references_parse_as_calls_but_score_zero():
+    sft = get_task("hidden_rules", references="format_only")
+    for example in sft.examples("train"):
+        reply = sft.reference_solution(example)
+        calls = parse_tool_calls(reply)
+        assert calls is not None and calls[-1].name == example.data["tool"]
+        assert AUTHENTICATE not in [c.name for c in calls]
+        assert sft.reference_replies(example) == [reply]
+        assert sft.score(example, reply) == 0.0
+        assert rule_fragment(example) not in reply  # the SFT data never shows a rule
+    assert verify_task(sft, split="val").n_full_marks == 0
+
+
+def test_experience_of_a_train_task_carries_its_rule(task):
+    seen = set()
+    for example in task.examples("train"):
+        episode, messages = task.start(example), list(task.initial_messages(example))
+        for reply in task.reference_replies(example):
+            messages.append({"role": "assistant", "content": reply})
+            messages.extend(episode.step(reply).messages)
+        text = task.experience_text(example, messages)
+        assert example.text in text and rule_fragment(example) in text
+        seen.add(example.data["rule"]["kind"])
+    assert seen == set(RULE_KINDS)
+
+
+# ----------------------------------------------------------------------- the checker on other replies
+def test_request_errors_are_not_rule_errors_and_values_compare_as_bfcl_does(task):
+    flight = next(e for e in task.examples("train") if e.data["tool"] == "book_flight")
+    call = flight.data["expected"][0]
+    loose = dict(call["arguments"], passenger=call["arguments"]["passenger"].upper())
+    assert task.score(flight, HiddenRulesTask.format_calls([{"name": "book_flight", "arguments": loose}])) == 1.0
+    wrong = dict(call["arguments"], origin="Nowhere", seat="12A")
+    score, info = task.score_with_info(flight, HiddenRulesTask.format_calls([{"name": "book_flight", "arguments": wrong}]))
+    assert score == 0.0 and "rule" not in info
+    assert "invalid value for 'origin'" in info["error"] and "unexpected parameter 'seat'" in info["error"]
+    score, info = task.score_with_info(flight, HiddenRulesTask.format_calls([{"name": "rent_car", "arguments": {}}]))
+    assert score == 0.0 and "no call to 'book_flight'" in info["error"]
+    meeting = next(e for e in task.examples("train") if e.data["tool"] == "schedule_meeting")
+    args = meeting.data["expected"][0]["arguments"]
+    as_float = dict(args, duration=float(args["duration"]))
+    assert task.score(meeting, HiddenRulesTask.format_calls([{"name": "schedule_meeting", "arguments": as_float}])) == 1.0
+
+
+def test_call_first_wants_authenticate_first_with_its_scope(task):
+    transfer = next(e for e in task.examples("train") if e.data["tool"] == "transfer_funds")
+    auth, action = transfer.data["expected"]
+    for calls, detail in (([action, auth], "does not come first"),
+                          ([{"name": AUTHENTICATE, "arguments": {"scope": "admin"}}, action], "got authenticate(scope='admin')")):
+        score, info = task.score_with_info(transfer, HiddenRulesTask.format_calls(calls))
+        assert score == 0.0 and info["rule"] == "call_first" and detail in info["error"]
+    flight = next(e for e in task.examples("train") if e.data["tool"] == "book_flight")
+    extra = [auth, *flight.data["expected"]]
+    score, info = task.score_with_info(flight, HiddenRulesTask.format_calls(extra))
+    assert score == 0.0 and "unexpected calls" in info["error"]
+
+
+MALFORMED = [
+    "", "   ", "I would book the flight for you.", "<tool_call>", "<tool_call>[", "<tool_call>{not json}</tool_call>",
+    "[1, 2]", "null", '{"name": 3}', '<tool_call>[{"name": "book_flight", "arguments": "not json"}]</tool_call>',
+    '<tool_call>[{"name": "book_flight", "arguments": [1]}]</tool_call>', "[" * 5000 + "]" * 5000,
+    '<tool_call>[{"name": "book_flight", "arguments": {"date": ["x"], "passenger": {"a": 1}}}]</tool_call>',
+    '<tool_call>[{"name": "book_flight", "arguments": {"date": NaN, "origin": 1e999, "destination": true}}]</tool_call>',
+    '<tool_call>[{"name": "\\ud800", "arguments": {}}]</tool_call>', "book_flight(date=)", "```json\n[]\n```",
+    '<tool_call>[]</tool_call>', '<tool_call>[{"name": "authenticate", "arguments": null}]</tool_call>',
+]
+
+
+@pytest.mark.parametrize("reply", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_replies_score_zero_and_never_raise(task, reply):
+    for example in task.examples("val")[:11]:  # one per tool
+        score, info = task.score_with_info(example, reply)
+        assert score == 0.0 and info["error"]
+
+
+# ----------------------------------------------------------------------- multi-turn
+def test_multi_turn_answers_a_broken_rule_with_the_rule_and_takes_the_retry():
+    multi = get_task("hidden_rules_multi_turn", n_train=22, n_heldout=11)
+    assert multi.multi_turn and multi.max_turns == 3
+    assert verify_task(multi).ok
+    for example in multi.examples("val"):
+        episode = multi.start(example)
+        first = episode.step(multi.format_only_reply(example))
+        assert not first.done and first.info["rule"] == example.data["rule"]["kind"]
+        assert first.messages[0]["role"] == "tool"
+        assert example.data["rule"]["description"] in first.messages[0]["content"]
+        second = episode.step(multi.rule_reply(example))
+        assert second.done and episode.reward() == 1.0
+    example = multi.examples("val")[0]
+    episode = multi.start(example)
+    results = [episode.step("no calls") for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True] and episode.reward() == 0.0
+    with pytest.raises(RuntimeError):
+        episode.step("again")
+    with pytest.raises(ValueError):
+        HiddenRulesMultiTurnTask(max_attempts=0)
+    sft = HiddenRulesMultiTurnTask(n_train=22, n_heldout=11, references="format_only")
+    assert sft.reference_replies(example) == [sft.format_only_reply(example)]
+
+
+# ----------------------------------------------------------------------- the SFT warm start's data
+def test_a_config_selects_format_only_references_for_the_sft_warm_start():
+    """``data.init_args.task_options.references: format_only``: SFT trains on the call format, not the rules."""
+    from lopd_lightning.data import OnPolicyDataModule
+    from lopd_lightning.modules import SFTModule
+
+    dm = OnPolicyDataModule("hidden_rules", task_options={"references": "format_only", "n_train": 22, "n_heldout": 11})
+    module = SFTModule("tiny", lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj"]})
+    examples = dm.train_examples[:11]
+    batch = module.reference_batch(dm.task, examples)
+    for messages, example in zip(batch.messages, examples, strict=True):
+        assert messages[-1] == {"role": "assistant", "content": dm.task.format_only_reply(example)}
+        assert rule_fragment(example) not in "".join(m["content"] for m in messages)
