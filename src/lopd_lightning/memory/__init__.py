@@ -2,8 +2,9 @@
 
 docs/METHOD.md section 2. ``bank`` stores (task, trace, reward) records and retrieves the top-J of
 other tasks (its records are ``experience``'s, its FAISS indexes ``faiss_index``'s, its folder on disk
-``persistence``'s); ``embed`` turns texts into unit vectors. The composer that turns retrieved experiences
-into latent tokens is :mod:`lopd_lightning.composer`.
+``persistence``'s, the bank a module builds from its config keys ``module_bank``'s); ``embed`` turns texts
+into unit vectors. The composer that turns retrieved experiences into latent tokens is
+:mod:`lopd_lightning.composer`.
 """
 
 from lopd_lightning.memory.bank import Experience, ExperienceBank, SearchResult
@@ -17,6 +18,7 @@ from lopd_lightning.memory.embed import (
     get_embedder,
     minilm_folder,
 )
+from lopd_lightning.memory.module_bank import build_bank
 
 __all__ = [
     "BackboneEmbedder",
@@ -27,6 +29,7 @@ __all__ = [
     "MiniLMEmbedder",
     "SearchResult",
     "TextEmbedder",
+    "build_bank",
     "embed_texts",
     "get_embedder",
     "minilm_folder",

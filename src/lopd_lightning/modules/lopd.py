@@ -42,9 +42,9 @@ from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_compose
 from lopd_lightning.composer.model import check_composer_options, upgrade_composer_keys
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
-from lopd_lightning.memory.bank import Experience, ExperienceBank
-from lopd_lightning.memory.persistence import check_bank, check_bank_fills
-from lopd_lightning.memory.embed import get_embedder
+from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory.module_bank import EMBEDDERS, build_bank, check_bank_options  # noqa: F401 (EMBEDDERS: re-exported)
+from lopd_lightning.memory.persistence import check_bank_fills
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
@@ -55,8 +55,6 @@ log = logging.getLogger(__name__)
 COMPOSER_ADAPTER = "composer"
 #: The frozen snapshot of the warm-started composer LoRA (the anchor c_phi0 of docs/METHOD.md section 5).
 ANCHOR_ADAPTER = "composer_anchor"
-#: the embedders a config may name (lopd_lightning.memory.embed.get_embedder).
-EMBEDDERS = ("minilm", "backbone", "hashing")
 DEFAULT_COMPOSER_LORA = {
     "r": 8,
     "lora_alpha": 16,
@@ -259,9 +257,9 @@ class LOPDModule(OnPolicyModule):
             self.hparams.teacher_prefix_cache = False
         #: the student's and the teacher's LM heads, in full or in chunks (checks the heads when chunked).
         self.lm_head = LMHead(self.backbone, self.teacher.model, chunk_size=distill_chunk_size)
-        self.bank = self._build_bank(
+        self.bank = build_bank(
             bank_path, embedder, num_experiences=num_experiences, capacity=bank_capacity, eviction=bank_eviction,
-            allow_self_retrieval=allow_self_retrieval,
+            allow_self_retrieval=allow_self_retrieval, model=self.backbone, tokenizer=self.tokenizer,
         )
         # c_phi0: a frozen snapshot of the composer (its own LoRA adapter on the same backbone + a compressor)
         copy_adapter(self.backbone, COMPOSER_ADAPTER, ANCHOR_ADAPTER)
@@ -309,29 +307,11 @@ class LOPDModule(OnPolicyModule):
         if distill_top_k < 1:
             raise ValueError(f"model.init_args.distill_top_k must be >= 1, got {distill_top_k}")
         DualAscent.check(beta_init, dual_lr)
-        if str(embedder).lower().strip() not in EMBEDDERS:
-            close = difflib.get_close_matches(str(embedder).lower(), EMBEDDERS, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"model.init_args.embedder {embedder!r} is not an embedder; {hint}choose one of {', '.join(EMBEDDERS)}")
-        if bank_path:  # the bank's size from its meta.json: a missing or too small bank fails before the weights load
-            check_bank(bank_path, num_experiences, capacity=bank_capacity)
+        check_bank_options(embedder, bank_path, num_experiences, capacity=bank_capacity)
         chunk = distill_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"model.init_args.distill_chunk_size must be null or an int >= 1, got {distill_chunk_size!r}")
         check_lora_config(as_lora_config(composer_lora, key="composer_lora"), "composer_lora")  # target_modules later
-
-    def _build_bank(
-        self, bank_path: str | None, embedder: str, *, num_experiences: int, capacity: int | None, eviction: str,
-        allow_self_retrieval: bool,
-    ) -> ExperienceBank:
-        """The experience bank: loaded from ``bank_path`` (and checked to hold J experiences), or empty."""
-        embed = get_embedder(embedder, model=self.backbone, tokenizer=self.tokenizer) if embedder == "backbone" else get_embedder(embedder)
-        options = dict(capacity=capacity, eviction=eviction, allow_self_retrieval=allow_self_retrieval)
-        if not bank_path:
-            return ExperienceBank(embed, **options)
-        bank = ExperienceBank.load(bank_path, embed, **options)
-        check_bank(bank_path, num_experiences, size=len(bank))
-        return bank
 
     @property
     def beta(self) -> float:

@@ -1,0 +1,67 @@
+"""The experience bank a training module builds from its config keys (``bank_path``, ``embedder``, ...).
+
+LOPD's bank (its teacher's latents) and OPSD's with ``privileged_context: retrieved`` (its teacher's text)
+are built here, so that the two read the same bank the same way: :func:`check_bank_options` refuses the
+options before the weights load, :func:`build_bank` loads the bank (or starts an empty one) once the
+model is there (``embedder: backbone`` needs it).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from lopd_lightning.memory.bank import ExperienceBank
+from lopd_lightning.memory.embed import get_embedder
+from lopd_lightning.memory.persistence import check_bank
+
+__all__ = ["EMBEDDERS", "build_bank", "check_bank_options", "check_embedder"]
+
+#: the embedders a config may name (:func:`lopd_lightning.memory.embed.get_embedder`).
+EMBEDDERS = ("minilm", "backbone", "hashing")
+
+
+def check_embedder(embedder: str) -> None:
+    """Refuse an ``embedder`` that is not one of :data:`EMBEDDERS`, in one line with the closest name.
+
+    Raises:
+        ValueError: naming ``model.init_args.embedder``.
+    """
+    if str(embedder).lower().strip() not in EMBEDDERS:
+        close = difflib.get_close_matches(str(embedder).lower(), EMBEDDERS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"model.init_args.embedder {embedder!r} is not an embedder; {hint}choose one of {', '.join(EMBEDDERS)}")
+
+
+def check_bank_options(embedder: str, bank_path: str | None, num_experiences: int, *, capacity: int | None = None) -> None:
+    """The bank's checks that need no model: a known ``embedder``, and a ``bank_path`` (when given) that holds a
+    bank of at least ``num_experiences`` experiences (its size read from ``meta.json``, capped at ``capacity``).
+
+    Raises:
+        ValueError: :func:`check_embedder`, or a bank smaller than ``num_experiences``.
+        FileNotFoundError: ``bank_path`` holds no bank.
+    """
+    check_embedder(embedder)
+    if bank_path:  # the bank's size from its meta.json: a missing or too small bank fails before the weights load
+        check_bank(bank_path, num_experiences, capacity=capacity)
+
+
+def build_bank(
+    bank_path: str | None, embedder: str, *, num_experiences: int, capacity: int | None = None,
+    eviction: str = "lowest_reward", allow_self_retrieval: bool = False, model: Any = None, tokenizer: Any = None,
+) -> ExperienceBank:
+    """The experience bank: loaded from ``bank_path`` (and checked to hold ``num_experiences``), or empty.
+
+    Args:
+        bank_path: a folder written by ``lopd build-memory`` (None: an empty bank).
+        embedder: a name of :data:`EMBEDDERS`; ``"backbone"`` embeds with ``model`` and ``tokenizer``.
+        num_experiences: J, the experiences retrieved per task.
+        capacity, eviction, allow_self_retrieval: the :class:`~lopd_lightning.memory.bank.ExperienceBank` options.
+    """
+    embed = get_embedder(embedder, model=model, tokenizer=tokenizer) if embedder == "backbone" else get_embedder(embedder)
+    options = dict(capacity=capacity, eviction=eviction, allow_self_retrieval=allow_self_retrieval)
+    if not bank_path:
+        return ExperienceBank(embed, **options)
+    bank = ExperienceBank.load(bank_path, embed, **options)
+    check_bank(bank_path, num_experiences, size=len(bank))
+    return bank
