@@ -23,7 +23,6 @@ One training step (manual optimisation, two optimisers):
 
 from __future__ import annotations
 
-import difflib
 import logging
 from typing import Any, ClassVar, NamedTuple
 
@@ -31,21 +30,22 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.adapters import add_composer_adapter, as_lora_config, check_lora_config, copy_adapter
+from lopd_lightning.adapters import add_composer_adapter, copy_adapter
 from lopd_lightning.checkpointing import recorded_forwards
 from lopd_lightning.deprecation import fold_renamed, warn_once
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
 from lopd_lightning.losses import anchor_loss, composer_objective
-from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS, has_both_outcomes
+from lopd_lightning.losses.composer import has_both_outcomes
 from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_composer_grads, load_composer
-from lopd_lightning.composer.model import check_composer_options, upgrade_composer_keys
+from lopd_lightning.composer.model import upgrade_composer_keys
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
 from lopd_lightning.memory.bank import Experience
-from lopd_lightning.memory.module_bank import EMBEDDERS, build_bank, check_bank_options  # noqa: F401 (EMBEDDERS: re-exported)
+from lopd_lightning.memory.module_bank import EMBEDDERS, build_bank  # noqa: F401 (EMBEDDERS: re-exported)
 from lopd_lightning.memory.persistence import check_bank_fills
 from lopd_lightning.modules.base import OnPolicyModule
+from lopd_lightning.modules.lopd_options import check_lopd_options
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
 from lopd_lightning.teacher import SelfTeacher, TeacherPrefix, prefix_length, supports_prefix_cache
@@ -227,7 +227,7 @@ class LOPDModule(OnPolicyModule):
     ):
         distill_top_k = fold_renamed(type(self).__name__, "top_m", top_m, "distill_top_k", distill_top_k, 20)
         composer_cfg = dict(DEFAULT_COMPOSER_LORA) if composer_lora is None else composer_lora
-        self._check_options(  # the checks that need no model, before the student is loaded
+        check_lopd_options(  # the checks that need no model, before the student is loaded
             num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,
             bank_path=bank_path, bank_capacity=bank_capacity, distill_chunk_size=distill_chunk_size,
             composer_lora=composer_cfg, beta_init=beta_init, dual_lr=dual_lr, margin_weighting=margin_weighting,
@@ -271,47 +271,6 @@ class LOPDModule(OnPolicyModule):
         #: beta and its dual ascent (docs/METHOD.md 5); ``self.beta`` reads and sets its value.
         self.dual = DualAscent(beta_init, lr=dual_lr)
         self.warm_started = warm_start_steps == 0 or bool(composer_path)
-
-    @staticmethod
-    def _check_options(
-        *, num_latents: int, num_experiences: int, distill_top_k: int, embedder: str, bank_path: str | None,
-        bank_capacity: int | None, distill_chunk_size: Any, composer_lora: Any, beta_init: float, dual_lr: float,
-        margin_weighting: str, composer_architecture: str, composer_path: str | None, composer_output_gain: float | str,
-        warm_start_weights: tuple[float, float], warm_start_lr: float, warm_start_batch_size: int,
-        latent_probe_every_n_steps: int,
-    ) -> None:
-        """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
-
-        Raises:
-            ValueError: an unknown ``margin_weighting``, K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``,
-                an unknown embedder, a missing or too small bank, a ``distill_chunk_size`` that is not null or an
-                int >= 1, a composer LoRA that the shared backbone cannot honour, a negative
-                ``latent_probe_every_n_steps``, or a composer or pretraining option
-                :func:`~lopd_lightning.composer.model.check_composer_options` refuses.
-            FileNotFoundError: ``bank_path`` holds no bank, or ``composer_path`` no composer.
-        """
-        if margin_weighting not in MARGIN_WEIGHTINGS:
-            close = difflib.get_close_matches(str(margin_weighting), MARGIN_WEIGHTINGS, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; {hint}"
-                             f"choose one of {', '.join(MARGIN_WEIGHTINGS)}")
-        check_composer_options(composer_architecture, composer_output_gain, composer_path, warm_start_weights,
-                               warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size)
-        if latent_probe_every_n_steps < 0:
-            raise ValueError(f"model.init_args.latent_probe_every_n_steps must be >= 0 (0: never), got "
-                             f"{latent_probe_every_n_steps}")
-        if num_latents < 1:
-            raise ValueError(f"model.init_args.num_latents must be >= 1 (latent tokens per experience), got {num_latents}")
-        if num_experiences < 0:
-            raise ValueError(f"model.init_args.num_experiences must be >= 0 (experiences per task), got {num_experiences}")
-        if distill_top_k < 1:
-            raise ValueError(f"model.init_args.distill_top_k must be >= 1, got {distill_top_k}")
-        DualAscent.check(beta_init, dual_lr)
-        check_bank_options(embedder, bank_path, num_experiences, capacity=bank_capacity)
-        chunk = distill_chunk_size
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"model.init_args.distill_chunk_size must be null or an int >= 1, got {distill_chunk_size!r}")
-        check_lora_config(as_lora_config(composer_lora, key="composer_lora"), "composer_lora")  # target_modules later
 
     @property
     def beta(self) -> float:

@@ -1,0 +1,56 @@
+"""The checks of :class:`~lopd_lightning.modules.lopd.LOPDModule`'s options that need no model: they run in its
+constructor before the student's weights load, and name the config key (``model.init_args.<key>``)."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from lopd_lightning.adapters import as_lora_config, check_lora_config
+from lopd_lightning.composer.model import check_composer_options
+from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS
+from lopd_lightning.losses.dual import DualAscent
+from lopd_lightning.memory.module_bank import check_bank_options
+
+__all__ = ["check_lopd_options"]
+
+
+def check_lopd_options(
+    *, num_latents: int, num_experiences: int, distill_top_k: int, embedder: str, bank_path: str | None,
+    bank_capacity: int | None, distill_chunk_size: Any, composer_lora: Any, beta_init: float, dual_lr: float,
+    margin_weighting: str, composer_architecture: str, composer_path: str | None, composer_output_gain: float | str,
+    warm_start_weights: tuple[float, float], warm_start_lr: float, warm_start_batch_size: int,
+    latent_probe_every_n_steps: int,
+) -> None:
+    """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
+
+    Raises:
+        ValueError: an unknown ``margin_weighting``, K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``,
+            an unknown embedder, a missing or too small bank, a ``distill_chunk_size`` that is not null or an
+            int >= 1, a composer LoRA that the shared backbone cannot honour, a negative
+            ``latent_probe_every_n_steps``, or a composer or pretraining option
+            :func:`~lopd_lightning.composer.model.check_composer_options` refuses.
+        FileNotFoundError: ``bank_path`` holds no bank, or ``composer_path`` no composer.
+    """
+    if margin_weighting not in MARGIN_WEIGHTINGS:
+        close = difflib.get_close_matches(str(margin_weighting), MARGIN_WEIGHTINGS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; {hint}"
+                         f"choose one of {', '.join(MARGIN_WEIGHTINGS)}")
+    check_composer_options(composer_architecture, composer_output_gain, composer_path, warm_start_weights,
+                           warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size)
+    if latent_probe_every_n_steps < 0:
+        raise ValueError(f"model.init_args.latent_probe_every_n_steps must be >= 0 (0: never), got "
+                         f"{latent_probe_every_n_steps}")
+    if num_latents < 1:
+        raise ValueError(f"model.init_args.num_latents must be >= 1 (latent tokens per experience), got {num_latents}")
+    if num_experiences < 0:
+        raise ValueError(f"model.init_args.num_experiences must be >= 0 (experiences per task), got {num_experiences}")
+    if distill_top_k < 1:
+        raise ValueError(f"model.init_args.distill_top_k must be >= 1, got {distill_top_k}")
+    DualAscent.check(beta_init, dual_lr)
+    check_bank_options(embedder, bank_path, num_experiences, capacity=bank_capacity)
+    chunk = distill_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"model.init_args.distill_chunk_size must be null or an int >= 1, got {distill_chunk_size!r}")
+    check_lora_config(as_lora_config(composer_lora, key="composer_lora"), "composer_lora")  # target_modules later
