@@ -1,7 +1,8 @@
 """The hidden-rules task family (issue 33, item 1): seeded generation, a fixed held-out split disjoint from
 train, references with full marks (``lopd tasks verify``), documented forms that break every rule kind with
-the rule named, format-only SFT references that parse but score 0, experience that carries the rule, and
-malformed replies scored 0 without an exception. Offline, CPU, seconds."""
+the rule named, format-only SFT references that parse but score 0 (1.0 on the plain tools, which have no
+hidden rule and are 20-30% of either split), experience that carries the rule, and malformed replies scored 0
+without an exception. Offline, CPU, seconds."""
 
 from __future__ import annotations
 
@@ -13,13 +14,23 @@ from lopd_lightning.cli import main
 from lopd_lightning.tasks import get_task
 from lopd_lightning.tasks.bfcl.calls import parse_tool_calls
 from lopd_lightning.tasks.hidden_rules import (
+    PLAIN,
+    PLAIN_TOOLS,
     RULE_KINDS,
+    RULE_TOOLS,
     TOOLS,
     HiddenRulesMultiTurnTask,
     HiddenRulesTask,
     check_calls,
 )
-from lopd_lightning.tasks.hidden_rules.tools import AUTHENTICATE, expected_calls, format_only_calls
+from lopd_lightning.tasks.hidden_rules.tools import (
+    AUTHENTICATE,
+    PLAIN_VARIANT,
+    TOOL_KINDS,
+    draw_rules,
+    expected_calls,
+    format_only_calls,
+)
 from lopd_lightning.tasks.verify import verify_task
 
 
@@ -32,9 +43,14 @@ def key(example) -> str:
     return json.dumps([example.data["tool"], example.data["args"]], sort_keys=True)
 
 
+def is_plain(example) -> bool:
+    return example.data["plain"]
+
+
 def rule_fragment(example) -> str:
-    """The evidence of the rule in a call: ``"arg": value`` as the reply's JSON writes it."""
+    """The evidence of the rule in a call: ``"arg": value`` as the reply's JSON writes it (rule tools only)."""
     rule = example.data["rule"]
+    assert rule["kind"] != PLAIN, example.id
     call = example.data["expected"][0] if rule["kind"] == "call_first" else example.data["expected"][-1]
     argument = "scope" if rule["kind"] == "call_first" else rule["argument"]
     return f'"{argument}": {json.dumps(call["arguments"][argument])}'
@@ -85,7 +101,8 @@ def test_the_prompt_is_the_bfcl_one_and_leaves_the_rules_out(task):
         assert "<tools>" in system["content"] and "<tool_call>" in system["content"]
         assert user == {"role": "user", "content": example.text}
         shown = system["content"] + user["content"]
-        assert rule_fragment(example) not in shown
+        if not is_plain(example):
+            assert rule_fragment(example) not in shown
 
 
 # ----------------------------------------------------------------------- references and verify
@@ -103,13 +120,16 @@ def test_the_documented_forms_break_every_rule_kind_and_the_info_names_it(task):
     for example in task.examples("all"):
         score, info = task.score_with_info(example, task.format_only_reply(example))
         rule = example.data["rule"]
+        if is_plain(example):  # complete docs: the documented form is the accepted one
+            assert score == 1.0 and info == {}, (example.id, info)
+            continue
         assert score == 0.0 and info["rule"] == rule["kind"], (example.id, info)
         assert f"hidden rule of {rule['tool']} ({rule['kind']}): {rule['description']}" in info["error"]
         kinds.add(info["rule"])
     assert kinds == set(RULE_KINDS)
 
 
-@pytest.mark.parametrize("spec", TOOLS, ids=[s.name for s in TOOLS])
+@pytest.mark.parametrize("spec", RULE_TOOLS, ids=[s.name for s in RULE_TOOLS])
 def test_every_variant_of_every_rule_is_checked(spec):
     """Whatever the seed draws: each variant's calls pass, the documented forms fail naming the rule."""
     import random
@@ -125,7 +145,7 @@ def test_every_variant_of_every_rule_is_checked(spec):
             assert not verdict.valid and verdict.rule == spec.kind and variant.rule in verdict.error
 
 
-def test_format_only_references_parse_as_calls_but_score_zero():
+def test_format_only_references_parse_as_calls_and_score_zero_except_on_plain_tools():
     sft = get_task("hidden_rules", references="format_only")
     for example in sft.examples("train"):
         reply = sft.reference_solution(example)
@@ -133,9 +153,86 @@ def test_format_only_references_parse_as_calls_but_score_zero():
         assert calls is not None and calls[-1].name == example.data["tool"]
         assert AUTHENTICATE not in [c.name for c in calls]
         assert sft.reference_replies(example) == [reply]
-        assert sft.score(example, reply) == 0.0
-        assert rule_fragment(example) not in reply  # the SFT data never shows a rule
-    assert verify_task(sft, split="val").n_full_marks == 0
+        if is_plain(example):
+            assert sft.score(example, reply) == 1.0 and reply == sft.rule_reply(example)
+        else:
+            assert sft.score(example, reply) == 0.0
+            assert rule_fragment(example) not in reply  # the SFT data never shows a rule
+    n_plain = sum(map(is_plain, sft.examples("val")))
+    assert verify_task(sft, split="val").n_full_marks == n_plain == 52
+
+
+# ----------------------------------------------------------------------- plain tools
+def test_plain_tools_are_about_a_quarter_of_either_split(task):
+    assert len(PLAIN_TOOLS) in (3, 4) and len(RULE_TOOLS) == 11 and TOOLS == RULE_TOOLS + PLAIN_TOOLS
+    for split, n in (("train", 600), ("val", 200)):
+        examples = task.examples(split)
+        plain = [e for e in examples if is_plain(e)]
+        assert len(examples) == n and 0.2 <= len(plain) / n <= 0.3, (split, len(plain))
+        assert {e.data["tool"] for e in plain} == {s.name for s in PLAIN_TOOLS}
+    for seed in (1, 2):
+        val = HiddenRulesTask(seed=seed, n_train=40).examples("val")
+        assert 0.2 <= sum(map(is_plain, val)) / len(val) <= 0.3
+
+
+def test_plain_tools_have_complete_docs_and_no_rule(task):
+    assert PLAIN not in RULE_KINDS and TOOL_KINDS == (*RULE_KINDS, PLAIN)
+    for spec in PLAIN_TOOLS:
+        assert spec.plain and spec.kind == PLAIN and spec.argument is None and spec.variants == (PLAIN_VARIANT,)
+        params = spec.doc["parameters"]
+        assert params["required"] == list(params["properties"])  # nothing "optional" that is in fact required
+        assert all(p["description"] for p in params["properties"].values())
+    assert not any(spec.plain for spec in RULE_TOOLS)
+    for seed in range(4):  # no draw for a plain tool
+        assert all(draw_rules(seed)[spec.name] is PLAIN_VARIANT for spec in PLAIN_TOOLS)
+    assert {name: row for name, row in task.rule_table().items() if row["kind"] == PLAIN} == {
+        spec.name: {"kind": PLAIN, "argument": None, "variant": PLAIN, "description": PLAIN_VARIANT.rule}
+        for spec in PLAIN_TOOLS}
+    for example in task.examples("all"):
+        if is_plain(example):
+            assert example.data["expected"] == example.data["format_only"]
+            assert example.data["rule"]["kind"] == PLAIN and example.data["rule"]["argument"] is None
+            # every enum value the request needs is listed in the doc shown
+            doc = example.data["functions"][0]
+            for param, value in example.data["args"].items():
+                enum = doc["parameters"]["properties"][param].get("enum")
+                assert enum is None or value in enum
+
+
+@pytest.mark.parametrize("spec", PLAIN_TOOLS, ids=[s.name for s in PLAIN_TOOLS])
+def test_plain_tools_check_the_request_and_never_report_a_rule(spec):
+    import random
+
+    rng = random.Random(0)
+    rule = {"tool": spec.name, "kind": spec.kind, "argument": spec.argument, "description": PLAIN_VARIANT.rule}
+    texts = set()
+    for _ in range(30):
+        request = spec.draw(rng)
+        texts.add(request.text)
+        args = request.args
+        good = [{"name": c.name, "arguments": c.arguments} for c in expected_calls(spec, PLAIN_VARIANT, args)]
+        assert expected_calls(spec, PLAIN_VARIANT, args) == format_only_calls(spec, args) and len(good) == 1
+        assert check_calls(parse_tool_calls(HiddenRulesTask.format_calls(good)), good, rule).valid
+        for param in args:  # a wrong or missing argument fails, and names no rule
+            wrong = dict(args, **{param: 999 if isinstance(args[param], int) else "zzz"})
+            verdict = check_calls(format_only_calls(spec, wrong), good, rule)
+            assert not verdict.valid and verdict.rule is None and f"invalid value for {param!r}" in verdict.error
+            missing = {k: v for k, v in args.items() if k != param}
+            verdict = check_calls(format_only_calls(spec, missing), good, rule)
+            assert not verdict.valid and verdict.rule is None and f"missing parameter {param!r}" in verdict.error
+            assert "hidden rule" not in verdict.error
+    assert len(texts) > 20  # values to transcribe, not one request
+
+
+def test_plain_requests_state_their_values_in_natural_terms(task):
+    weather = [e for e in task.examples("train") if e.data["tool"] == "get_weather"]
+    assert any("Fahrenheit" in e.text for e in weather) and any("three days" in e.text for e in weather)
+    notes = [e for e in task.examples("train") if e.data["tool"] == "add_calendar_note"]
+    assert all(e.data["args"]["date"] not in e.text for e in notes)  # spoken dates; the doc gives YYYY-MM-DD
+    contacts = [e for e in task.examples("train") if e.data["tool"] == "lookup_contact"]
+    assert any("postal address" in e.text and e.data["args"]["field"] == "address" for e in contacts)
+    packages = [e for e in task.examples("train") if e.data["tool"] == "track_package"]
+    assert all(e.data["args"]["tracking_number"] in e.text for e in packages)
 
 
 def test_experience_of_a_train_task_carries_its_rule(task):
@@ -146,9 +243,13 @@ def test_experience_of_a_train_task_carries_its_rule(task):
             messages.append({"role": "assistant", "content": reply})
             messages.extend(episode.step(reply).messages)
         text = task.experience_text(example, messages)
-        assert example.text in text and rule_fragment(example) in text
+        assert example.text in text
+        if is_plain(example):  # the experience of a plain tool is its call, nothing hidden
+            assert task.format_only_reply(example) in text
+        else:
+            assert rule_fragment(example) in text
         seen.add(example.data["rule"]["kind"])
-    assert seen == set(RULE_KINDS)
+    assert seen == set(TOOL_KINDS)
 
 
 # ----------------------------------------------------------------------- the checker on other replies
@@ -195,18 +296,29 @@ MALFORMED = [
 
 @pytest.mark.parametrize("reply", MALFORMED, ids=range(len(MALFORMED)))
 def test_malformed_replies_score_zero_and_never_raise(task, reply):
-    for example in task.examples("val")[:11]:  # one per tool
+    for example in task.examples("val")[:len(TOOLS)]:  # one per tool
         score, info = task.score_with_info(example, reply)
         assert score == 0.0 and info["error"]
 
 
 # ----------------------------------------------------------------------- multi-turn
 def test_multi_turn_answers_a_broken_rule_with_the_rule_and_takes_the_retry():
-    multi = get_task("hidden_rules_multi_turn", n_train=22, n_heldout=11)
+    multi = get_task("hidden_rules_multi_turn", n_train=30, n_heldout=15)
     assert multi.multi_turn and multi.max_turns == 3
     assert verify_task(multi).ok
     for example in multi.examples("val"):
         episode = multi.start(example)
+        if is_plain(example):  # no rule: the documented form succeeds at once; a wrong value names no rule
+            assert episode.step(multi.format_only_reply(example)).done and episode.reward() == 1.0
+            episode = multi.start(example)
+            call = example.data["expected"][0]
+            wrong = dict(call["arguments"], **{next(iter(call["arguments"])): "zzz"})
+            first = episode.step(HiddenRulesTask.format_calls([{"name": call["name"], "arguments": wrong}]))
+            assert not first.done and "rule" not in first.info
+            assert first.messages[0]["content"].startswith("Error: invalid value for")
+            assert "hidden rule" not in first.messages[0]["content"]
+            assert episode.step(multi.rule_reply(example)).done and episode.reward() == 1.0
+            continue
         first = episode.step(multi.format_only_reply(example))
         assert not first.done and first.info["rule"] == example.data["rule"]["kind"]
         assert first.messages[0]["role"] == "tool"
@@ -231,10 +343,11 @@ def test_a_config_selects_format_only_references_for_the_sft_warm_start():
     from lopd_lightning.data import OnPolicyDataModule
     from lopd_lightning.modules import SFTModule
 
-    dm = OnPolicyDataModule("hidden_rules", task_options={"references": "format_only", "n_train": 22, "n_heldout": 11})
+    dm = OnPolicyDataModule("hidden_rules", task_options={"references": "format_only", "n_train": 30, "n_heldout": 15})
     module = SFTModule("tiny", lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj"]})
-    examples = dm.train_examples[:11]
+    examples = dm.train_examples[:15]
     batch = module.reference_batch(dm.task, examples)
     for messages, example in zip(batch.messages, examples, strict=True):
         assert messages[-1] == {"role": "assistant", "content": dm.task.format_only_reply(example)}
-        assert rule_fragment(example) not in "".join(m["content"] for m in messages)
+        if not is_plain(example):
+            assert rule_fragment(example) not in "".join(m["content"] for m in messages)

@@ -3,7 +3,7 @@
 One concern per module:
 
 - :mod:`~lopd_lightning.tasks.hidden_rules.tools`: the tools (BFCL-format docs), their hidden rules' variants
-  and the request generators;
+  and the request generators; 11 rule tools and 4 plain tools (kind ``"none"``: complete docs, no rule);
 - :mod:`~lopd_lightning.tasks.hidden_rules.checker`: the verdict on a reply's calls, naming the broken rule;
 - :mod:`~lopd_lightning.tasks.hidden_rules.task`: :class:`HiddenRulesTask` (registry name ``hidden_rules``),
   whose module docstring gives the rule kinds, the splits and the seed;
@@ -14,12 +14,24 @@ One concern per module:
 from lopd_lightning.tasks.hidden_rules.checker import Verdict, check_calls
 from lopd_lightning.tasks.hidden_rules.multi_turn import HiddenRulesEpisode, HiddenRulesMultiTurnTask
 from lopd_lightning.tasks.hidden_rules.task import DEFAULT_N_HELDOUT, DEFAULT_N_TRAIN, HiddenRulesTask
-from lopd_lightning.tasks.hidden_rules.tools import RULE_KINDS, TOOLS, ToolSpec, Variant, draw_rules
+from lopd_lightning.tasks.hidden_rules.tools import (
+    PLAIN,
+    PLAIN_TOOLS,
+    RULE_KINDS,
+    RULE_TOOLS,
+    TOOLS,
+    ToolSpec,
+    Variant,
+    draw_rules,
+)
 
 __all__ = [
     "DEFAULT_N_HELDOUT",
     "DEFAULT_N_TRAIN",
+    "PLAIN",
+    "PLAIN_TOOLS",
     "RULE_KINDS",
+    "RULE_TOOLS",
     "TOOLS",
     "HiddenRulesEpisode",
     "HiddenRulesMultiTurnTask",

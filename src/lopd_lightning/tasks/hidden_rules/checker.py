@@ -6,7 +6,9 @@ transformation: the date's format, the unit, the prefix, the enum's spelling); t
 compares them (strings after :func:`~lopd_lightning.tasks.bfcl.checker.standardize_string`, so "Anna Smith"
 matches "anna smith"; numbers by value, an int where a float is expected included). A broken rule is
 reported as ``"hidden rule of <tool> (<kind>): <the rule in words>; got <value>"`` with ``rule`` set to the
-kind, so logs and ``lopd tasks verify`` say which rule failed. Never raises on model output.
+kind, so logs and ``lopd tasks verify`` say which rule failed. A plain tool (kind
+:data:`~lopd_lightning.tasks.hidden_rules.tools.PLAIN`, ``"none"``) governs no argument: every argument is
+compared as BFCL compares it, and its failures never carry a ``rule``. Never raises on model output.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from lopd_lightning.tasks.bfcl.calls import ToolCall
 from lopd_lightning.tasks.bfcl.checker import standardize_string
-from lopd_lightning.tasks.hidden_rules.tools import AUTHENTICATE
+from lopd_lightning.tasks.hidden_rules.tools import AUTHENTICATE, PLAIN
 
 __all__ = ["Verdict", "check_calls"]
 
@@ -65,7 +67,8 @@ def _check_authenticate(calls: list[ToolCall], rule: dict[str, Any], want: ToolC
 
 def _check_arguments(call: ToolCall, want: ToolCall, rule: dict[str, Any]) -> tuple[list[str], bool]:
     """The problems of ``call``'s arguments and whether one of them broke the hidden rule."""
-    governed = rule["argument"] if rule["tool"] == want.name and rule["kind"] != "call_first" else None
+    governs = rule["tool"] == want.name and rule["kind"] not in ("call_first", PLAIN)
+    governed = rule["argument"] if governs else None
     problems, broken = [], False
     for param in call.arguments:
         if param not in want.arguments:
@@ -94,11 +97,12 @@ def check_calls(calls: list[ToolCall] | None, expected: list[dict[str, Any]], ru
         calls: the parsed reply (None or ``[]``: no call).
         expected: the calls that satisfy the request and the rule, ``{"name", "arguments"}`` each; a
             ``call_first`` rule's :data:`~lopd_lightning.tasks.hidden_rules.tools.AUTHENTICATE` call first.
-        rule: ``{"tool", "kind", "argument", "description"}`` of the action's hidden rule.
+        rule: ``{"tool", "kind", "argument", "description"}`` of the action's hidden rule (kind ``"none"``,
+            argument None: a plain tool, no rule).
 
     Returns:
         ``Verdict(True)`` when the calls are exactly the expected ones (names, order, arguments); else every
-        problem found, and the rule's kind when it was broken.
+        problem found, and the rule's kind when it was broken (never for a plain tool).
     """
     if not calls:
         return Verdict(False, "no tool call")

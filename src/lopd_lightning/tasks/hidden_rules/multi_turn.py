@@ -5,13 +5,15 @@ The requests, tools, rules, splits and checker are :class:`~lopd_lightning.tasks
 An episode takes up to ``max_attempts`` replies (default 3): a reply whose calls pass the checker ends it with
 reward 1.0; any other reply gets back one ``tool`` message, ``"Error: <what failed>"`` (for a broken rule
 ``"hidden rule of book_flight (date_format): date must be written DD/MM/YYYY; got '2025-03-03'"``), and the
-agent may try again; after the last attempt the episode ends with reward 0.0. So an agent without experience
+agent may try again; after the last attempt the episode ends with reward 0.0. A failure on a plain tool (no
+hidden rule) is answered the same way with what was wrong in the request (``"Error: invalid value for
+'unit': 'kelvin'"``), never a rule. So an agent without experience
 can still succeed, one attempt later than an agent that knew the rule, and the trajectory of such a
 success shows the rule (in the error and in the corrected call) to whoever retrieves it.
 
 References: ``references="rules"`` replays one reply (the rule kept: full marks at the first attempt);
-``references="format_only"`` replays the documented-forms reply alone (the episode answers with the error
-and waits: an SFT warm start trains on that one reply, never on a corrected call that would carry the rule).
+``references="format_only"`` replays the documented-forms reply alone (on a plain tool it succeeds; else
+the episode answers with the error and waits: an SFT warm start trains on that one reply, never on a corrected call that would carry the rule).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class HiddenRulesEpisode(Episode):
 
         Returns:
             ``info``: ``attempt`` (1-based); on a failure ``error`` (what failed) and ``rule`` (the broken
-            rule's kind) when the hidden rule was broken.
+            rule's kind) when the hidden rule was broken (never on a plain tool).
 
         Raises:
             RuntimeError: the episode is done.

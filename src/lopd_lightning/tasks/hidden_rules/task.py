@@ -8,7 +8,8 @@ tool by the seed, and the request is stated in natural terms ("book a flight ...
 student must guess; a past successful trajectory on the same tool (another request) shows the rule (the
 date written ``03/03/2025``). Experience carries what the docs leave out.
 
-Rule kinds (:data:`~lopd_lightning.tasks.hidden_rules.tools.RULE_KINDS`), over 11 tools plus ``authenticate``:
+Rule kinds (:data:`~lopd_lightning.tasks.hidden_rules.tools.RULE_KINDS`), over 11 rule tools plus
+``authenticate``:
 
 - ``date_format``: the accepted format of a date (``book_flight.date``, ``rent_car.pickup_date``): one of
   DD/MM/YYYY, MM/DD/YYYY, YYYYMMDD, DD.MM.YYYY; the documented form is ISO (YYYY-MM-DD).
@@ -24,6 +25,20 @@ Rule kinds (:data:`~lopd_lightning.tasks.hidden_rules.tools.RULE_KINDS`), over 1
 - ``call_first``: ``transfer_funds`` needs ``authenticate(scope=...)`` first in the same reply (scope
   ``payments:write``, ``transfers`` or ``funds.move``).
 
+Plain tools (:data:`~lopd_lightning.tasks.hidden_rules.tools.PLAIN_TOOLS`): 4 more tools whose documentation
+is complete, so they have no hidden rule: ``get_weather(city, days, unit)`` (unit ``celsius`` or
+``fahrenheit``, listed in the doc; the request says "the next three days"), ``add_calendar_note(date,
+note)`` (the doc says YYYY-MM-DD; the request says "March 3, 2025"), ``lookup_contact(name, company,
+field)`` (field ``email``, ``phone``, ``address`` or ``job_title``; the request says "postal address") and
+``track_package(carrier, tracking_number)`` (carrier ``ups``, ``fedex``, ``dhl`` or ``usps``; the number
+to copy exactly). Their kind is ``"none"`` (:data:`~lopd_lightning.tasks.hidden_rules.tools.PLAIN`), which
+marks a plain tool and is not a rule kind. They exist for calibration: a student that learned the call
+format from the documented forms alone (``references="format_only"``, whose replies are the correct ones
+for plain tools) can solve them without experience, so the start student's success is not 0 by
+construction, while experience still decides the rule tools. Requests are drawn round-robin over the 15
+tools, the plain ones last, so about 4/15 of either split is plain: 52 of the 200 held-out requests (26%)
+and 160 of the 600 train requests (27%) under the default sizes, whatever the seed.
+
 The seed (default 0) fixes the rules (``random.Random(f"hidden_rules/{seed}/rules")``) and the requests.
 Splits: "val" is the held-out split, ``n_heldout`` requests (default 200) drawn first from
 ``random.Random(f"hidden_rules/{seed}/val")``, round-robin over the tools, so it depends on the seed alone
@@ -37,13 +52,15 @@ Reward: 1.0 iff the parsed reply (BFCL's ``<tool_call>[...]</tool_call>`` format
 :mod:`lopd_lightning.tasks.bfcl.calls`) makes exactly the expected calls, the hidden rule kept
 (:func:`~lopd_lightning.tasks.hidden_rules.checker.check_calls`); else 0.0, with ``info["error"]`` saying
 what failed (``"hidden rule of book_flight (date_format): date must be written DD/MM/YYYY; got
-'2025-03-03'"``) and ``info["rule"]`` the broken rule's kind. The system prompt is the BFCL tasks'
+'2025-03-03'"``) and ``info["rule"]`` the broken rule's kind (absent when no rule was broken: always so on
+a plain tool). The system prompt is the BFCL tasks'
 (:mod:`lopd_lightning.tasks.bfcl.prompt`), so their SFT recipe carries over.
 
 References: ``references="rules"`` (default) gives the replies that keep the rules (``lopd tasks verify``,
 ``lopd build-memory --from-references``, OPSD's privileged context); ``references="format_only"`` gives
 replies in the call format with the documented forms (no ``authenticate``, the "optional" argument left
-out), which score 0: an SFT warm start on them teaches the call format, never the hidden rules.
+out), which score 0 on the rule tools and 1.0 on the plain ones: an SFT warm start on them teaches the call
+format (and the plain tools), never the hidden rules.
 """
 
 from __future__ import annotations
@@ -114,16 +131,19 @@ class HiddenRulesTask(Task):
     """Single-turn tool use whose tools have hidden rules (see the module docstring).
 
     ``Example``: id ``"hidden_rules/<split>/<i>"``, text the user's request, data ``tool``, ``args`` (the
-    request's arguments in their meaning), ``rule`` (``{"tool", "kind", "argument", "variant", "description"}``),
-    ``expected`` and ``format_only`` (calls as ``{"name", "arguments"}``) and ``functions`` (the docs shown).
+    request's arguments in their meaning), ``rule`` (``{"tool", "kind", "argument", "variant", "description"}``;
+    for a plain tool kind and variant ``"none"``, argument None), ``plain`` (the tool has no hidden rule),
+    ``expected`` and ``format_only`` (calls as ``{"name", "arguments"}``; the same for a plain tool) and
+    ``functions`` (the docs shown).
 
     Args:
         seed: fixes the rules and the requests (0).
         n_train: requests in "train" (600).
         n_heldout: requests in "val", the held-out split (200, at least 1).
         references: "rules" (the replies that keep the rules, full marks) or "format_only" (the documented
-            forms, score 0: an SFT warm start on the call format alone).
-        show_tools: "task" (the request's tool and ``authenticate``) or "all" (the 12 tools, every task).
+            forms, score 0 except on plain tools: an SFT warm start on the call format alone).
+        show_tools: "task" (the request's tool and ``authenticate``) or "all" (the 15 tools and
+            ``authenticate``, every task).
         system_prompt: the system text with ``{tools}``; default the BFCL tasks' (SmolLM2's tool-use text).
 
     Raises:
@@ -159,7 +179,7 @@ class HiddenRulesTask(Task):
         functions = all_docs() if self.show_tools == "all" else [spec.doc, AUTHENTICATE_DOC]
         rule = {"tool": spec.name, "kind": spec.kind, "argument": spec.argument, "variant": variant.label,
                 "description": variant.rule}
-        data = {"tool": spec.name, "args": args, "rule": rule, "functions": functions,
+        data = {"tool": spec.name, "args": args, "rule": rule, "plain": spec.plain, "functions": functions,
                 "expected": [_as_dict(c) for c in expected_calls(spec, variant, args)],
                 "format_only": [_as_dict(c) for c in format_only_calls(spec, args)]}
         return Example(id=f"hidden_rules/{split}/{i}", text=text, data=data)
@@ -191,7 +211,8 @@ class HiddenRulesTask(Task):
         return self.format_calls(example.data["expected"])
 
     def format_only_reply(self, example: Example) -> str:
-        """The reply in the call format with the documented forms (it breaks the rule: scores 0)."""
+        """The reply in the call format with the documented forms (it breaks the rule: scores 0; on a plain
+        tool it is the rule reply: scores 1.0)."""
         return self.format_calls(example.data["format_only"])
 
     @staticmethod
@@ -214,7 +235,7 @@ class HiddenRulesTask(Task):
 
     def score_with_info(self, example: Example, completion: str) -> tuple[float, dict[str, Any]]:
         """``(1.0, {})``, or ``(0.0, {"error": what failed})`` with ``"rule"`` (its kind) when the hidden
-        rule was broken."""
+        rule was broken (never on a plain tool)."""
         verdict = self.check(example, completion)
         if verdict.valid:
             return 1.0, {}
@@ -224,7 +245,8 @@ class HiddenRulesTask(Task):
         return 0.0, info
 
     def rule_table(self) -> dict[str, dict[str, str]]:
-        """Tool -> ``{"kind", "argument", "variant", "description"}`` of its hidden rule under this seed."""
+        """Tool -> ``{"kind", "argument", "variant", "description"}`` of its hidden rule under this seed (a
+        plain tool: kind and variant ``"none"``, argument None)."""
         return {spec.name: {"kind": spec.kind, "argument": spec.argument, "variant": self.rules[spec.name].label,
                             "description": self.rules[spec.name].rule} for spec in TOOLS}
 

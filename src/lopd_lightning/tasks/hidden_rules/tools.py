@@ -5,6 +5,12 @@ argument its hidden rule governs, the rule's :class:`Variant` s (the seed picks 
 :func:`draw_rules`), the *documented form* of that argument (what a reader of the docs alone would write,
 :attr:`ToolSpec.naive`) and a generator of natural-language requests (:attr:`ToolSpec.draw`).
 
+:data:`RULE_TOOLS` (11) each have a hidden rule; :data:`PLAIN_TOOLS` (4: ``get_weather``,
+``add_calendar_note``, ``lookup_contact``, ``track_package``) have none: their documentation is complete
+(formats and enum values written out), kind :data:`PLAIN` (``"none"``, which marks a plain tool and is not
+a rule kind), one identity variant (:data:`PLAIN_VARIANT`), and the documented form is the accepted one
+(:func:`expected_calls` == :func:`format_only_calls`). :data:`TOOLS` is both, the plain tools last.
+
 A request's ``args`` hold the arguments in their *meaning*: ISO dates, Celsius degrees, dollars, hours, digits
 of an id or a phone number, lower-case words; the rule's variant turns the governed one into what the API
 accepts (:func:`expected_calls`), the documented form into what the docs suggest (:func:`format_only_calls`).
@@ -22,11 +28,19 @@ from typing import Any
 
 from lopd_lightning.tasks.bfcl.calls import ToolCall
 
-__all__ = ["AUTHENTICATE", "RULE_KINDS", "TOOLS", "Request", "ToolSpec", "Variant", "all_docs", "draw_rules",
-           "expected_calls", "format_only_calls", "tool_by_name"]
+__all__ = ["AUTHENTICATE", "PLAIN", "PLAIN_TOOLS", "PLAIN_VARIANT", "RULE_KINDS", "RULE_TOOLS", "TOOLS",
+           "TOOL_KINDS", "Request", "ToolSpec", "Variant", "all_docs", "draw_rules", "expected_calls",
+           "format_only_calls", "tool_by_name"]
 
-#: The kinds of hidden rule (each tool has one).
+#: The kinds of hidden rule (each of :data:`RULE_TOOLS` has one).
 RULE_KINDS: tuple[str, ...] = ("date_format", "unit", "id_prefix", "enum_spelling", "required_argument", "call_first")
+
+#: The ``kind`` of a plain tool (:data:`PLAIN_TOOLS`): no hidden rule, complete docs. Not a rule kind: a
+#: failure on a plain tool never carries ``"rule"`` in its info.
+PLAIN = "none"
+
+#: Every ``ToolSpec.kind``: the rule kinds, then :data:`PLAIN`.
+TOOL_KINDS: tuple[str, ...] = (*RULE_KINDS, PLAIN)
 
 #: The call that ``call_first`` tools need before the action (shown with every task).
 AUTHENTICATE = "authenticate"
@@ -58,15 +72,23 @@ class Request:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One tool: documentation, hidden rule (kind, governed argument, variants), documented form, requests."""
+    """One tool: documentation, hidden rule (kind, governed argument, variants), documented form, requests.
+
+    A plain tool has ``kind`` :data:`PLAIN`, ``argument`` None and the one variant :data:`PLAIN_VARIANT`.
+    """
 
     name: str
     doc: dict[str, Any]
     kind: str
-    argument: str
+    argument: str | None
     variants: tuple[Variant, ...]
     naive: Callable[[Any], Any]
     draw: Callable[[random.Random], Request]
+
+    @property
+    def plain(self) -> bool:
+        """No hidden rule: the documented form is the accepted one."""
+        return self.kind == PLAIN
 
 
 def _doc(name: str, description: str, params: dict[str, tuple[str, str]], required: list[str],
@@ -121,6 +143,19 @@ ITEMS = ("desk lamp", "office chair", "standing desk", "monitor arm", "keyboard"
          "backpack", "water bottle", "notebook", "stapler", "whiteboard", "bookshelf", "filing cabinet", "desk fan",
          "power strip", "footrest", "coat rack", "umbrella")
 COLORS = ("black", "white", "red", "blue", "green", "grey", "yellow", "orange", "purple", "silver")
+# plain tools
+NUMBER_WORDS = ("one", "two", "three", "four", "five", "six", "seven")
+TEMPERATURE_UNITS = ("celsius", "fahrenheit")
+NOTES = ("Call the plumber", "Renew the passport", "Pick up the dry cleaning", "Pay the electricity bill",
+         "Dentist at 9am", "Water the plants", "Send the quarterly report", "Book the vet for Milo",
+         "Buy a birthday gift for Sam", "Return the library books", "Car service at 8:30", "Cancel the gym trial",
+         "Submit the expense claim", "Parents arrive at noon", "Backup the laptop", "Order printer toner",
+         "Team photo day", "Change the smoke alarm battery", "Pay rent", "Call grandma")
+CONTACT_FIELDS = ("email", "phone", "address", "job_title")
+CONTACT_FIELD_TEXT = {"email": "email address", "phone": "phone number", "address": "postal address",
+                      "job_title": "job title"}
+CARRIERS = ("ups", "fedex", "dhl", "usps")
+CARRIER_TEXT = {"ups": "UPS", "fedex": "FedEx", "dhl": "DHL", "usps": "USPS"}
 
 
 def _date(rng: random.Random) -> tuple[str, str]:
@@ -233,11 +268,51 @@ def _draw_transfer(rng: random.Random) -> Request:
                    {"from_account": source, "to_account": target, "amount": value})
 
 
+def _draw_weather(rng: random.Random) -> Request:
+    city, days, unit = rng.choice(CITIES), rng.randint(1, 7), rng.choice(TEMPERATURE_UNITS)
+    span = "tomorrow" if days == 1 else f"the next {NUMBER_WORDS[days - 1]} days"
+    text = rng.choice(("What will the weather be like in {c} {o}{s}? Give me the temperatures in {u}.",
+                       "I need the {c} forecast for {s}, in degrees {u}."))
+    over = "" if days == 1 else "over "
+    return Request(text.format(c=city, o=over, s=span, u=unit.capitalize()),
+                   {"city": city, "days": days, "unit": unit})
+
+
+def _draw_note(rng: random.Random) -> Request:
+    iso, spoken = _date(rng)
+    note = rng.choice(NOTES)
+    text = rng.choice(('Add a note to my calendar on {d}: "{n}".', 'Put "{n}" in my calendar for {d}.'))
+    return Request(text.format(d=spoken, n=note), {"date": iso, "note": note})
+
+
+def _draw_contact(rng: random.Random) -> Request:
+    person, company, field = _person(rng), rng.choice(COMPANIES), rng.choice(CONTACT_FIELDS)
+    text = rng.choice(("What is the {f} of {p} at {c}?", "Look up {p} from {c} and get me their {f}."))
+    return Request(text.format(f=CONTACT_FIELD_TEXT[field], p=person, c=company),
+                   {"name": person, "company": company, "field": field})
+
+
+def _tracking_number(rng: random.Random, carrier: str) -> str:
+    """A tracking number as the carrier prints it (UPS ``1Z`` + 10 characters, FedEx 12 digits, DHL 10,
+    USPS ``9400`` + 8 digits)."""
+    prefix, alphabet, length = {"ups": ("1Z", "0123456789ABCDEFGHJKLMNPRSTVWXY", 10), "fedex": ("", "0123456789", 12),
+                                 "dhl": ("", "0123456789", 10), "usps": ("9400", "0123456789", 8)}[carrier]
+    return prefix + "".join(rng.choice(alphabet) for _ in range(length))
+
+
+def _draw_package(rng: random.Random) -> Request:
+    carrier = rng.choice(CARRIERS)
+    number = _tracking_number(rng, carrier)
+    text = rng.choice(("Where is my {c} package? The tracking number is {n}.", "Track {c} shipment {n} for me."))
+    return Request(text.format(c=CARRIER_TEXT[carrier], n=number), {"carrier": carrier, "tracking_number": number})
+
+
 def _constant(value: str, rule: str) -> Variant:
     return Variant(value, rule, lambda _unused: value)
 
 
-TOOLS: tuple[ToolSpec, ...] = (
+#: The tools with a hidden rule, one each.
+RULE_TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("book_flight", _doc("book_flight", "Book a one-way flight for a passenger.", {
         "passenger": ("string", "the passenger's full name"), "origin": ("string", "the departure city"),
         "destination": ("string", "the arrival city"), "date": ("string", "the day of the flight")},
@@ -305,6 +380,37 @@ TOOLS: tuple[ToolSpec, ...] = (
         for scope in ("payments:write", "transfers", "funds.move")), lambda _unused: None, _draw_transfer),
 )
 
+#: The one "variant" of a plain tool: the arguments as the request means them, as the docs say.
+PLAIN_VARIANT = Variant(PLAIN, "no hidden rule: the documented form is the accepted one", lambda value: value)
+
+
+def _plain(name: str, doc: dict[str, Any], draw: Callable[[random.Random], Request]) -> ToolSpec:
+    return ToolSpec(name, doc, PLAIN, None, (PLAIN_VARIANT,), lambda value: value, draw)
+
+
+#: The plain tools: complete documentation (every format and enum value written out), no hidden rule.
+PLAIN_TOOLS: tuple[ToolSpec, ...] = (
+    _plain("get_weather", _doc("get_weather", "Get the daily weather forecast for a city.", {
+        "city": ("string", "the city's name"), "days": ("integer", "how many days to forecast, from 1 to 7"),
+        "unit": ("string", "the temperature unit of the forecast")}, ["city", "days", "unit"],
+        {"unit": list(TEMPERATURE_UNITS)}), _draw_weather),
+    _plain("add_calendar_note", _doc("add_calendar_note", "Add a note to a day of the user's calendar.", {
+        "date": ("string", "the day, written YYYY-MM-DD (e.g. 2025-03-03)"),
+        "note": ("string", "the note's text, as the user gives it")}, ["date", "note"]), _draw_note),
+    _plain("lookup_contact", _doc("lookup_contact", "Look up one detail of a contact in the address book.", {
+        "name": ("string", "the contact's full name"), "company": ("string", "the company the contact works at"),
+        "field": ("string", "the detail to return")}, ["name", "company", "field"],
+        {"field": list(CONTACT_FIELDS)}), _draw_contact),
+    _plain("track_package", _doc("track_package", "Get the delivery status of a parcel.", {
+        "carrier": ("string", "the shipping carrier"),
+        "tracking_number": ("string", "the tracking number, exactly as printed on the label")},
+        ["carrier", "tracking_number"], {"carrier": list(CARRIERS)}), _draw_package),
+)
+
+#: Every tool, in the order requests are drawn round-robin: the rule tools, then the plain ones (4 of 15,
+#: so about 27% of the requests of either split are plain).
+TOOLS: tuple[ToolSpec, ...] = RULE_TOOLS + PLAIN_TOOLS
+
 #: The documentation of :data:`AUTHENTICATE` (shown with every task; only ``call_first`` tools need it).
 AUTHENTICATE_DOC = _doc(AUTHENTICATE, "Authenticate the session for actions that need a permission.", {
     "scope": ("string", "the permission scope to grant")}, ["scope"])
@@ -324,14 +430,18 @@ def all_docs() -> list[dict[str, Any]]:
 
 
 def draw_rules(seed: int) -> dict[str, Variant]:
-    """Tool name -> its hidden rule's variant, drawn from ``random.Random(f"hidden_rules/{seed}/rules")``."""
+    """Tool name -> its hidden rule's variant, drawn from ``random.Random(f"hidden_rules/{seed}/rules")``;
+    a plain tool gets :data:`PLAIN_VARIANT` without a draw (so the rule tools' draws do not depend on them)."""
     rng = random.Random(f"hidden_rules/{seed}/rules")
-    return {spec.name: rng.choice(spec.variants) for spec in TOOLS}
+    return {spec.name: PLAIN_VARIANT if spec.plain else rng.choice(spec.variants) for spec in TOOLS}
 
 
 def expected_calls(spec: ToolSpec, variant: Variant, args: dict[str, Any]) -> list[ToolCall]:
-    """The calls that satisfy the request ``args`` and the hidden rule."""
+    """The calls that satisfy the request ``args`` and the hidden rule (a plain tool: the documented form,
+    as :func:`format_only_calls`)."""
     action = dict(args)
+    if spec.plain:
+        return [ToolCall(spec.name, action)]
     if spec.kind == "call_first":
         return [ToolCall(AUTHENTICATE, {"scope": variant.apply(None)}), ToolCall(spec.name, action)]
     action[spec.argument] = variant.apply(args.get(spec.argument))
@@ -340,8 +450,9 @@ def expected_calls(spec: ToolSpec, variant: Variant, args: dict[str, Any]) -> li
 
 def format_only_calls(spec: ToolSpec, args: dict[str, Any]) -> list[ToolCall]:
     """The calls a reader of the documentation alone would make: the call format right, the rule broken
-    (the documented form of the governed argument; no ``authenticate``; the "optional" argument left out)."""
+    (the documented form of the governed argument; no ``authenticate``; the "optional" argument left out).
+    For a plain tool these are the expected calls: the docs are complete."""
     action = dict(args)
-    if spec.kind not in ("call_first", "required_argument"):
+    if spec.kind not in ("call_first", "required_argument", PLAIN):
         action[spec.argument] = spec.naive(args[spec.argument])
     return [ToolCall(spec.name, action)]
