@@ -100,3 +100,23 @@ def assert_renamed_keyword(make, old: str, new: str, value, *, owner: str) -> No
     with pytest.raises(ValueError, match=f"{old} and .*{new} are the same setting"):
         make(**{old: value, new: value + 1})  # value + 1: never the default in these tests
     assert make(**{old: value, new: value}).hparams[new] == value
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    """``lopd <args>`` in process: (exit status, stderr)."""
+    from lopd_lightning.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(err: str, expected: str) -> None:
+    """stderr ends with exactly ``error: <expected>``: one error line, no traceback, no usage or union dump."""
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"error: {expected}", err
+    assert sum(line.startswith("error:") for line in lines) == 1, err
+    for noise in ("Traceback", "usage:", "Given value", "Does not validate", "Subtypes", "full_key"):
+        assert noise not in err, err

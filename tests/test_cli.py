@@ -22,7 +22,7 @@ from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks import TASK_NAMES
 from lopd_lightning.tasks.toy import ToyTask
-from helpers import TINY_BANK
+from helpers import TINY_BANK, assert_one_line_error, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("**/*.yaml"))
@@ -160,24 +160,6 @@ def test_build_memory_from_references_replays_and_scores_each_reference(tmp_path
 
 
 # ---------------------------------------------------------------------- one-line errors (issue 14, item 1)
-def run_main(args: list[str], capsys) -> tuple[int, str]:
-    """``lopd <args>`` in process: (exit status, stderr)."""
-    try:
-        code = main(args)
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
-
-
-def assert_one_line_error(err: str, expected: str) -> None:
-    """stderr ends with exactly ``error: <expected>``: one error line, no traceback, no usage or union dump."""
-    lines = err.strip().splitlines()
-    assert lines[-1] == f"error: {expected}", err
-    assert sum(line.startswith("error:") for line in lines) == 1, err
-    for noise in ("Traceback", "usage:", "Given value", "Does not validate", "Subtypes"):
-        assert noise not in err, err
-
-
 def test_a_missing_model_folder_is_one_line_naming_the_key(tmp_path, capsys):
     missing = tmp_path / "no_such_model"
     code, err = run_main(["fit", "-c", str(TINY_YAML), f"--model.init_args.model={missing}", "--trainer.logger=false"], capsys)

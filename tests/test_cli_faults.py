@@ -11,29 +11,12 @@ import lightning.pytorch  # noqa: F401  (imported here, not under capsys: its lo
 import pytest
 import yaml
 
-from lopd_lightning.cli import _lightning_cli, main
+from lopd_lightning.cli import _lightning_cli
+from helpers import assert_one_line_error, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 QUICKSTART_LOPD = ROOT / "configs" / "quickstart" / "lopd.yaml"
-
-
-def run_main(args: list[str], capsys) -> tuple[int, str]:
-    """``lopd <args>`` in process: (exit status, stderr)."""
-    try:
-        code = main(args)
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
-
-
-def assert_one_line_error(err: str, expected: str) -> None:
-    """stderr ends with exactly ``error: <expected>``: one error line, no traceback."""
-    lines = err.strip().splitlines()
-    assert lines[-1] == f"error: {expected}", err
-    assert sum(line.startswith("error:") for line in lines) == 1, err
-    for noise in ("Traceback", "usage:", "Given value", "Does not validate", "Subtypes", "full_key"):
-        assert noise not in err, err
 
 
 def printed_config(args: list[str], capsys) -> dict:
