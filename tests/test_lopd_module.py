@@ -439,6 +439,39 @@ def test_warm_start_trains_the_composer_and_freezes_it_as_the_anchor(tmp_path, b
     assert rec.steps[0]["logged"]["train/composer_anchor"] == pytest.approx(0.0, abs=1e-12)
 
 
+@pytest.mark.parametrize("freeze", [True, False], ids=["freeze_composer", "default"])
+def test_freeze_composer_keeps_the_warm_started_composer_bit_identical_while_the_student_trains(tmp_path, bank_dir, freeze):
+    """freeze_composer (the paper's frozen-composer ablation): the warm start still runs in fit, then a 2-step fit
+    leaves the composer (LoRA and compressor) bit-identical to what it was at fit start and beta at beta_init,
+    while the student moves; Delta is still logged, the composer's loss and anchor are not. The default moves
+    the composer."""
+    module = make_module(bank_dir, freeze_composer=freeze, warm_start_steps=1, warm_start_batch_size=2,
+                         beta_init=0.3, margin=1.0)  # margin 1: an active dual step would move beta
+    groups = parameter_groups(module)
+    fresh = {k: snapshot(v) for k, v in groups.items()}
+    at_start = {}
+
+    class AtTrainStart(Callback):
+        def on_train_start(self, trainer, pl_module):  # after on_fit_start's warm start
+            at_start.update({k: snapshot(v) for k, v in groups.items()})
+
+    recorder = Recorder()
+    make_trainer(tmp_path, max_steps=2, callbacks=[AtTrainStart(), recorder]).fit(module, make_dm())
+    assert module.global_step == 2 and len(recorder.steps) == 2
+    assert not any(same(fresh[k], at_start[k]) for k in ("composer_lora", "resampler"))  # the warm start ran first
+    moved = {k: not same(at_start[k], v) for k, v in groups.items()}
+    assert moved["student_lora"] and not moved["base"] and not moved["anchor"]
+    assert moved["composer_lora"] == moved["resampler"] == (not freeze)
+    logged = [step["logged"] for step in recorder.steps]
+    assert all("train/margin_delta" in log and "train/beta" in log for log in logged)
+    if freeze:
+        assert [step["beta_after"] for step in recorder.steps] == [0.3, 0.3]
+        assert not any("train/composer_loss" in log or "train/composer_anchor" in log for log in logged)
+    else:
+        assert recorder.steps[-1]["beta_after"] > 0.3
+        assert all("train/composer_loss" in log for log in logged)
+
+
 def test_warm_start_draws_are_seeded_successful_train_records_and_are_what_it_trains_on(bank_dir):
     module = make_module(bank_dir, warm_start_steps=3, warm_start_batch_size=2)
     dm = make_dm()

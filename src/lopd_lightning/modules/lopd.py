@@ -19,11 +19,15 @@ One training step (manual optimisation, two optimisers):
 6. one backward pass of the sum (disjoint parameters), then the student step and the composer step;
 7. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks
    (:class:`~lopd_lightning.losses.dual.DualAscent`).
+
+With ``freeze_composer`` (the paper's frozen-composer ablation) steps 5-7 are left out: the teacher's pass
+runs without gradients, Delta is only measured, and neither the composer nor beta moves.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -74,6 +78,9 @@ class LOPDLosses(NamedTuple):
         delta: the margin Delta, differentiable in the latents.
         anchor: the anchor term (mean squared distance to the frozen anchor's latents).
         has_latents: (B,) bool, rows whose teacher saw latents.
+
+    With ``freeze_composer``: ``delta`` has no gradient, ``distill_c`` and ``anchor`` are 0 (not computed), and
+    ``loss_composer`` is 0 with a zero gradient for every composer parameter (what DDP needs).
     """
 
     loss_student: Tensor
@@ -110,6 +117,13 @@ class LOPDModule(OnPolicyModule):
             number (1.0: PyTorch's default and this project's before; the paper does not say).
         composer_path: a folder written by ``lopd pretrain-composer`` (``composer.pt``): the composer is
             loaded from it at construction, becomes the anchor c_phi0, and no warm start runs in ``fit``.
+        freeze_composer: the paper's frozen-composer ablation (default False): the composer (compressor and
+            encoder LoRA), as pretrained (``composer_path``, or the warm start that ``fit`` runs first), is
+            never updated by the training step, and the student is distilled as usual towards the teacher
+            with its latents. No composer objective is computed (the teacher's pass runs without gradients),
+            the composer's optimiser never steps and beta stays at ``beta_init`` (no dual step):
+            ``train/margin_delta`` is still logged, as a measurement, and ``train/beta`` (constant);
+            ``train/composer_loss`` and ``train/composer_anchor`` are not.
         distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20).
         margin: m, the privileged margin (paper: 0.05); a MarginSchedule callback may vary it.
         anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
@@ -198,6 +212,7 @@ class LOPDModule(OnPolicyModule):
         composer_architecture: str = "memory_tokens",
         composer_output_gain: float | str = "embedding",
         composer_path: str | None = None,
+        freeze_composer: bool = False,
         distill_top_k: int = 20,
         margin: float = 0.05,
         anchor_weight: float = 0.2,
@@ -343,25 +358,28 @@ class LOPDModule(OnPolicyModule):
         n_prefix = self._prefix_length(batch)  # the teacher's pass starts after these tokens
         with self.timed("student_step"):
             student, prefix = self._student_pass(batch, mask, n_prefix)  # [N, V] or [N, d]
-        with self.timed("teacher"):
+        frozen = self.hparams.get("freeze_composer", False)  # no composer objective: no graph through the teacher
+        with self.timed("teacher"), torch.no_grad() if frozen else nullcontext():
             composed, teacher = self._teacher_pass(batch, mask, n_prefix, prefix)  # [N, V] or [N, d]
             del prefix
         with self.timed("student_step"):
             loss_student = distillation_loss(head, student, teacher.detach(), top_k=top_k, temperature=tau, num_tokens=num_tokens)
-        with self.timed("composer_step"):
-            distill_c = distillation_loss(head, student.detach(), teacher, top_k=top_k, temperature=tau, num_tokens=num_tokens)
+        with self.timed("composer_step"), torch.no_grad() if frozen else nullcontext():
             # Delta only over rollouts whose teacher saw latents: without them delta is 0 by construction
             # (live mode) and would pull Delta to 0 and wind beta up with no signal
             has_latents = composed.latent_mask.any(dim=-1)  # [B]
             delta = margin_delta(head, student, teacher, targets[mask], mask, batch.rewards, rows=has_latents,
                                  weighting=self.hparams.margin_weighting)
-            anchor = anchor_loss(composed.latents, self.anchor_latents(batch), composed.latent_mask)
-            loss_composer = composer_objective(
-                distill_c, delta, anchor, beta=self.beta, margin=self.margin, anchor_weight=self.hparams.anchor_weight
-            )
-            # every composer parameter joins the graph (a zero term when no row has latents), so DDP's
-            # gradient all-reduce sees the same parameters on every rank and every step
-            loss_composer = loss_composer + 0.0 * sum(p.sum() for p in self.composer.trainable_parameters())
+            if frozen:  # Delta is a measurement; the composer's loss is the zero term below
+                distill_c = anchor = loss_composer = delta.new_zeros(())
+            else:
+                distill_c = distillation_loss(head, student.detach(), teacher, top_k=top_k, temperature=tau, num_tokens=num_tokens)
+                anchor = anchor_loss(composed.latents, self.anchor_latents(batch), composed.latent_mask)
+                loss_composer = composer_objective(distill_c, delta, anchor, beta=self.beta, margin=self.margin,
+                                                   anchor_weight=self.hparams.anchor_weight)
+        # every composer parameter joins the graph (a zero term when no row has latents, or a frozen composer), so
+        # DDP's gradient all-reduce sees the same parameters on every rank and every step
+        loss_composer = loss_composer + 0.0 * sum(p.sum() for p in self.composer.trainable_parameters())
         return LOPDLosses(loss_student, loss_composer, distill_c, delta, anchor, has_latents)
 
     def _student_pass(self, batch: RolloutBatch, mask: Tensor, n_prefix: int) -> tuple[Tensor, TeacherPrefix | None]:
@@ -419,8 +437,9 @@ class LOPDModule(OnPolicyModule):
         skipped = self.update_skipped  # a non-finite loss: manual_backward ran no backward on any rank
         with self.timed("student_step"):
             student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
+        frozen = self.hparams.get("freeze_composer", False)
         with self.timed("composer_step"):
-            if skipped:  # counted once by manual_backward; the composer has no gradient either
+            if skipped or frozen:  # skipped: counted once by manual_backward; frozen: its gradient is the zero term
                 opt_composer.zero_grad(set_to_none=True)
             else:
                 clip = self.hparams.composer_clip_compressor, self.hparams.composer_clip_lora
@@ -437,22 +456,24 @@ class LOPDModule(OnPolicyModule):
             delta_global, informative = delta_global * self.global_count(1) / max(ranks, 1), ranks > 0
         beta_before = self.beta
         # dual ascent only when Delta carries signal (docs/METHOD.md 5): some teacher saw latents (balanced:
-        # and some rank had both outcomes); a non-finite Delta is skipped
-        self.dual.update(delta_global, self.margin, active=informative and not skipped)
+        # and some rank had both outcomes); a non-finite Delta is skipped; a frozen composer has no beta to weigh
+        self.dual.update(delta_global, self.margin, active=informative and not skipped and not frozen)
         if self.hparams.teacher_mode == "ema":
             self.teacher.update_ema()
 
+        composer_terms = {} if frozen else {
+            "train/composer_loss": self.global_mean(loss_composer), "train/composer_anchor": anchor,
+        }
         self.log_rollout_metrics(
             batch,
             {
                 **probe,
                 "train/loss": self.global_mean(loss_student),
                 "train/distill_kl": self.global_mean(loss_student),
-                "train/composer_loss": self.global_mean(loss_composer),
+                **composer_terms,
                 "train/margin_delta": delta_global,
                 "train/margin_m": self.margin,
                 "train/beta": beta_before,
-                "train/composer_anchor": anchor,
                 "train/grad_norm": student_norm,
                 "train/bank_size": float(len(self.bank)),
             },
