@@ -157,7 +157,8 @@ def build_memory_command(argv: list[str]) -> int:
     ``--from-references`` seeds it with the tasks' reference solutions instead (for base models too
     weak to succeed on their own); it needs the tokenizer and the embedder, not the student's weights,
     which it does not load (but with ``embedder: backbone``). The folder is the module's ``bank_path``
-    unless ``--out`` is given.
+    unless ``--out`` is given. An OPSDModule config (its ``privileged_context: retrieved`` reads such a bank)
+    builds it the same way.
     """
     parser = ArgumentParser(prog="lopd build-memory")
     parser.add_argument("-c", "--config", action="append", required=True, help="the fit config(s)")
@@ -170,6 +171,7 @@ def build_memory_command(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
 
     from lopd_lightning.memory.bank import ExperienceBank
+    from lopd_lightning.memory.module_bank import build_bank
 
     config_args = ["--trainer.logger=false", *[a for c in args.config for a in ("-c", c)], *rest]
     parsed = lightning_cli(config_args, run=False, instantiate=False)  # the config only: nothing is built yet
@@ -195,9 +197,15 @@ def build_memory_command(argv: list[str]) -> int:
         nothing_to_load = ["--model.init_args.bank_path=null"]  # and no pretrained composer (stage 3 comes later)
         if "composer_path" in init:
             nothing_to_load.append("--model.init_args.composer_path=null")
+        if init.get("privileged_context") == "retrieved":  # OPSD: retrieval needs the bank being built
+            nothing_to_load.append("--model.init_args.privileged_context=reference")
         cli = lightning_cli([*config_args, *nothing_to_load], run=False)
         module, dm = cli.model, cli.datamodule
-        bank = module.bank
+        bank = getattr(module, "bank", None)
+        if bank is None:  # a module that builds its bank only to retrieve (OPSD): the same bank, empty
+            bank = build_bank(None, init.embedder, num_experiences=0, capacity=init.get("bank_capacity"),
+                              allow_self_retrieval=init.get("allow_self_retrieval", False), model=module.backbone,
+                              tokenizer=module.tokenizer)
         examples = dm.train_examples[: args.limit] if args.limit else dm.train_examples
         if args.from_references:
             experiences = _reference_experiences(module, dm.task, examples, args.min_reward)

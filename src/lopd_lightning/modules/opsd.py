@@ -9,11 +9,14 @@ One training step (manual optimisation, one optimiser):
 
 1. the DataModule's batch: the student's rollouts (one per example by default);
 2. :meth:`OPSDModule.reference_texts`: per row, the reference solution of its example, looked up through
-   the DataModule (``datamodule.example(id)``, ``datamodule.task``);
-3. the frozen teacher scores the student's assistant tokens with ``OPSD_REFERENCE_TEMPLATE`` at the start
-   of the first user message;
-4. student step: global token mean of D(teacher, student) over the rows that have a reference (rows
-   without one get no context and are dropped from the loss).
+   the DataModule (``datamodule.example(id)``, ``datamodule.task``); with ``privileged_context: retrieved``
+   instead :meth:`OPSDModule.retrieved_texts`: the trace of the nearest experience of a bank (retrieved like
+   LOPD's, top-1, when the rollouts are made);
+3. the frozen teacher scores the student's assistant tokens with ``OPSD_REFERENCE_TEMPLATE`` (a retrieved
+   trace: the framing of LOPD's latents, ``DEFAULT_FRAMING_PREFIX`` + trace + ``DEFAULT_FRAMING_SUFFIX``) at
+   the start of the first user message;
+4. student step: global token mean of D(teacher, student) over the rows that have a context (rows
+   without a reference, or that retrieved nothing, get no context and are dropped from the loss).
 
 Steps 3-4 are the skeleton OPSD shares with SDPO
 (:class:`~lopd_lightning.modules.self_distillation.SelfDistillationModule`); OPSD supplies the teacher's
@@ -22,8 +25,11 @@ context (:meth:`OPSDModule.teacher_contexts`) and no token weights.
 
 from __future__ import annotations
 
+import difflib
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -31,6 +37,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.deprecation import fold_renamed
+from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory.module_bank import build_bank, check_embedder
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
@@ -39,6 +47,8 @@ from lopd_lightning.teacher import SelfTeacher
 log = logging.getLogger(__name__)
 
 OPSDDivergence = Literal["jsd", "forward_kl", "topk_reverse_kl"]
+#: where the teacher's privileged text comes from (``privileged_context``).
+PRIVILEGED_CONTEXTS = ("reference", "retrieved")
 
 #: The teacher's privileged text (``{reference}``: :meth:`OPSDModule.reference_text`), before the task.
 OPSD_REFERENCE_TEMPLATE = (
@@ -54,7 +64,8 @@ class OPSDContexts(TeacherContexts):
 
     Attributes:
         references: B entries, :meth:`OPSDModule.reference_texts` (None: no reference); the teacher reads
-            :meth:`OPSDModule.teacher_context_ids` of them.
+            :meth:`OPSDModule.teacher_context_ids` of them. None with ``privileged_context: retrieved`` (the
+            teacher reads ``texts``, the framed traces).
     """
 
     references: list[str | None] | None = None
@@ -73,8 +84,21 @@ class OPSDModule(SelfDistillationModule):
         jsd_beta: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
             0 forward KL(T || S), 1 reverse KL(S || T)); 0.5 in OPSD's scripts.
         distill_top_k: k of ``"topk_reverse_kl"``.
-        max_reference_chars: truncation of the reference text.
+        max_reference_chars: truncation of the reference text (not of a retrieved trace).
         distill_temperature: temperature of both distributions in the divergence (1.0).
+        privileged_context: what the teacher reads: ``"reference"`` (the default: the task's reference
+            solution, OPSD's) or ``"retrieved"`` (this project's switch for the experience-evidence
+            comparison: the trace of the single nearest experience of the bank at ``bank_path``, retrieved as
+            LOPD retrieves (top-1, same embedder, other tasks only unless ``allow_self_retrieval``), framed
+            as LOPD frames experiences for its latents and as benchmarks/privileged_margin.py frames
+            ``text_nearest``: ``DEFAULT_FRAMING_PREFIX`` + trace + ``DEFAULT_FRAMING_SUFFIX`` of
+            :mod:`lopd_lightning.teacher.splice`; not truncated). A row that retrieves nothing gets no context.
+        bank_path: folder of a saved ExperienceBank (``lopd build-memory``), read with ``privileged_context:
+            retrieved`` (which needs it; ignored otherwise).
+        embedder: the retrieval's embedder, as LOPD's: "minilm" (all-MiniLM-L6-v2, default), "backbone" or
+            "hashing".
+        allow_self_retrieval: let a task retrieve its own records (default False: its own solution would be
+            the reference again).
         rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
             a FutureWarning; the two names with different values are an error).
         top_k_distill: deprecated spelling of ``distill_top_k`` (likewise).
@@ -82,11 +106,14 @@ class OPSDModule(SelfDistillationModule):
     ``group_size`` defaults to 1 (OPSD needs no groups).
 
     Raises:
-        ValueError: an unknown divergence, ``jsd_beta`` outside [0, 1], ``distill_top_k < 1`` (before the
-            model is loaded).
+        ValueError: an unknown divergence, ``jsd_beta`` outside [0, 1], ``distill_top_k < 1``, an unknown
+            ``privileged_context`` or ``embedder``, ``privileged_context: retrieved`` without ``bank_path``, an
+            empty bank (before the model is loaded).
+        FileNotFoundError: ``bank_path`` holds no bank (before the model is loaded).
 
-    Logged (besides the shared tags): ``train/loss``, ``train/distill``, ``train/rows_with_reference``,
-    ``train/grad_norm``; ``time/teacher``, ``time/student_step``.
+    Logged (besides the shared tags): ``train/loss``, ``train/distill``, ``train/rows_with_reference`` (the
+    fraction of rows with a context: a reference, or a retrieved trace), ``train/grad_norm``;
+    ``time/teacher``, ``time/student_step``.
 
     Source: Zhao et al. 2026 (OPSD); docs/METHOD.md section 6.
     """
@@ -104,10 +131,15 @@ class OPSDModule(SelfDistillationModule):
         distill_top_k: int = 20,
         max_reference_chars: int = 4000,
         distill_temperature: float = 1.0,
+        privileged_context: str = "reference",
+        bank_path: str | None = None,
+        embedder: str = "minilm",
+        allow_self_retrieval: bool = False,
         rollouts_per_example: int | None = None,
         top_k_distill: int | None = None,
         **kwargs: Any,
     ):
+        check_privileged_context(privileged_context, bank_path, embedder)  # before the weights load
         name = type(self).__name__
         group_size = fold_renamed(name, "rollouts_per_example", rollouts_per_example, "group_size", group_size, 1)
         distill_top_k = fold_renamed(name, "top_k_distill", top_k_distill, "distill_top_k", distill_top_k, 20)
@@ -117,8 +149,28 @@ class OPSDModule(SelfDistillationModule):
         )
         self.save_hyperparameters()
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode="base")
+        #: the bank the teacher's context is retrieved from (``privileged_context: retrieved``; else None).
+        self.bank = None if privileged_context != "retrieved" else build_bank(
+            bank_path, embedder, num_experiences=0, allow_self_retrieval=allow_self_retrieval, model=self.backbone,
+            tokenizer=self.tokenizer,
+        )
 
     # ------------------------------------------------------------------ the teacher's context
+    @override
+    def retrieve(self, task: Task, examples: list[Example]) -> list[list[Experience]] | None:
+        """With a bank (``privileged_context: retrieved``), the nearest experience per example (none when no
+        record of another task is there); None without one (the batch gets no experiences)."""
+        if self.bank is None:
+            return None
+        if len(self.bank) == 0:
+            return [[] for _ in examples]
+        return self.bank.search([e.id for e in examples], [e.text for e in examples], 1).experiences
+
+    def retrieved_texts(self, batch: RolloutBatch) -> list[str | None]:
+        """Per row, the trace of its nearest retrieved experience (``batch.experiences``; None: none)."""
+        experiences = batch.experiences or [[] for _ in range(len(batch))]
+        return [exps[0].trace if exps and exps[0].trace else None for exps in experiences]
+
     def reference_text(self, task: Task, example: Example) -> str | None:
         """The ground truth of ``example``: ``task.reference_solution``, else its reference replies joined
         by blank lines; None when the task has none (empty, or not implemented). Truncated to
@@ -163,9 +215,14 @@ class OPSDModule(SelfDistillationModule):
     @override
     def teacher_contexts(self, batch: RolloutBatch) -> OPSDContexts:
         """Per row, :meth:`reference_texts` (``references``) and them framed in ``OPSD_REFERENCE_TEMPLATE``
-        (``texts``); the rows with a reference are kept (the others get no context)."""
-        texts = self.reference_texts(batch)
+        (``texts``); with ``privileged_context: retrieved``, :meth:`retrieved_texts` in the teacher's framing
+        (``texts``; ``references`` None). The rows with a context are kept (the others get none)."""
+        retrieved = self.hparams.get("privileged_context", "reference") == "retrieved"
+        texts = self.retrieved_texts(batch) if retrieved else self.reference_texts(batch)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=batch.input_ids.device)
+        if retrieved:
+            prefix, suffix = self.teacher.framing_prefix, self.teacher.framing_suffix
+            return OPSDContexts(texts=[None if t is None else prefix + t + suffix for t in texts], kept=kept)
         return OPSDContexts(texts=self.framed(texts), kept=kept, references=texts)
 
     @override
@@ -177,5 +234,34 @@ class OPSDModule(SelfDistillationModule):
 
     @override
     def distillation_metrics(self, batch: RolloutBatch, contexts: TeacherContexts) -> dict[str, Tensor | float]:
-        """``train/rows_with_reference``: the fraction of the rows (all ranks) with a reference."""
+        """``train/rows_with_reference``: the fraction of the rows (all ranks) with a context (a reference, or a
+        retrieved trace)."""
         return {"train/rows_with_reference": self.row_fraction(contexts.kept, batch)}
+
+
+def check_privileged_context(privileged_context: str, bank_path: str | None, embedder: str) -> None:
+    """Refuse, in one line naming the config key, an unknown ``privileged_context`` and, for ``"retrieved"``, no
+    ``bank_path``, an unknown ``embedder``, or a bank that is missing or empty (its ``meta.json``; no model needed).
+
+    Raises:
+        ValueError: as above. FileNotFoundError: ``bank_path`` holds no bank.
+    """
+    if privileged_context not in PRIVILEGED_CONTEXTS:
+        close = difflib.get_close_matches(str(privileged_context), PRIVILEGED_CONTEXTS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"model.init_args.privileged_context {privileged_context!r} is not a context; {hint}"
+                         f"choose one of {', '.join(PRIVILEGED_CONTEXTS)}")
+    if privileged_context != "retrieved":
+        return
+    build = "build one with `lopd build-memory -c CONFIG --from-references` and set model.init_args.bank_path to its folder"
+    if not bank_path:
+        raise ValueError(f"model.init_args.privileged_context 'retrieved' needs a bank to retrieve from and "
+                         f"model.init_args.bank_path is null; {build}")
+    check_embedder(embedder)
+    meta = Path(bank_path) / "meta.json"
+    if not meta.exists():
+        raise FileNotFoundError(f"model.init_args.bank_path {bank_path!r} holds no experience bank "
+                                f"(privileged_context: retrieved reads it); {build}")
+    if json.loads(meta.read_text(encoding="utf-8")).get("size") == 0:
+        raise ValueError(f"the bank at model.init_args.bank_path {bank_path!r} is empty, so no row would get a "
+                         f"context (privileged_context: retrieved); {build}")
