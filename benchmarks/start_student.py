@@ -1,4 +1,4 @@
-"""The start student of the evidence runs: a LoRA SFT of SmolLM2-135M-Instruct on BFCL live_simple with signal.
+"""The start student of the evidence runs: a LoRA SFT of SmolLM2-135M-Instruct on a task's references (BFCL live_simple by default).
 
     python benchmarks/start_student.py                      # -> runs/evidence/sft_student + results/start_student.json
     python benchmarks/start_student.py --steps 12,24,36,48   # the step counts compared on the dev slice
@@ -17,6 +17,17 @@ The recipe is chosen on a **dev slice of the train split**, never on the held-ou
 The result is cached: when ``--out`` holds a student made by the same recipe (``recipe.json`` there), the
 script only re-reads its result. The JSON (``--results``) holds the recipe, the dev curve, the chosen
 step count, the held-out success (count and fraction, per question), timings and the run's metadata.
+
+``--task-options JSON`` passes keyword options to the task's constructor (``get_task(task, **options)``) and
+is recorded in the recipe (``task_options``; absent when none are given, so a recipe cached before the
+option existed still matches). The hidden-rules start student (issue 33) learns the call format only:
+
+    python benchmarks/start_student.py --task hidden_rules --task-options '{"references": "format_only"}' \
+        --out runs/hidden_rules/sft_student --results benchmarks/results/start_student_hidden_rules.json
+
+Its dev and held-out numbers are still the real reward: ``hidden_rules`` scores a reply against the calls
+that keep the hidden rule whatever ``references`` says (the option only chooses the SFT targets): the
+format-only references themselves score 0 on the rule tools and 1 on the plain ones under that checker.
 """
 
 from __future__ import annotations
@@ -97,17 +108,33 @@ def greedy_success(module, task, examples, *, batch_size: int) -> tuple[list[flo
     return rewards, time.perf_counter() - start
 
 
+def task_options(text: str) -> dict[str, Any]:
+    """``--task-options``: a JSON object of the task constructor's keyword options."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. '{{\"references\": \"format_only\"}}'; got {text!r}")
+    return options
+
+
 def recipe_of(args: argparse.Namespace) -> dict[str, Any]:
-    return {
+    recipe = {
         "task": args.task, "model": args.model, "lora": LORA, "learning_rate": args.lr,
         "examples_per_step": args.examples_per_step, "steps_compared": args.steps, "dev_questions": args.dev,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "grad_clip": 1.0,
     }
+    if args.task_options:  # only when given: the recipes cached before --task-options existed still match
+        recipe["task_options"] = args.task_options
+    return recipe
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="bfcl_live_simple")
+    parser.add_argument("--task-options", type=task_options, default={},
+                        help="JSON object of the task's constructor options, e.g. '{\"references\": \"format_only\"}'")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--steps", type=lambda s: sorted({int(x) for x in s.split(",")}), default=[24, 36, 48, 64],
                         help="step counts compared on the dev slice (comma-separated)")
@@ -142,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     L.seed_everything(args.seed)
-    task = dev_split_task(get_task(args.task), args.dev, args.seed)
+    task = dev_split_task(get_task(args.task, **args.task_options), args.dev, args.seed)
     dev, heldout = task.examples("val"), task.examples("heldout")
     module = SFTModule(args.model, lora=LORA, learning_rate=args.lr, grad_clip=1.0, max_new_tokens=args.max_new_tokens,
                        seed=args.seed)
@@ -176,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.no_grad():
         for p, saved in zip(module.student_parameters(), best["weights"], strict=True):
             p.copy_(saved)
-    rewards, heldout_s = greedy_success(module, get_task(args.task), heldout, batch_size=args.batch_size)
+    rewards, heldout_s = greedy_success(module, get_task(args.task, **args.task_options), heldout, batch_size=args.batch_size)
     solved = [ex.id for ex, r in zip(heldout, rewards, strict=True) if r >= 1.0]
     module.save_student(args.out)
     result = {
