@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lopd_lightning import deprecation
 from lopd_lightning.losses.composer import has_both_outcomes
 from lopd_lightning.losses import (
     anchor_loss,
@@ -789,32 +788,12 @@ def test_composer_objective_is_distill_plus_beta_times_the_shortfall_plus_lambda
     assert float(delta.grad) == pytest.approx(-2.0)  # raising Delta lowers the loss by beta
 
 
-# ------------------------------------------------------------------------------ deprecated spellings
-def test_the_old_keyword_k_still_works_and_warns_once(monkeypatch):
-    import warnings
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    student, teacher = random_logits(2, 3, 9, seed=5), random_logits(2, 3, 9, seed=6)
-    want = topk_tail_reverse_kl(student, teacher, top_k=3)
-    with pytest.warns(FutureWarning, match=r"topk_tail_reverse_kl\.k is deprecated.*topk_tail_reverse_kl\.top_k"):
-        got = topk_tail_reverse_kl(student, teacher, k=3)
-    torch.testing.assert_close(got, want)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        topk_tail_reverse_kl(student, teacher, k=3)  # once per process
-    with pytest.raises(ValueError, match="are the same setting"):
-        topk_tail_reverse_kl(student, teacher, k=3, top_k=3)
-
-
-def test_the_chunked_kl_is_still_served_by_losses_without_a_warning():
-    import warnings
-
+# ------------------------------------------------------------------------------ the package's names
+def test_the_chunked_kl_is_served_by_losses():
     import lopd_lightning.losses as losses
     import lopd_lightning.losses.lm_head as lm_head
+    from lopd_lightning.losses import chunked_topk_tail_reverse_kl
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from lopd_lightning.losses import chunked_topk_tail_reverse_kl
     assert chunked_topk_tail_reverse_kl is lm_head.chunked_topk_tail_reverse_kl
     with pytest.raises(AttributeError):
         losses.no_such_loss  # noqa: B018

@@ -15,8 +15,7 @@ Conventions shared by every function below:
   teacher (``softmax(logits / temperature)``). No ``temperature ** 2`` factor is applied to the loss.
 * Direction: ``KL(P || Q) = sum_v P(v) (log P(v) - log Q(v))``; terms with ``P(v) = 0`` count 0
   (the ``xlogy`` convention), so exactly-zero mass (``-inf`` logits) never produces NaN.
-* The top-k support of a divergence is the keyword ``top_k`` (``k`` before: still accepted, with a
-  FutureWarning, for one release).
+* The top-k support of a divergence is the keyword ``top_k``.
 
 One concern per module, every public name re-exported here:
 

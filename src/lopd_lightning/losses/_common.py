@@ -1,4 +1,4 @@
-"""Helpers shared by the loss modules: the compute dtype, argument checks, log-softmax, KL, a keyword rename."""
+"""Helpers shared by the loss modules: the compute dtype, argument checks, log-softmax, KL."""
 
 from __future__ import annotations
 
@@ -6,12 +6,6 @@ import math
 
 import torch
 from torch import Tensor
-
-from lopd_lightning.deprecation import renamed_kwargs
-
-#: the loss functions' top-k support was called ``k`` before it became ``top_k`` (the project's one name for
-#: it); ``k`` keeps working with a warning and is removed in the release after next.
-_top_k_renamed = renamed_kwargs({"k": "top_k"})
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lopd_lightning.losses._common import _check_pair, _check_temperature, _kl, _log_softmax, _top_k_renamed
+from lopd_lightning.losses._common import _check_pair, _check_temperature, _kl, _log_softmax
 
 
 # --------------------------------------------------------------------------------------------------
@@ -72,7 +72,6 @@ def topk_tail_logprobs(logprobs: Tensor, index: Tensor) -> Tensor:
     return torch.cat([top, tail], dim=-1)
 
 
-@_top_k_renamed
 def topk_tail_reverse_kl(
     student_logits: Tensor, teacher_logits: Tensor, *, top_k: int = 20, temperature: float = 1.0, support: str = "teacher"
 ) -> Tensor:
@@ -96,7 +95,7 @@ def topk_tail_reverse_kl(
     Args:
         student_logits: (B, T, V) float logits of the student.
         teacher_logits: (B, T, V) float logits of the teacher, aligned to the student's positions.
-        top_k: size M of the teacher's support, >= 1 (docs/METHOD.md: M = 20; ``k`` before, deprecated).
+        top_k: size M of the teacher's support, >= 1 (docs/METHOD.md: M = 20).
         temperature: > 0; both sides use ``softmax(logits / temperature)``.
         support: whose top-k forms ``V^k``: ``"teacher"`` (LOPD, docs/METHOD.md 5) or ``"student"`` (SDPO's
             implementation: the student's most likely tokens, detached).

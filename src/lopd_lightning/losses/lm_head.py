@@ -37,7 +37,7 @@ from lopd_lightning.lm import base_model, unpack
 from lopd_lightning.losses.composer import privileged_margin
 from lopd_lightning.losses.divergences import topk_tail_reverse_kl
 from lopd_lightning.losses.tokens import token_logps
-from lopd_lightning.losses._common import _check_temperature, _compute_dtype, _top_k_renamed
+from lopd_lightning.losses._common import _check_temperature, _compute_dtype
 
 __all__ = [
     "Head",
@@ -128,7 +128,6 @@ def _check_hidden_pair(student_hidden: Tensor, teacher_hidden: Tensor, weight: T
         raise ValueError(f"lm_head_bias must be (V={weight.shape[0]},), got {tuple(bias.shape)}")
 
 
-@_top_k_renamed
 def chunked_topk_tail_reverse_kl(
     student_hidden: Tensor,
     teacher_hidden: Tensor,
@@ -161,7 +160,7 @@ def chunked_topk_tail_reverse_kl(
             (N, d) at the selected positions (:func:`lopd_lightning.lm.selected_hidden_states`).
         teacher_hidden: (..., d) the teacher's, aligned to the student's rows.
         lm_head_weight: (V, d) the output head's weight (``model.get_output_embeddings().weight``).
-        top_k: size M of the teacher's support, >= 1 (docs/METHOD.md: M = 20; ``k`` before, deprecated).
+        top_k: size M of the teacher's support, >= 1 (docs/METHOD.md: M = 20).
         temperature: > 0; both sides use ``softmax(logits / temperature)``.
         chunk_size: rows per chunk, >= 1; it need not divide N.
         lm_head_bias: (V,) the head's bias, or None (SmolLM2 and Llama heads have none).
@@ -194,7 +193,6 @@ def chunked_topk_tail_reverse_kl(
     return _in_chunks(_one_head_kl_chunk, (student_rows, teacher_rows), constants, chunk_size).reshape(lead)
 
 
-@_top_k_renamed
 def chunked_head_kl(
     student_hidden: Tensor,
     teacher_hidden: Tensor,
@@ -217,7 +215,7 @@ def chunked_head_kl(
     Args:
         student_hidden, teacher_hidden: (N, d) final hidden states, aligned rows.
         student_head, teacher_head: (weight (V, d), bias (V,) or None) each.
-        top_k: size M of the teacher's support, >= 1 (``k`` before, deprecated).
+        top_k: size M of the teacher's support, >= 1.
         temperature: > 0.
         chunk_size: rows per chunk, >= 1.
 
