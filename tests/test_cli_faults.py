@@ -125,6 +125,24 @@ def test_a_task_class_whose_module_does_not_import_says_what_tasks_verify_says(t
         assert_one_line_error(err, f"data.init_args.task.class_path: {expected}")
 
 
+def test_a_task_class_whose_module_raises_at_import_says_what_tasks_verify_says(tmp_path, capsys, monkeypatch,
+                                                                                no_model_loading):
+    """jsonargparse reports only the module's own message ("boom") among the Union's subtype errors: it said
+    `data.init_args.task: expected str, got "NestedArg(key='class_path', val='broken_task.MyTask')"`."""
+    (tmp_path / "broken_task.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    expected = ("cannot import 'broken_task' for task 'broken_task.MyTask': RuntimeError: boom; fix the module "
+                "(lopd --debug tasks verify broken_task.MyTask shows the traceback)")
+    code, err = run_main(["tasks", "verify", "broken_task.MyTask"], capsys)
+    assert_one_line_error(err, expected)
+    config = tmp_path / "task.yaml"
+    config.write_text("data:\n  init_args:\n    task:\n      class_path: broken_task.MyTask\n")
+    for args in (["--data.init_args.task.class_path=broken_task.MyTask"], ["-c", str(config)]):
+        code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, *args], capsys)
+        assert code == 2
+        assert_one_line_error(err, f"data.init_args.task.class_path: {expected}")
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -175,6 +175,9 @@ def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str,
     nested = _unimportable_class_path(chain)  # a subtype's class_path, e.g. data.init_args.task's
     if nested is not None:
         return _class_path_message(".".join([*path, "class_path"]), *nested)
+    broken = _broken_task_module(chain) if path and path[-1] == "task" else None
+    if broken is not None:  # a task module that raises at import: jsonargparse reports only its message
+        return f"{key}.class_path: {broken}"
 
     m = re.fullmatch(r"Option '([^']+)' is not accepted", _plain(inner)) or re.fullmatch(
         r"Key '([^']+)' is not expected", _plain(inner)
@@ -212,6 +215,21 @@ def _unimportable_class_path(chain: list[BaseException]) -> tuple[str, str] | No
         for m in pattern.finditer(str(error)):
             if import_class(m.group(1)) is None:
                 return m.group(1), m.group(2)
+    return None
+
+
+def _broken_task_module(chain: list[BaseException]) -> str | None:
+    """What :func:`import_task_class` says of the task ``class_path`` given in ``chain``'s errors, when its
+    module raises at import (a SyntaxError, an exception at its top level), or None."""
+    given = re.compile(r"Given value: (?:NestedArg\(key='class_path', val='([^']+)'\)|\{'class_path': '([^']+)')")
+    for error in reversed(chain):
+        m = given.search(str(error))
+        if m:
+            try:
+                import_task_class(m.group(1) or m.group(2))
+            except CLIError as failure:
+                return failure.message
+            return None
     return None
 
 
