@@ -354,6 +354,22 @@ def test_a_missing_or_too_small_bank_fails_before_the_student_loads(tmp_path, ca
                                f"set model.init_args.num_experiences <= 1 or build a larger bank (`lopd build-memory`)")
 
 
+def test_tiny_yaml_outside_the_repository_says_its_relative_bank_path_is_read_from_the_working_directory(
+        tmp_path, capsys, monkeypatch, no_model_loading):
+    """configs/tiny.yaml names its bank configs/tiny_bank, relative to where lopd runs: from another folder it
+    said only that the folder "holds no experience bank", as if the shipped bank were missing or broken."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--trainer.max_steps=1"], capsys)
+    assert code == 1
+    assert_one_line_error(err, (
+        f"model.init_args.bank_path 'configs/tiny_bank' holds no experience bank (no such folder in the working "
+        f"directory {str(tmp_path)!r}: a relative path is read from where lopd runs, not from the config file's "
+        f"folder; run lopd from the folder it is relative to, or give an absolute path); build it first with "
+        f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), or set "
+        f"model.init_args.bank_path to null to start with an empty bank that a MemoryRefresh callback fills from "
+        f"the run's own successes"))
+
+
 def test_build_memory_from_references_does_not_load_the_student(tmp_path, capsys, no_model_loading):
     out = tmp_path / "bank"
     assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--out", str(out), "--limit", "3"]) == 0
