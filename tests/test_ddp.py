@@ -26,10 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lopd_lightning.rollout import collate_batches
-
-# collate_batches is deprecated for users (only these tests need it); when the alias goes, its body moves here
-pytestmark = pytest.mark.filterwarnings("ignore:collate_batches is deprecated:FutureWarning")
+from lopd_lightning.rollout import RolloutBatch
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_methods.py"
 METHODS = ["lopd", "grpo", "sdpo", "opsd", "skill_sd", "sft"]
@@ -41,6 +38,48 @@ def _run(method: str, args: list[str], out: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--method", method, "--out", str(out), *args],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def collate_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """The batches' rows in one batch on CPU, right-padded to the longest, each batch's group ids renumbered
+    0, 1, ... after the previous batch's (two ranks' groups 0 stay apart); experiences and stats joined when
+    every batch has them."""
+    batches = [b.to("cpu") for b in batches]
+    pad, t = batches[0].pad_token_id, max(b.input_ids.shape[1] for b in batches)
+
+    def padded(name: str, value) -> torch.Tensor:
+        parts = [getattr(b, name) for b in batches]
+        return torch.cat([torch.cat([x, torch.full((x.shape[0], t - x.shape[1]), value, dtype=x.dtype)], dim=1)
+                          for x in parts])
+
+    groups, offset = [], 0
+    for b in batches:
+        mapping: dict[int, int] = {}
+        for gid in b.group_ids.tolist():
+            mapping.setdefault(gid, len(mapping) + offset)
+        groups.append(torch.tensor([mapping[g] for g in b.group_ids.tolist()], dtype=torch.long))
+        offset += len(mapping)
+    stats = None
+    if all(b.stats is not None for b in batches):
+        stats = batches[0].stats
+        for b in batches[1:]:
+            stats = stats + b.stats
+    experiences = None if any(b.experiences is None for b in batches) else [x for b in batches for x in b.experiences]
+    return RolloutBatch(
+        input_ids=padded("input_ids", pad),
+        attention_mask=padded("attention_mask", 0),
+        assistant_mask=padded("assistant_mask", False),
+        sampling_logps=padded("sampling_logps", 0.0),
+        rewards=torch.cat([b.rewards for b in batches]),
+        group_ids=torch.cat(groups),
+        context_position=torch.cat([b.context_position for b in batches]),
+        example_ids=[x for b in batches for x in b.example_ids],
+        messages=[x for b in batches for x in b.messages],
+        metadata=[x for b in batches for x in b.metadata],
+        experiences=experiences,
+        stats=stats,
+        pad_token_id=pad,
+    )
 
 
 def ddp_run(method: str, tmp_path_factory) -> tuple[list, dict]:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from lopd_lightning import deprecation
 from lopd_lightning.models import tiny_tokenizer
 from lopd_lightning.rollout import (
     ChatTemplateError,
@@ -1049,59 +1046,20 @@ def test_prefix_reuse_on_a_lora_student(tokenizer):
     assert backend.prefill_stats["prefilled_tokens"] < backend.prefill_stats["prompt_tokens"] / 2
 
 
-# ------------------------------------------------------------------ deprecated spellings
+# ------------------------------------------------------------------ the package's names
 
 
-def test_every_public_name_of_the_old_module_imports_without_a_warning():
+def test_every_public_name_imports_from_the_package():
     from lopd_lightning import rollout
 
-    old = ["ChatTemplateError", "PromptEncoding", "RolloutBatch", "RolloutStats", "batch_from_conversations",
-           "derive_seed", "encode_observation", "encode_prompt", "generate_rollouts", "render_chat",
-           "tokenize_conversation", "warn_turn_limit"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert all(callable(getattr(rollout, name)) for name in old)
-    assert set(old) | {"collate_batches"} <= set(rollout.__all__)
+    names = ["ChatTemplateError", "PromptEncoding", "RolloutBatch", "RolloutStats", "batch_from_conversations",
+             "derive_seed", "encode_observation", "encode_prompt", "generate_rollouts", "render_chat",
+             "tokenize_conversation", "warn_turn_limit"]
+    assert all(callable(getattr(rollout, name)) for name in names)
+    assert set(names) <= set(rollout.__all__)
 
 
-def future_warnings(record) -> list[str]:
-    return [str(w.message) for w in record if issubclass(w.category, FutureWarning)]
-
-
-def test_num_rollouts_per_example_still_works_and_warns_once(model, tokenizer, monkeypatch):
-    monkeypatch.setattr(deprecation, "_warned", set())
-    new = rollouts(model, tokenizer, n_examples=2, group_size=2, max_new_tokens=4)
+def test_generate_rollouts_checks_group_size(model, tokenizer):
     task = ToyTask()
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            old = generate_rollouts(model, tokenizer, task, task.examples("train")[:2], num_rollouts_per_example=2,
-                                    max_new_tokens=4)
-            assert old.input_ids.equal(new.input_ids) and old.group_ids.tolist() == [0, 0, 1, 1]
-    assert future_warnings(record) == [
-        "generate_rollouts.num_rollouts_per_example is deprecated and will be removed; use generate_rollouts.group_size"
-    ]
-    with pytest.raises(ValueError, match="keep only generate_rollouts.group_size"):
-        generate_rollouts(model, tokenizer, task, task.examples()[:1], num_rollouts_per_example=2, group_size=2)
     with pytest.raises(ValueError, match="group_size must be >= 1"):
         generate_rollouts(model, tokenizer, task, task.examples()[:1], group_size=0)
-
-
-def test_collate_batches_is_a_deprecated_alias_that_still_works(tokenizer, monkeypatch):
-    from lopd_lightning.rollout import collate_batches
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    convs = [TWO_TURN, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
-    b = batch_from_conversations(tokenizer, convs, rewards=[1.0, 0.5], group_ids=[0, 0], example_ids=["a", "a"])
-    short = b.select([1])
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        both = collate_batches([short, b])  # re-padded, groups kept apart and renumbered
-        assert collate_batches([b, b], renumber_groups=False).group_ids.tolist() == [0, 0, 0, 0]
-    assert len(future_warnings(record)) == 1
-    assert future_warnings(record)[0].startswith("collate_batches is deprecated and will be removed")
-    assert both.input_ids.shape == (3, b.input_ids.shape[1])
-    assert both.group_ids.tolist() == [0, 1, 1]
-    assert both.input_ids[0, short.input_ids.shape[1]:].eq(b.pad_token_id).all()
-    assert not both.attention_mask[0, short.input_ids.shape[1]:].any()
-    assert both.input_ids[1:].equal(b.input_ids) and both.assistant_mask[1:].equal(b.assistant_mask)

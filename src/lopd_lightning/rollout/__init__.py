@@ -37,7 +37,6 @@ from lopd_lightning.rollout.chat import (
     render_chat,
     tokenize_conversation,
 )
-from lopd_lightning.rollout.deprecated import collate_batches
 from lopd_lightning.rollout.episodes import (
     _TURN_LIMIT_WARNED,  # noqa: F401  (the tasks already warned about their turn limit; tests clear it)
     generate_rollouts,
@@ -57,7 +56,6 @@ __all__ = [
     "RolloutStats",
     "SamplingSettings",
     "batch_from_conversations",
-    "collate_batches",
     "derive_seed",
     "encode_observation",
     "encode_prompt",

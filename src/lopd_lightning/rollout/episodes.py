@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from lopd_lightning.deprecation import renamed_kwargs
 from lopd_lightning.rollout.backends import (
     Completion,
     GenerationBackend,
@@ -64,10 +63,6 @@ from lopd_lightning.text import encodable, has_lone_surrogate
 log = logging.getLogger(__package__)  # "lopd_lightning.rollout": one logger name for the whole package
 
 __all__ = ["generate_rollouts", "warn_turn_limit"]
-
-
-#: keywords of :func:`generate_rollouts` that were renamed (old -> new); the old spelling warns once.
-_RENAMED_ARGUMENTS = {"num_rollouts_per_example": "group_size"}
 
 
 @dataclass
@@ -134,11 +129,6 @@ def warn_turn_limit(task: Task, rollouts: Sequence[Any], max_turns: int, limit_s
     return True
 
 
-#: serves the old keywords of :data:`_RENAMED_ARGUMENTS` (each warns once with the new spelling).
-_accepts_renamed_arguments = renamed_kwargs(_RENAMED_ARGUMENTS)
-
-
-@_accepts_renamed_arguments
 def generate_rollouts(
     model: Any,
     tokenizer: Any,
@@ -171,8 +161,7 @@ def generate_rollouts(
         tokenizer: its tokenizer (chat template, EOS; pad falls back to EOS).
         task: the task; ``task.start(example)`` makes each episode.
         examples: the examples to roll out.
-        group_size: G rollouts per example (formerly ``num_rollouts_per_example``, which still works
-            with a FutureWarning).
+        group_size: G rollouts per example.
         temperature: > 0; the sampling temperature. top_p: nucleus mass in (0, 1], None or 1 = off.
         top_k: top-k, None or 0 = off. max_new_tokens: limit per turn.
         max_turns: replies per episode; None = ``task.max_turns`` if the task has it, else 8 for
