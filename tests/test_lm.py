@@ -1,12 +1,9 @@
 """selected_logits / unpack: the LM head on selected positions equals the full forward there; the
-model-input helpers (position ids, shifted log-probs); the names that moved to lm_head still served."""
-
-import warnings
+model-input helpers (position ids, shifted log-probs)."""
 
 import pytest
 import torch
 
-from lopd_lightning import deprecation
 from lopd_lightning.adapters import prepare_backbone
 from lopd_lightning.lm import position_ids_from_mask, selected_logits, unpack
 from lopd_lightning.losses import shifted_token_logps
@@ -71,17 +68,3 @@ def test_shifted_token_logps_score_the_next_token():
     assert got.shape == (2, 4)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got, token_logps(logits[:, :-1], ids[:, 1:], temperature=0.5))
-
-
-@pytest.mark.parametrize("name", ["Head", "chunked_head_kl", "chunked_token_logps", "constant_head", "lm_head_parameters"])
-def test_the_lm_head_names_moved_and_the_old_path_warns_once(name, monkeypatch):
-    import lopd_lightning.lm as lm
-    import lopd_lightning.losses.lm_head as lm_head
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.lm\.{name} moved to lopd_lightning\.losses\.lm_head\.{name}"):
-        old = getattr(lm, name)
-    assert old is getattr(lm_head, name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert getattr(lm, name) is old

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import time
-import warnings
 
 import pytest
 
 pytest.importorskip("bfcl_eval")
 
-from lopd_lightning import deprecation  # noqa: E402
 from lopd_lightning.tasks import get_task  # noqa: E402
 from lopd_lightning.tasks.bfcl import (  # noqa: E402
     END_OF_TURN_REPLY,
@@ -208,25 +206,3 @@ def test_every_reference_replay_scores_full_marks(task):
     report = verify_task(task)
     print(f"multi_turn_base: {report.n_full_marks}/{report.n} in {time.perf_counter() - start:.2f}s")
     assert report.ok and report.n == 200, (report.failures[:10], list(report.errors.items())[:3])
-
-
-@pytest.mark.parametrize("name, new_module", [
-    ("BFCLMultiTurnTask", "multi_turn"), ("BFCLMultiTurnEpisode", "multi_turn"), ("CATEGORIES", "multi_turn"),
-    ("DEFAULT_MULTI_TURN_SYSTEM_PROMPT", "multi_turn"), ("END_OF_TURN_REPLY", "multi_turn"),
-    ("RewardMode", "multi_turn"), ("ToolEnvironment", "environment"), ("missing_results", "environment"),
-    ("parse_ground_truth_call", "environment"), ("state_differences", "environment"),
-])
-def test_the_old_multi_turn_path_serves_each_name_and_warns_once(name, new_module, monkeypatch):
-    """lopd_lightning.tasks.multi_turn keeps working for one release: each name warns once, naming its new module."""
-    import importlib
-
-    import lopd_lightning.tasks.multi_turn as old_module
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    target = f"lopd_lightning.tasks.bfcl.{new_module}"
-    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.tasks\.multi_turn\.{name} moved to {target}\.{name}"):
-        old = getattr(old_module, name)
-    assert old is getattr(importlib.import_module(target), name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert getattr(old_module, name) is old

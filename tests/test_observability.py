@@ -357,14 +357,3 @@ def test_standalone_validate_returns_and_logs_its_metrics(tmp_path):
 def test_negative_settings_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="model.init_args.log_samples"):
         make_module(log_samples=-1)
-
-
-def test_phase_names_moved_to_observability_and_the_old_path_warns_once():
-    from lopd_lightning import deprecation
-    from lopd_lightning.modules import base, observability
-
-    deprecation._warned.discard("lopd_lightning.modules.base.PHASE_NAMES")
-    with pytest.warns(FutureWarning, match=r"modules.base.PHASE_NAMES moved to lopd_lightning.modules.observability") as caught:
-        assert base.PHASE_NAMES is observability.PHASE_NAMES
-        assert base.PHASE_NAMES["generation"] == "gen"
-    assert len([w for w in caught if "PHASE_NAMES" in str(w.message)]) == 1

@@ -342,33 +342,6 @@ def test_child_program_imports_only_the_standard_library_and_its_own_folder():
     assert result.ok and set(ast.literal_eval(result.stdout)) == {"lopd_sandbox_child"}, result
 
 
-def test_the_old_child_module_still_works_and_warns_once(monkeypatch):
-    import warnings
-
-    from lopd_lightning import deprecation
-    from lopd_lightning.sandbox.child import SETUP_FAILED_EXIT
-    from lopd_lightning.sandbox.child.codec import decode, encode
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    import lopd_lightning.sandbox_child as old
-
-    with pytest.warns(FutureWarning, match="lopd_lightning.sandbox.child.codec"):
-        assert old.encode is encode
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert old.encode is encode  # once
-    with pytest.warns(FutureWarning):
-        assert old.decode is decode and old.decode(old.encode((1, b"x"))) == (1, b"x")
-    with pytest.warns(FutureWarning, match="lopd_lightning.sandbox.child.SETUP_FAILED_EXIT"):
-        assert old.SETUP_FAILED_EXIT == SETUP_FAILED_EXIT == 125
-    with pytest.raises(AttributeError):
-        _ = old.no_such_name
-    import lopd_lightning.sandbox as sandbox
-
-    with pytest.warns(FutureWarning, match="lopd_lightning.sandbox.child.PROTOCOL_EXIT"):
-        assert sandbox.PROTOCOL_EXIT == 3
-
-
 # ---------------------------------------------------------------------------------------------------
 # Isolation modes
 # ---------------------------------------------------------------------------------------------------

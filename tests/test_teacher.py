@@ -360,25 +360,6 @@ def test_insert_context_rejects_bad_input():
 
 
 # ------------------------------------------------------------------------------ moved and deprecated
-@pytest.mark.parametrize("name, target", [
-    ("position_ids_from_mask", "lopd_lightning.lm"),
-    ("shifted_token_logps", "lopd_lightning.losses"),
-])
-def test_the_old_teacher_path_serves_the_moved_names_and_warns_once(name, target, monkeypatch):
-    import importlib
-    import warnings
-
-    import lopd_lightning.teacher as old_module
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.teacher\.{name} moved to {target}\.{name}"):
-        old = getattr(old_module, name)
-    assert old is getattr(importlib.import_module(target), name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert getattr(old_module, name) is old
-
-
 def test_the_teacher_package_serves_its_public_names_without_a_warning():
     import importlib
     import warnings

@@ -5,13 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-import warnings
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lopd_lightning import deprecation
 from lopd_lightning.tasks import get_task
 from lopd_lightning.tasks.bfcl import (
     BFCLTask,
@@ -326,31 +324,3 @@ def test_every_reference_solution_scores_full_marks(category):
     assert report.ok, report.failures[:10]
     assert report.n > 0
 
-
-# ---------------------------------------------------------------------------------------------------
-# The old module path (lopd_lightning.tasks.tool_use) for one release
-# ---------------------------------------------------------------------------------------------------
-
-OLD_TOOL_USE_NAMES = [
-    "BFCLTask", "CATEGORIES", "DEFAULT_SYSTEM_PROMPT", "CheckResult", "ToolCall", "check_system_prompt",
-    "check_tool_calls", "expected_arguments", "find_function", "format_tool_calls", "names_match",
-    "parse_python_calls", "parse_tool_calls", "reference_calls", "standardize_string", "tools_system_text",
-    "unparsed_reason", "with_system",
-]
-
-
-@pytest.mark.parametrize("name", OLD_TOOL_USE_NAMES)
-def test_the_old_tool_use_path_serves_each_name_and_warns_once(name, monkeypatch):
-    import lopd_lightning.tasks.bfcl as bfcl
-    import lopd_lightning.tasks.bfcl.single_turn as single_turn
-    import lopd_lightning.tasks.tool_use as tool_use
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match=rf"lopd_lightning\.tasks\.tool_use\.{name} moved to lopd_lightning\.tasks\.bfcl\."):
-        old = getattr(tool_use, name)
-    assert old is getattr(bfcl, name, None) or old is getattr(single_turn, name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the second access is silent
-        exec(f"from lopd_lightning.tasks.tool_use import {name}", {})
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
-        tool_use.no_such_name  # noqa: B018

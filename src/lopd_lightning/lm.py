@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lopd_lightning.deprecation import moved_names
-
 __all__ = [
     "base_model",
     "decoder_hidden_states",
@@ -28,13 +26,6 @@ __all__ = [
     "selected_logits",
     "unpack",
 ]
-
-#: names that moved to :mod:`lopd_lightning.losses.lm_head` (served with a FutureWarning for one release).
-__getattr__ = moved_names(__name__, {
-    name: f"lopd_lightning.losses.lm_head:{name}"
-    for name in ("Head", "chunked_head_kl", "chunked_token_logps", "constant_head", "lm_head_parameters")
-})
-
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Position ids that ignore padding: ``cumsum(mask) - 1``, 0 on leading pads.

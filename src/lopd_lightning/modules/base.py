@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
 from lopd_lightning.checkpointing import enable_activation_checkpointing
-from lopd_lightning.deprecation import fold_renamed, moved_names, store_under_new_names, warn_once
+from lopd_lightning.deprecation import fold_renamed, store_under_new_names, warn_once
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
 from lopd_lightning.memory.bank import Experience
@@ -56,9 +56,6 @@ log = logging.getLogger(__name__)
 
 #: The student's adapter name when the student is trained with LoRA.
 STUDENT_ADAPTER = "student"
-
-# names that moved out of this file (they warn once and keep working for one release)
-__getattr__ = moved_names(__name__, {"PHASE_NAMES": "lopd_lightning.modules.observability:PHASE_NAMES"})
 
 
 class StudentForward(NamedTuple):

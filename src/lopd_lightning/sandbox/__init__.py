@@ -149,7 +149,6 @@ sandboxed process), :mod:`.supervise` (pipes, limits, kill and reap), :mod:`.run
 (:func:`isolation_report`) and :mod:`.child` (the child program, with the plain-data codec).
 """
 
-from lopd_lightning.deprecation import moved_names
 from lopd_lightning.sandbox.checked import CheckedResult, run_checked, run_many_checked
 from lopd_lightning.sandbox.isolation import BWRAP_ENV, bwrap_available
 from lopd_lightning.sandbox.limits import SandboxLimits
@@ -170,12 +169,3 @@ __all__ = [
     "run_many",
     "run_many_checked",
 ]
-
-# the old sandbox.py imported these from the child program: they live there still
-__getattr__ = moved_names(
-    __name__,
-    {
-        "SETUP_FAILED_EXIT": "lopd_lightning.sandbox.child:SETUP_FAILED_EXIT",
-        "PROTOCOL_EXIT": "lopd_lightning.sandbox.child:PROTOCOL_EXIT",
-    },
-)

@@ -22,14 +22,10 @@ One concern per module, the public names re-exported here:
 * :mod:`.prefix_cache`: the key/value prefix the teacher shares with the student (:class:`TeacherPrefix`,
   :func:`prefix_length`, :func:`supports_prefix_cache`, :func:`has_dropout`).
 * :mod:`.self_teacher`: :class:`SelfTeacher`, which puts them together (insert, run, gather back).
-
-Moved (served here with a FutureWarning for one release): ``position_ids_from_mask`` and
-``shifted_token_logps`` to :mod:`lopd_lightning.losses`.
 """
 
 from __future__ import annotations
 
-from lopd_lightning.deprecation import moved_names
 from lopd_lightning.teacher.prefix_cache import TeacherPrefix, has_dropout, prefix_length, supports_prefix_cache
 from lopd_lightning.teacher.self_teacher import SelfTeacher
 from lopd_lightning.teacher.splice import DEFAULT_FRAMING_PREFIX, DEFAULT_FRAMING_SUFFIX, TeacherInputs
@@ -47,8 +43,3 @@ __all__ = [
     "prefix_length",
     "supports_prefix_cache",
 ]
-
-__getattr__ = moved_names(__name__, {
-    "position_ids_from_mask": "lopd_lightning.lm:position_ids_from_mask",
-    "shifted_token_logps": "lopd_lightning.losses:shifted_token_logps",
-})
