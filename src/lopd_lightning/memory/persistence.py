@@ -105,7 +105,8 @@ def check_bank(bank_path: str, num_experiences: int, *, capacity: int | None = N
         where = ""
         if not Path(bank_path).is_absolute() and not Path(bank_path).exists():
             where = (f" (no such folder in the working directory {str(Path.cwd())!r}: a relative path is read from "
-                     f"where lopd runs, not from the config file's folder; run lopd from the folder it is relative to, or give an absolute path)")
+                     f"where lopd runs, not from the config file's folder; run lopd from the folder it is relative "
+                     f"to, or give an absolute path)")
         raise FileNotFoundError(
             f"model.init_args.bank_path {bank_path!r} holds no experience bank{where}; build it first with "
             f"`lopd build-memory -c CONFIG` (add --from-references for a base model that rarely succeeds), "
