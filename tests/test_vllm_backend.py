@@ -330,6 +330,16 @@ def test_an_engine_dtype_that_cannot_hold_the_merged_weights_is_refused_in_one_l
     assert "\n" not in str(error.value) and "the engine would sample from another policy" in str(error.value)
 
 
+def test_an_unknown_dtype_names_its_own_key():
+    """An unknown student dtype was reported as model.init_args.vllm_options.dtype's."""
+    from lopd_lightning.rollout.vllm_backend import check_engine_dtype
+
+    with pytest.raises(ValueError, match=r"^model.init_args.dtype: unknown dtype 'fp16'; use float32 or bfloat16$"):
+        check_engine_dtype("float32", "fp16", lora=True)
+    with pytest.raises(ValueError, match=r"^model.init_args.vllm_options.dtype: unknown dtype 'fp16'; use float32$"):
+        check_engine_dtype("fp16", "float32", lora=True)
+
+
 @pytest.fixture(scope="module")
 def bfloat16_lora_engine(peaked):
     """A bfloat16 LoRA student with a small update and its engine (float32, the default). Module-scoped, as the

@@ -159,18 +159,19 @@ def check_engine_dtype(engine_dtype: str | torch.dtype, student_dtype: str | tor
             float32); one line naming ``model.init_args.vllm_options.dtype`` and the fix.
     """
 
-    def resolve(value: str | torch.dtype) -> torch.dtype | None:
+    def resolve(value: str | torch.dtype, key: str, fix: str) -> torch.dtype | None:
         if isinstance(value, torch.dtype):
             return value
         name = _ENGINE_DTYPE_ALIASES.get(str(value), str(value))
         dtype = getattr(torch, name, None) if name != "auto" else None
         if name != "auto" and not isinstance(dtype, torch.dtype):
-            raise ValueError(f"model.init_args.vllm_options.dtype: unknown dtype {value!r}; use float32")
+            raise ValueError(f"model.init_args.{key}: unknown dtype {value!r}; use {fix}")
         return dtype
 
-    student = resolve(student_dtype) or torch.float32
+    student = resolve(student_dtype, "dtype", "float32 or bfloat16") or torch.float32
     needed = torch.promote_types(student, torch.float32) if lora else student
-    engine = resolve(engine_dtype) or (needed if needed.itemsize < 4 else None)  # auto: the checkpoint's
+    engine = resolve(engine_dtype, "vllm_options.dtype", "float32")
+    engine = engine or (needed if needed.itemsize < 4 else None)  # auto: the checkpoint's
     if engine is None or torch.promote_types(engine, needed) != engine:
         short = {d: str(d).removeprefix("torch.") for d in (student, needed)}
         what = f"a LoRA merged onto {short[student]} weights" if lora else f"a full-parameter {short[student]} student"
