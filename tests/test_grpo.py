@@ -227,62 +227,6 @@ def test_step_inputs_are_a_typed_record_that_subclasses_extend():
     assert float(module.loss_terms(logps, logps, extended)["train/loss"]) == float(module.loss_terms(logps, logps, inputs)["train/loss"])
 
 
-def test_step_inputs_read_as_a_dict_still_work_and_warn_once():
-    from lopd_lightning import deprecation
-
-    inputs = GRPOStepInputs(mask=torch.ones(1, 2, dtype=torch.bool), advantages=torch.zeros(1), num_tokens=2.0)
-    deprecation._warned.discard("GRPOStepInputs[]")
-    deprecation._warned.discard("GRPOStepInputs[]=")
-    with pytest.warns(FutureWarning, match=r"read inputs.advantages") as caught:
-        assert inputs["advantages"] is inputs.advantages
-        assert inputs["num_tokens"] == 2.0
-    assert len([w for w in caught if "read inputs" in str(w.message)]) == 1
-    with pytest.warns(FutureWarning, match="as a field of a subclass"):
-        inputs["teacher_logps"] = torch.zeros(1, 2)
-    assert inputs.teacher_logps.shape == (1, 2)
-
-
-class DictStepInputsGRPO(GRPOModule):
-    """``step_inputs`` and ``loss_terms`` as overrides written for the previous release: a dict, with an
-    extra key its loss reads."""
-
-    def step_inputs(self, batch):
-        inputs = super().step_inputs(batch)
-        return {"mask": inputs.mask, "advantages": inputs.advantages, "num_tokens": inputs.num_tokens,
-                "ref_logps": inputs.ref_logps, "metrics": inputs.metrics, "scale": 2.0}
-
-    def loss_terms(self, logps, old_logps, inputs):
-        self.seen = inputs
-        terms = super().loss_terms(logps, old_logps, inputs)
-        terms["train/loss"] = terms["train/loss"] * inputs["scale"]
-        return terms
-
-
-def test_a_step_inputs_override_returning_a_dict_trains_with_one_warning(monkeypatch):
-    from lopd_lightning import deprecation
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    module = DictStepInputsGRPO("tiny", lora=LORA, group_size=4, max_new_tokens=6, learning_rate=1e-2)
-    conversations = [[{"role": "user", "content": "Repeat: a"}, {"role": "assistant", "content": "r" * (i + 1)}]
-                     for i in range(4)]
-    batch = batch_from_conversations(module.tokenizer, conversations, rewards=[1.0, 0.0, 0.0, 1.0], group_ids=[0] * 4,
-                                     example_ids=["a"] * 4)
-    optimizer = torch.optim.AdamW(module.student_parameters(), lr=1e-3)
-    logged = {}
-    module.optimizers = lambda: optimizer
-    module.manual_backward = lambda loss: loss.backward()  # no Trainer
-    module.log_rollout_metrics = lambda batch, metrics: logged.update(metrics)
-    with pytest.warns(FutureWarning, match="DictStepInputsGRPO.step_inputs returned a dict, which is deprecated; "
-                                           "return a GRPOStepInputs") as caught:
-        module.training_step(batch, 0)
-        module.training_step(batch, 0)
-    assert len([w for w in caught if "step_inputs returned a dict" in str(w.message)]) == 1
-    assert isinstance(module.seen, GRPOStepInputs) and module.seen.scale == 2.0  # the extra key: an attribute
-    assert {"train/loss", "train/advantage_abs_mean", "train/zero_std_groups"} <= set(logged)
-    with pytest.raises(TypeError, match="step_inputs returned a dict without advantages, num_tokens"):
-        GRPOStepInputs.from_mapping({"mask": batch.assistant_mask})
-
-
 def test_generation_batch_size_changes_the_calls_not_the_rollouts():
     """Episodes in calls of at most 2 rows (longest contexts first) sample the same tokens as all at once."""
     task = ParityToy()

@@ -663,24 +663,18 @@ def test_the_old_argument_names_still_work_and_warn_once(monkeypatch):
         LOPDModule("tiny", top_m=7, distill_top_k=9, **options)
 
 
-def test_student_hidden_is_deprecated_for_student_forward(tmp_path, bank_dir, monkeypatch):
-    from lopd_lightning import deprecation
-
+def test_student_forward_gives_the_hidden_states_with_or_without_the_cache(tmp_path, bank_dir):
     module = make_module(bank_dir)
     rec = Recorder()
     make_trainer(tmp_path, max_steps=1, callbacks=[rec]).fit(module, make_dm())
     batch = rec.steps[0]["batch"]
     _, mask = module.shifted(batch)
-    monkeypatch.setattr(deprecation, "_warned", set())
     with torch.no_grad():
-        want = module.student_forward(batch, mask, output="hidden", keep_cache=True)
-        with pytest.warns(FutureWarning, match="LOPDModule.student_hidden is deprecated.*student_forward"):
-            hidden = module.student_hidden(batch, mask)
-        hidden_again, cache = module.student_hidden(batch, mask, return_cache=True)
-    assert hidden.shape == (int(mask.sum()), 64)
-    torch.testing.assert_close(hidden, want.values)
-    torch.testing.assert_close(hidden_again, want.values)
-    assert cache.get_seq_length() == batch.input_ids.shape[1]
+        with_cache = module.student_forward(batch, mask, output="hidden", keep_cache=True)
+        hidden = module.student_forward(batch, mask, output="hidden")
+    assert hidden.values.shape == (int(mask.sum()), 64) and hidden.cache is None
+    torch.testing.assert_close(hidden.values, with_cache.values)
+    assert with_cache.cache.get_seq_length() == batch.input_ids.shape[1]
 
 
 def test_the_composer_adapter_comes_after_the_base_constructor_with_its_config(monkeypatch):

@@ -81,6 +81,7 @@ def test_teacher_context_uses_successful_siblings_only():
     module = make_module()
     batch = hand_batch(module.tokenizer, [1.0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1])
     contexts = module.teacher_contexts(batch)
+    assert isinstance(contexts, SDPOContexts) and isinstance(contexts, TeacherContexts)
     texts, has_demo, kept = contexts.texts, contexts.has_demo, contexts.kept
     demo = lambda i: SDPO_DEMO_TEMPLATE.format(demo=f"reply {i}") + SDPO_CONTEXT_SUFFIX  # noqa: E731
     assert texts[:4] == [demo(3), demo(0), demo(0), demo(0)]  # self excluded: row 0 sees row 3
@@ -222,21 +223,6 @@ def test_renamed_keywords_still_work_and_warn_once(old, new, value):
     assert_renamed_keyword(make, old, new, value, owner="SDPOModule")
 
 
-def test_teacher_contexts_unpacked_as_the_old_tuple_still_work_and_warn_once():
-    from lopd_lightning import deprecation
-
-    module = make_module()
-    batch = hand_batch(module.tokenizer, [1.0, 0, 0, 1], [0, 0, 0, 0])
-    contexts = module.teacher_contexts(batch)
-    assert isinstance(contexts, SDPOContexts) and isinstance(contexts, TeacherContexts)
-    deprecation._warned.discard("SDPOContexts.__iter__")
-    with pytest.warns(FutureWarning, match=r"read \.texts, \.has_demo and \.kept") as caught:
-        texts, has_demo, kept = contexts
-        texts_again, _, _ = module.teacher_contexts(batch)
-    assert len([w for w in caught if "SDPOContexts" in str(w.message)]) == 1
-    assert texts == texts_again == contexts.texts and has_demo is contexts.has_demo and kept is contexts.kept
-
-
 def test_a_divergence_sdpo_does_not_take_fails_before_loading():
     with pytest.raises(ValueError, match=r"divergence must be one of 'topk_reverse_kl', 'jsd', got 'forward_kl'"):
         SDPOModule("no-such-model", divergence="forward_kl")
@@ -286,37 +272,13 @@ def test_a_subclass_with_its_own_teacher_contexts_and_weights_trains_on_the_skel
     assert module.updates == 1
 
 
-# ------------------------------------------------------------------------------ hooks of an earlier release
-class OldTupleSDPO(SDPOModule):
-    """``teacher_contexts`` as an override written for the previous release returned it: a tuple."""
-
-    def teacher_contexts(self, batch):
-        contexts = super().teacher_contexts(batch)
-        return contexts.texts, contexts.has_demo, contexts.kept
-
-
-def test_a_teacher_contexts_override_returning_the_old_tuple_trains_with_one_warning(monkeypatch):
-    from lopd_lightning import deprecation
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    batch_rewards, groups = [1.0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]
-    new = make_module(lora=None)
-    old = OldTupleSDPO("tiny", lora=None, group_size=4, max_new_tokens=8, distill_top_k=8, learning_rate=1e-3)
-    batch = hand_batch(new.tokenizer, batch_rewards, groups)
-    expected = run_step(new, batch)
-    with pytest.warns(FutureWarning, match=r"OldTupleSDPO.teacher_contexts returned a \(texts, has_demo, kept\) "
-                                           r"tuple, which is deprecated; return SDPOContexts") as caught:
-        logged = [run_step(old, batch) for _ in range(2)]
-    assert len([w for w in caught if "teacher_contexts returned" in str(w.message)]) == 1  # once per process
-    assert float(logged[0]["loss"]) == pytest.approx(float(expected["loss"]), rel=1e-5, abs=1e-7)
-    assert logged[0]["train/rows_with_demo"] == expected["train/rows_with_demo"] == pytest.approx(0.5)
-
-
-def test_a_teacher_contexts_override_returning_something_else_is_a_type_error():
+# ------------------------------------------------------------------------------ the hook's return type
+@pytest.mark.parametrize("returned, name", [(["a text"], "list"), ((["a text"], None, None), "tuple")])
+def test_a_teacher_contexts_override_returning_something_else_is_a_type_error(returned, name):
     module = make_module(lora=None)
-    module.teacher_contexts = lambda batch: ["a text"]
+    module.teacher_contexts = lambda batch: returned
     batch = hand_batch(module.tokenizer, [1.0, 0], [0, 0])
-    with pytest.raises(TypeError, match="SDPOModule.teacher_contexts must return a TeacherContexts record, got list"):
+    with pytest.raises(TypeError, match=f"SDPOModule.teacher_contexts must return a TeacherContexts record, got {name}"):
         run_step(module, batch)
 
 

@@ -18,7 +18,6 @@ from lopd_lightning.adapters import (
     prepare_backbone,
     use_adapter,
 )
-from lopd_lightning import deprecation
 from lopd_lightning.lm import position_ids_from_mask
 from lopd_lightning.losses import shifted_token_logps
 from lopd_lightning.composer import ComposerOutput, LatentComposer, latent_nll
@@ -359,29 +358,14 @@ def test_insert_context_rejects_bad_input():
         SelfTeacher(teacher.backbone, TOKENIZER, mode="frozen")
 
 
-# ------------------------------------------------------------------------------ moved and deprecated
-def test_the_teacher_package_serves_its_public_names_without_a_warning():
+# ------------------------------------------------------------------------------ the package's names
+def test_the_teacher_package_serves_its_public_names():
     import importlib
-    import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        package = importlib.import_module("lopd_lightning.teacher")
-        for name in package.__all__:
-            assert getattr(package, name) is not None, name
+    package = importlib.import_module("lopd_lightning.teacher")
+    for name in package.__all__:
+        assert getattr(package, name) is not None, name
     assert package.TeacherWeights in package.SelfTeacher.__mro__
-
-
-def test_self_teacher_teacher_logps_is_deprecated_and_unchanged(monkeypatch):
-    teacher = SelfTeacher(backbone_for("lora"), TOKENIZER)
-    ids, mask, pos, _ = batch("right")
-    latents, latent_mask = latents_for()
-    monkeypatch.setattr(deprecation, "_warned", set())
-    with torch.no_grad():
-        with pytest.warns(FutureWarning, match="SelfTeacher.teacher_logps is deprecated.*shifted_token_logps"):
-            got = teacher.teacher_logps(ids, mask, pos, latents=latents, latent_mask=latent_mask, temperature=0.7)
-        logits = teacher.logits_on_student_positions(ids, mask, pos, latents=latents, latent_mask=latent_mask)
-    torch.testing.assert_close(got, shifted_token_logps(logits, ids, temperature=0.7))
 
 
 def test_on_student_positions_gives_the_packed_logits_or_hidden_states():

@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
 from lopd_lightning.checkpointing import enable_activation_checkpointing
-from lopd_lightning.deprecation import fold_renamed, store_under_new_names, warn_once
+from lopd_lightning.deprecation import fold_renamed, store_under_new_names
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
 from lopd_lightning.memory.bank import Experience
@@ -470,7 +470,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             )
         return StudentForward(*out) if keep_cache else StudentForward(out, None)
 
-    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None, **deprecated: Any) -> Tensor:
+    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None) -> Tensor:
         """Logits of the student on the batch; position t predicts token t+1.
 
         Args:
@@ -480,14 +480,6 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             (B, T-1, V) without ``positions``; packed (N, V) at the selected positions with them (the LM
             head runs only there). For the key/value cache too, use :meth:`student_forward`.
         """
-        if deprecated.pop("return_cache", False):
-            warn_once("student_logits.return_cache", "student_logits(..., return_cache=True) is deprecated; use "
-                      "student_forward(batch, positions, keep_cache=True), which returns a StudentForward")
-            if positions is None:
-                raise ValueError("student_logits(return_cache=True) needs positions; use student_forward")
-            return tuple(self.student_forward(batch, positions, keep_cache=True))  # type: ignore[return-value]
-        if deprecated:
-            raise TypeError(f"student_logits() got unexpected keyword arguments {sorted(deprecated)}")
         if positions is not None:
             return self.student_forward(batch, positions).values
         with self.student_context():

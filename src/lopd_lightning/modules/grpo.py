@@ -19,8 +19,7 @@ k3 KL estimator to a reference); PPO, Schulman et al. 2017, Eq. 7 (the clipped s
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.advantages import group_advantages
-from lopd_lightning.deprecation import fold_renamed, warn_once
+from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.lm import unpack
 from lopd_lightning.losses import GRPOLoss, grpo_loss, k3_kl, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
@@ -65,36 +64,6 @@ class GRPOStepInputs:
         """This record's values as a ``cls`` (a subclass of this record) with its ``extra`` fields."""
         return cls(**{f.name: getattr(self, f.name) for f in fields(self)}, **extra)
 
-    def __getitem__(self, name: str) -> Any:
-        """Deprecated: step inputs were a dict; read ``inputs.<name>`` instead."""
-        warn_once("GRPOStepInputs[]", f"step inputs are a {type(self).__name__} record: read inputs.{name}, "
-                  f"not inputs[{name!r}]")
-        return getattr(self, name)
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> GRPOStepInputs:
-        """Deprecated: the dict a :meth:`GRPOModule.step_inputs` override of an earlier release returned, as
-        a record (its keys beyond this record's fields become attributes, read by ``inputs.<name>`` or
-        ``inputs[name]``).
-
-        Raises:
-            TypeError: a field without a default (``mask``, ``advantages``, ``num_tokens``) is missing.
-        """
-        names = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in values and f.default is MISSING
-                   and f.default_factory is MISSING]
-        if missing:
-            raise TypeError(f"step_inputs returned a dict without {', '.join(missing)}; return a {cls.__name__}")
-        record = cls(**{k: v for k, v in values.items() if k in names})
-        for name in values.keys() - names:
-            setattr(record, name, values[name])
-        return record
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        """Deprecated: step inputs were a dict; subclass the record (:meth:`extend`) instead."""
-        warn_once("GRPOStepInputs[]=", f"step inputs are a {type(self).__name__} record: add {name!r} as a field "
-                  "of a subclass of it (GRPOStepInputs.extend), not as a dict key")
-        setattr(self, name, value)
 
 __all__ = ["GRPOLoss", "GRPOModule", "GRPOStepInputs", "grpo_loss", "k3_kl"]
 
@@ -254,10 +223,6 @@ class GRPOModule(OnPolicyModule):
         optimizer = self.optimizers()
         params = self.student_parameters()
         inputs = self.step_inputs(batch)
-        if isinstance(inputs, Mapping):  # an override written for an earlier release, when they were a dict
-            warn_once(f"{type(self).__name__}.step_inputs dict", f"{type(self).__name__}.step_inputs returned a dict, "
-                      "which is deprecated; return a GRPOStepInputs (a subclass of it for extra fields)", stacklevel=2)
-            inputs = GRPOStepInputs.from_mapping(inputs)
         epochs = int(self.hparams.ppo_epochs)
         old_logps: Tensor | None = None
         terms: dict[str, Tensor] = {}

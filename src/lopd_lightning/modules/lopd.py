@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lopd_lightning.adapters import add_composer_adapter, copy_adapter
 from lopd_lightning.checkpointing import recorded_forwards
-from lopd_lightning.deprecation import fold_renamed, warn_once
+from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
 from lopd_lightning.losses import anchor_loss, composer_objective
@@ -336,16 +336,6 @@ class LOPDModule(OnPolicyModule):
         self.anchor_composer.requires_grad_(False)
 
     # ------------------------------------------------------------------ training
-    def student_hidden(self, batch: RolloutBatch, positions: Tensor, *, return_cache: bool = False) -> Any:
-        """Deprecated: ``student_forward(batch, positions, output="hidden", keep_cache=return_cache)``.
-
-        The student's final hidden states (after the final norm) at ``positions`` ((B, T-1) shifted
-        coordinates), packed (N, d); ``(hidden, cache)`` with ``return_cache``."""
-        warn_once("LOPDModule.student_hidden", "LOPDModule.student_hidden is deprecated and will be removed; use "
-                  'student_forward(batch, positions, output="hidden"), which returns a StudentForward')
-        forward = self.student_forward(batch, positions, output="hidden", keep_cache=return_cache)
-        return (forward.values, forward.cache) if return_cache else forward.values
-
     def losses(self, batch: RolloutBatch) -> LOPDLosses:
         """The step's forward passes and losses, no backward (steps 2-5 of the module docstring).
 

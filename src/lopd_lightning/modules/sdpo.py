@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.deprecation import fold_renamed, warn_once
+from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.losses import token_logps
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
@@ -101,13 +101,6 @@ class SDPOContexts(TeacherContexts):
     """
 
     has_demo: Tensor | None = None
-
-    def __iter__(self):
-        """Deprecated: ``texts, has_demo, kept = module.teacher_contexts(batch)`` (a tuple before); read
-        the attributes."""
-        warn_once("SDPOContexts.__iter__", "SDPOModule.teacher_contexts returns an SDPOContexts record: read "
-                  ".texts, .has_demo and .kept instead of unpacking a (texts, has_demo, kept) tuple")
-        return iter((self.texts, self.has_demo, self.kept))
 
 
 class SDPOModule(SelfDistillationModule):
@@ -266,18 +259,6 @@ class SDPOModule(SelfDistillationModule):
         has_demo = torch.tensor([s is not None for s in siblings], dtype=torch.bool, device=device)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=device)
         return SDPOContexts(texts=texts, kept=kept, has_demo=has_demo)
-
-    @override
-    def _contexts_from_tuple(self, value: Any) -> SDPOContexts:
-        """An override of :meth:`teacher_contexts` written for an earlier release returned the tuple
-        ``(texts, has_demo, kept)``: the same as an :class:`SDPOContexts`, with one FutureWarning."""
-        if not (isinstance(value, tuple) and len(value) == 3):
-            return super()._contexts_from_tuple(value)
-        warn_once(f"{type(self).__name__}.teacher_contexts tuple", f"{type(self).__name__}.teacher_contexts returned a "
-                  "(texts, has_demo, kept) tuple, which is deprecated; return SDPOContexts(texts=..., kept=..., "
-                  "has_demo=...)", stacklevel=2)
-        texts, has_demo, kept = value
-        return SDPOContexts(texts=list(texts), kept=kept, has_demo=has_demo)
 
     # ------------------------------------------------------------------ the loss
     def behaviour_logps(self, batch: RolloutBatch, current_logps: Tensor) -> Tensor:

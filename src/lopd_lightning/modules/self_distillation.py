@@ -213,7 +213,8 @@ class SelfDistillationModule(OnPolicyModule):
         _, mask = self.shifted(batch)  # [B, T-1]
         contexts = self.teacher_contexts(batch)
         if not isinstance(contexts, TeacherContexts):
-            contexts = self._contexts_from_tuple(contexts)  # an override of an earlier release
+            raise TypeError(f"{type(self).__name__}.teacher_contexts must return a TeacherContexts record, got "
+                            f"{type(contexts).__name__}")
         kept_mask = mask & contexts.kept[:, None]  # [B, T-1]
         num_tokens = self.num_loss_tokens(batch, kept_mask)
         with self.timed("teacher"):
@@ -230,16 +231,6 @@ class SelfDistillationModule(OnPolicyModule):
         metrics["train/grad_norm"] = norm
         self.log_rollout_metrics(batch, metrics)
         return loss.detach()
-
-    def _contexts_from_tuple(self, value: Any) -> TeacherContexts:
-        """The record a :meth:`teacher_contexts` override written for an earlier release returned as a tuple
-        stands for (SDPO's ``(texts, has_demo, kept)``, converted by SDPO's override; warned once).
-
-        Raises:
-            TypeError: this method had no tuple form (the base: none), or ``value`` is not one.
-        """
-        raise TypeError(f"{type(self).__name__}.teacher_contexts must return a TeacherContexts record, got "
-                        f"{type(value).__name__}")
 
     def row_fraction(self, rows: Tensor | int, batch: RolloutBatch) -> float:
         """``rows`` (a count, or a (B,) bool) over all ranks / the batch's rows over all ranks."""

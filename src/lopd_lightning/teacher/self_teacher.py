@@ -17,9 +17,7 @@ import torch
 from peft import PeftModel
 from torch import Tensor
 
-from lopd_lightning.deprecation import warn_once
 from lopd_lightning.lm import selected_hidden_states, selected_logits
-from lopd_lightning.losses import shifted_token_logps
 from lopd_lightning.teacher.prefix_cache import TeacherPrefix, after_prefix, check_prefix_read, prefix_from_model
 from lopd_lightning.teacher.splice import (
     DEFAULT_FRAMING_PREFIX,
@@ -335,28 +333,3 @@ class SelfTeacher(TeacherWeights):
             raise ValueError(f"prefix length must be in [1, {input_ids.shape[1]}], got {length}")
         with self.teacher_scope() as model:
             return prefix_from_model(model, input_ids, attention_mask, length)
-
-    def teacher_logps(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        context_position: Tensor | Sequence[int],
-        *,
-        context_ids: ContextIds | None = None,
-        latents: Tensor | None = None,
-        latent_mask: Tensor | None = None,
-        temperature: float = 1.0,
-    ) -> Tensor:
-        """Deprecated: ``shifted_token_logps(self.logits_on_student_positions(...), input_ids)``.
-
-        log pi_T(input_ids[:, t+1] | s_<=t, context): (B, T-1) float32 (:func:`lopd_lightning.losses.shifted_token_logps`).
-        """
-        warn_once(
-            "SelfTeacher.teacher_logps",
-            "SelfTeacher.teacher_logps is deprecated and will be removed; use lopd_lightning.losses.shifted_token_logps("
-            "teacher.logits_on_student_positions(...), input_ids)",
-        )
-        logits = self.logits_on_student_positions(
-            input_ids, attention_mask, context_position, context_ids=context_ids, latents=latents, latent_mask=latent_mask
-        )
-        return shifted_token_logps(logits, input_ids, temperature=temperature)
