@@ -203,3 +203,16 @@ def test_an_lopd_only_callback_refuses_a_fit_of_another_method(callback, does, t
     name = type(callback).__name__
     assert str(raised.value) == (f"trainer.callbacks: {name} ({does}) works only with LOPDModule, and GRPOModule is "
                                  f"not one; drop it from trainer.callbacks")
+
+
+def test_memory_refresh_refuses_a_module_whose_bank_is_none(tmp_path):
+    """OPSDModule has a `bank` attribute, None unless privileged_context is "retrieved": the setup check passed
+    and the first step ended in TypeError (object of type 'NoneType' has no len())."""
+    from lopd_lightning.modules import OPSDModule
+
+    module = OPSDModule("tiny", lora=LORA, group_size=2, max_new_tokens=8)
+    assert module.bank is None
+    with pytest.raises(ValueError, match=r"^trainer.callbacks: MemoryRefresh \(it adds successful rollouts to "
+                                         r"LOPDModule's experience bank\) works only with LOPDModule, and OPSDModule"):
+        fit(tmp_path, module, OnPolicyDataModule("toy", examples_per_step=1), [MemoryRefresh(every_n_steps=1)],
+            max_steps=1)

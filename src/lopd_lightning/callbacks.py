@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class LOPDOnlyCallback(Callback):
     """A callback that acts on what only :class:`~lopd_lightning.modules.LOPDModule` (and its subclasses) has.
 
-    Its ``setup`` for a fit refuses a module without the attribute ``NEEDS``.
+    Its ``setup`` for a fit refuses a module without the attribute ``NEEDS`` (or with it set to None).
 
     Raises:
         ValueError: (``setup``, stage "fit") the module has no ``NEEDS`` attribute; the message names the
@@ -37,7 +37,8 @@ class LOPDOnlyCallback(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self.NEEDS and not hasattr(pl_module, self.NEEDS):
+        # None counts as missing: OPSDModule has a `bank` attribute, None unless privileged_context is "retrieved"
+        if stage == "fit" and self.NEEDS and getattr(pl_module, self.NEEDS, None) is None:
             raise ValueError(lopd_only_refusal([type(self)], type(pl_module).__name__))
 
 
