@@ -371,3 +371,38 @@ def test_vllm_samples_a_bfloat16_lora_students_small_update(peaked, bfloat16_lor
     sampled = torch.tensor(completion.logps)
     effect = logps(student) - logps(base)
     assert float((sampled - logps(student)).norm() / effect.norm()) < 0.1
+
+
+# ------------------------------------------------------------- a second EOS id of the generation config
+@pytest.fixture(scope="module")
+def second_eos(peaked):
+    """The peaked model with a second EOS id, the token its greedy multi-turn toy replies use most, and its engine
+    (built after the id is set: vLLM reads the stop ids from the generation config it is given)."""
+    pytest.importorskip("vllm")
+    import collections
+
+    model, tokenizer = peaked
+    model = copy.deepcopy(model)
+    task = ToyTask(multi_turn=True)
+    plain = rollouts(model, tokenizer, HFGenerateBackend(model, tokenizer), task, greedy=True, max_new_tokens=12)
+    counts = collections.Counter(plain.input_ids[plain.assistant_mask].tolist())
+    second = next(t for t, _ in counts.most_common() if t not in (0, 1))
+    model.generation_config.eos_token_id = [1, second]
+    return model, make_backend("vllm", model, tokenizer, options={"max_model_len": 1024, "kv_cache_gib": 1})
+
+
+@needs_vllm
+def test_vllm_stops_on_a_second_eos_id_and_the_loop_writes_the_template_token_as_hf(peaked, second_eos):
+    """Engine level (make test-vllm): vLLM stops on the generation config's second EOS id as the HF backend does,
+    and the episode loop puts the template's EOS in its place (mask 0): the same ids, masks and messages."""
+    _, tokenizer = peaked
+    model, engine = second_eos
+    task = ToyTask(multi_turn=True)
+    hf = rollouts(model, tokenizer, HFGenerateBackend(model, tokenizer), task, greedy=True, max_new_tokens=12)
+    vl = rollouts(model, tokenizer, engine, task, greedy=True, max_new_tokens=12)
+    assert hf.stats.secondary_eos == vl.stats.secondary_eos > 0
+    assert torch.equal(hf.input_ids, vl.input_ids)
+    assert torch.equal(hf.assistant_mask, vl.assistant_mask)
+    assert torch.equal(hf.rewards, vl.rewards)
+    assert hf.messages == vl.messages
+    assert [m["stop_reasons"] for m in hf.metadata] == [m["stop_reasons"] for m in vl.metadata]
