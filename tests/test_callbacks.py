@@ -205,13 +205,16 @@ def test_an_lopd_only_callback_refuses_a_fit_of_another_method(callback, does, t
                                  f"not one; drop it from trainer.callbacks")
 
 
-def test_memory_refresh_refuses_a_module_whose_bank_is_none(tmp_path):
-    """OPSDModule has a `bank` attribute, None unless privileged_context is "retrieved": the setup check passed
-    and the first step ended in TypeError (object of type 'NoneType' has no len())."""
+@pytest.mark.parametrize("context", ["reference", "retrieved"])
+def test_memory_refresh_refuses_opsd_with_or_without_a_bank(tmp_path, context):
+    """OPSDModule has a `bank` attribute (None unless privileged_context is "retrieved", then a fixed bank): the
+    old check looked for the attribute, so the first step ended in TypeError (object of type 'NoneType' has no
+    len()), or a Python fit accepted what `lopd fit` refuses."""
     from lopd_lightning.modules import OPSDModule
 
-    module = OPSDModule("tiny", lora=LORA, group_size=2, max_new_tokens=8)
-    assert module.bank is None
+    bank = {"bank_path": str(TINY_BANK), "embedder": "hashing"} if context == "retrieved" else {}
+    module = OPSDModule("tiny", lora=LORA, group_size=2, max_new_tokens=8, privileged_context=context, **bank)
+    assert (module.bank is None) == (context == "reference")
     with pytest.raises(ValueError, match=r"^trainer.callbacks: MemoryRefresh \(it adds successful rollouts to "
                                          r"LOPDModule's experience bank\) works only with LOPDModule, and OPSDModule"):
         fit(tmp_path, module, OnPolicyDataModule("toy", examples_per_step=1), [MemoryRefresh(every_n_steps=1)],

@@ -24,21 +24,23 @@ log = logging.getLogger(__name__)
 class LOPDOnlyCallback(Callback):
     """A callback that acts on what only :class:`~lopd_lightning.modules.LOPDModule` (and its subclasses) has.
 
-    Its ``setup`` for a fit refuses a module without the attribute ``NEEDS`` (or with it set to None).
+    Its ``setup`` for a fit refuses a module that is not an LOPDModule (as ``lopd fit`` does before the weights
+    load), also one that has an attribute of the same name (OPSD's ``bank`` with ``privileged_context:
+    retrieved`` is a fixed bank, not LOPD's).
 
     Raises:
-        ValueError: (``setup``, stage "fit") the module has no ``NEEDS`` attribute; the message names the
-            callback and says to drop it from ``trainer.callbacks`` (:func:`lopd_only_refusal`).
+        ValueError: (``setup``, stage "fit") the module is not an LOPDModule; the message names the callback
+            and says to drop it from ``trainer.callbacks`` (:func:`lopd_only_refusal`).
     """
 
-    #: the module attribute it acts on, and what it does with it (for the refusal)
-    NEEDS: ClassVar[str] = ""
+    #: what it does (for the refusal)
     DOES: ClassVar[str] = ""
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # None counts as missing: OPSDModule has a `bank` attribute, None unless privileged_context is "retrieved"
-        if stage == "fit" and self.NEEDS and getattr(pl_module, self.NEEDS, None) is None:
+        from lopd_lightning.modules.lopd import LOPDModule  # the modules import this file's neighbours
+
+        if stage == "fit" and not isinstance(pl_module, LOPDModule):
             raise ValueError(lopd_only_refusal([type(self)], type(pl_module).__name__))
 
 
@@ -70,7 +72,6 @@ class MemoryRefresh(LOPDOnlyCallback):
         ValueError: ``every_n_steps`` < 0; (``setup``) a fit of a module without an experience bank.
     """
 
-    NEEDS = "bank"
     DOES = "it adds successful rollouts to LOPDModule's experience bank"
 
     def __init__(self, every_n_steps: int = 10, min_reward: float = 1.0):
@@ -160,7 +161,6 @@ class MarginSchedule(LOPDOnlyCallback):
             without a privileged margin.
     """
 
-    NEEDS = "margin"
     DOES = "it sets LOPDModule's privileged margin"
 
     def __init__(
