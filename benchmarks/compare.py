@@ -84,8 +84,6 @@ from compare_sweep import (  # noqa: E402
     sweep_document,
 )
 
-from lopd_lightning.deprecation import rename_keys  # noqa: E402
-
 METHODS = ("lopd", "grpo", "sdpo", "opsd", "skill_sd")
 #: every method with a config, in the order compare.json lists them.
 ALL_METHODS = ("lopd", "grpo", "sdpo", "lopd_m0", "opsd", "skill_sd", "lopd_balanced", "lopd_m0_balanced")
@@ -165,7 +163,7 @@ def method_config(config_dir: Path, method: str) -> dict[str, Any]:
 def trajectories_per_step(config: dict[str, Any]) -> int:
     """Trajectories one training step generates: examples per step x the group size."""
     data = config.get("data", {}).get("init_args", {})
-    model = rename_keys(config.get("model", {}).get("init_args", {}), where="model.init_args")  # old configs too
+    model = config.get("model", {}).get("init_args", {})
     missing = [name for name, part in (("data.init_args.examples_per_step", data), ("model.init_args.group_size", model))
                if name.rsplit(".", 1)[1] not in part]
     if missing:  # the budget is counted in trajectories: both factors must be explicit, not class defaults

@@ -74,34 +74,6 @@ def alive(*, pgid: int, uid: int | None) -> list[int]:
     return found
 
 
-def assert_renamed_keyword(make, old: str, new: str, value, *, owner: str) -> None:
-    """A constructor's renamed keyword: ``make(**{old: value})`` works (``hparams[new] == value``) and warns
-    one FutureWarning naming the new spelling, however often it is used; both spellings with different
-    values raise ValueError (with the same value they agree: what ``load_from_checkpoint`` of a subclass
-    that passes the old name to ``super().__init__`` gives).
-
-    Args:
-        make: ``make(**kwargs)`` builds the module.
-        owner: the class whose constructor renames it (the warning's ``<owner>.<old>``).
-    """
-    import warnings
-
-    import pytest
-
-    from lopd_lightning import deprecation
-
-    deprecation._warned.discard(f"{owner}.{old}")  # warn_once is per process: start this check afresh
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        modules = [make(**{old: value}) for _ in range(2)]
-    assert all(m.hparams[new] == value and old not in m.hparams for m in modules)
-    renamed = [w for w in caught if issubclass(w.category, FutureWarning) and f"{owner}.{old}" in str(w.message)]
-    assert len(renamed) == 1 and f"use {owner}.{new}" in str(renamed[0].message)
-    with pytest.raises(ValueError, match=f"{old} and .*{new} are the same setting"):
-        make(**{old: value, new: value + 1})  # value + 1: never the default in these tests
-    assert make(**{old: value, new: value}).hparams[new] == value
-
-
 def run_main(args: list[str], capsys) -> tuple[int, str]:
     """``lopd <args>`` in process: (exit status, stderr)."""
     from lopd_lightning.cli import main

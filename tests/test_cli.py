@@ -9,13 +9,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lopd_lightning import deprecation
 from lopd_lightning.cli import _lightning_cli, main
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
@@ -182,13 +180,10 @@ def test_a_module_check_without_the_key_in_its_message_gets_the_key_named(capsys
     assert_one_line_error(err, "model.init_args.ppo_epochs must be >= 1, got 0")
 
 
-def test_the_base_checks_name_their_keys(tmp_path, capsys, no_model_loading):
-    # rollouts_per_example is group_size's former name: the check names the key as it is now spelled
-    for config, flag in ((old_tiny_config(tmp_path), "--model.init_args.rollouts_per_example=0"),
-                         (TINY_YAML, "--model.init_args.group_size=0")):
-        code, err = run_main(["fit", "-c", str(config), flag], capsys)
-        assert code == 1
-        assert_one_line_error(err, "model.init_args.group_size must be >= 1, got 0")
+def test_the_base_checks_name_their_keys(capsys, no_model_loading):
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.group_size=0"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "model.init_args.group_size must be >= 1, got 0")
     code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.lora={r: 4, lora_alfa: 8}"], capsys)
     assert code == 1
     assert_one_line_error(err, "model.init_args.lora.lora_alfa is not a LoraConfig field; did you mean 'lora_alpha'?")
@@ -474,194 +469,67 @@ def test_tasks_verify_takes_a_task_class_path(capsys):
     assert_one_line_error(err, "module 'lopd_lightning.tasks.toy' has no 'NoSuchTask' (task 'lopd_lightning.tasks.toy.NoSuchTask')")
 
 
-# ---------------------------------------------------------------------- renamed keys (issue 15)
-#: new key -> the spelling configs/tiny.yaml had before the rename
-TINY_OLD_SPELLINGS = {"group_size": "rollouts_per_example", "distill_top_k": "top_m"}
-#: the fit of one step that the tests of old spellings run (no logger, checkpoint or validation)
-ONE_STEP = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
-            "--trainer.limit_val_batches=0"]
+# ---------------------------------------------------------------------- a key under another name
+SDPO_YAML = ROOT / "configs" / "compare_tiny" / "sdpo.yaml"
 
 
-@pytest.fixture
-def fresh_deprecation_warnings(monkeypatch):
-    """Each old spelling warns once per process: start the test as a fresh process would."""
-    monkeypatch.setattr(deprecation, "_warned", set())
-
-
-def old_tiny_text() -> str:
-    """configs/tiny.yaml as an earlier release wrote it (rollouts_per_example, top_m)."""
-    text = TINY_YAML.read_text()
-    for new, old in TINY_OLD_SPELLINGS.items():
-        assert f"    {new}: " in text
-        text = text.replace(f"    {new}: ", f"    {old}: ")
-    return text.replace("bank_path: configs/tiny_bank", f"bank_path: {TINY_BANK}")  # run from other folders
-
-
-def old_tiny_config(folder: Path) -> Path:
-    path = folder / "old.yaml"
-    path.write_text(old_tiny_text())
-    return path
-
-
-def renamed_warnings(caught, owner: str, old: str, new: str) -> list:
-    """The FutureWarnings of ``owner``'s deprecated argument ``old``: exactly the message naming the new one."""
-    expected = (f"{owner}.{old} is deprecated and will be removed; use {owner}.{new} "
-                f"(config key model.init_args.{new})")
-    return [w for w in caught if issubclass(w.category, FutureWarning) and str(w.message) == expected]
-
-
-def fit_recording_warnings(args: list[str]):
-    """``lopd fit <args> <ONE_STEP>`` in process: (the LightningCLI, the warnings it raised)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cli = _lightning_cli(["fit", *args, *ONE_STEP])
-    assert cli.trainer.global_step == 1
-    return cli, caught
-
-
-def assert_old_tiny_spellings_fit(cli, caught) -> None:
-    """The run of an old tiny config: the values under the new names only, one warning per old name, at
-    the line that called the CLI (this file: the first caller outside lopd_lightning, Lightning and
-    jsonargparse)."""
-    assert cli.model.hparams.group_size == 2 and cli.model.hparams.distill_top_k == 8
-    assert not {"rollouts_per_example", "top_m"} & set(cli.model.hparams)
-    for new, old in TINY_OLD_SPELLINGS.items():
-        (warning,) = renamed_warnings(caught, "LOPDModule", old, new)
-        assert warning.filename == __file__
-
-
-def test_an_old_config_file_trains_with_one_warning_per_renamed_key(tmp_path, monkeypatch, fresh_deprecation_warnings):
-    old = old_tiny_config(tmp_path)
-    before = old.read_text()
-    monkeypatch.chdir(tmp_path)
-    cli, caught = fit_recording_warnings(["-c", str(old)])
-    assert_old_tiny_spellings_fit(cli, caught)
-    assert old.read_text() == before  # the user's file is read, never rewritten
-    assert [p.name for p in tmp_path.iterdir()] == ["old.yaml"]  # and no copy is written
-
-
-@pytest.mark.parametrize("form", ["model_key_names_the_file", "model_flag_names_the_file"])
-def test_old_keys_in_an_included_file_with_a_relative_path_fit_and_warn(form, tmp_path, monkeypatch,
-                                                                       fresh_deprecation_warnings):
-    """configs/ holds an old config whose model section is another file: ``model: model.yaml`` (relative to
-    the config, run from another folder) or ``--model configs/model.yaml``. The old keys are read in the
-    included file as anywhere else, and the relative include still resolves (nothing is copied)."""
-    folder = tmp_path / "configs"
-    folder.mkdir()
-    head, rest = old_tiny_text().split("model:\n", 1)
-    model_text, data = rest.split("data:\n", 1)
-    (folder / "model.yaml").write_text(textwrap.dedent(model_text))
-    assert "rollouts_per_example: 2" in (folder / "model.yaml").read_text()
-    if form == "model_key_names_the_file":
-        (folder / "old.yaml").write_text(f"{head}model: model.yaml\ndata:\n{data}")
-        args = ["-c", "configs/old.yaml"]
-    else:
-        (folder / "old.yaml").write_text(f"{head}data:\n{data}")
-        args = ["-c", "configs/old.yaml", "--model", "configs/model.yaml"]
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    args = [str(Path("..") / a) if a.startswith("configs/") else a for a in args]
-    cli, caught = fit_recording_warnings(args)
-    assert_old_tiny_spellings_fit(cli, caught)
+def unknown_key(owner: str, key: str, suggested: str | None) -> str:
+    name = key.rpartition(".")[2]
+    hint = f"; did you mean model.init_args.{suggested}?" if suggested else ""
+    return f"unknown key model.init_args.{name} ({owner} has no argument {name!r}){hint}"
 
 
 @pytest.mark.parametrize(
-    "configs, flags, owner, expected",
-    [
-        (["old"], ["--model.init_args.rollouts_per_example=4", "--model.top_m=5"], "LOPDModule",
-         {"group_size": 4, "distill_top_k": 5}),
-        # sdpo.yaml sets group_size to SDPO's default, 4: a default value does not clash with the old name
-        (["common.yaml", "sdpo.yaml"], ["--model.init_args.jsd_alpha=0.25", "--model.init_args.rollouts_per_example=2"],
-         "SDPOModule", {"jsd_beta": 0.25, "group_size": 2, "distill_top_k": 8}),
-    ],
-    ids=["lopd", "sdpo"],
+    "new, old",
+    [("group_size", "rollouts_per_example"), ("distill_top_k", "top_m")],
 )
-def test_old_command_line_flags_fit_with_one_warning(configs, flags, owner, expected, tmp_path,
-                                                     fresh_deprecation_warnings):
-    paths = [str(old_tiny_config(tmp_path)) if c == "old" else str(ROOT / "configs" / "compare_tiny" / c) for c in configs]
-    cli, caught = fit_recording_warnings([a for p in paths for a in ("-c", p)] + flags)
-    assert {k: cli.model.hparams[k] for k in expected} == expected
-    assert not set(deprecation.renamed_arguments(type(cli.model))) & set(cli.model.hparams)
-    for flag in flags:
-        old = flag.split("=")[0].rpartition(".")[2]
-        new = deprecation.RENAMED_KEYS[old]
-        assert len(renamed_warnings(caught, owner, old, new)) == 1
-
-
-def test_an_old_key_and_its_new_spelling_together_are_one_line(tmp_path, capsys, no_model_loading,
-                                                              fresh_deprecation_warnings):
-    both_keys = ("LOPDModule.rollouts_per_example and LOPDModule.group_size are the same setting (config keys "
-                 "model.init_args.rollouts_per_example and model.init_args.group_size), given 4 and 2; keep only "
-                 "group_size")
-    code, err = run_main(["fit", "-c", str(old_tiny_config(tmp_path)), "--model.init_args.rollouts_per_example=4",
-                          "--model.init_args.group_size=2"], capsys)
-    assert code == 1
-    assert_one_line_error(err, both_keys)
-    both = tmp_path / "both.yaml"
-    both.write_text(TINY_YAML.read_text().replace("    group_size: 2\n", "    group_size: 2\n    rollouts_per_example: 4\n"))
-    code, err = run_main(["fit", "-c", str(both)], capsys)
-    assert code == 1
-    assert_one_line_error(err, both_keys)
-    # across sources too: tiny.yaml sets group_size, the command line its old name
-    code, err = run_main(["fit", "-c", str(TINY_YAML), "--model.init_args.rollouts_per_example=4"], capsys)
-    assert code == 1
-    assert_one_line_error(err, both_keys)
+@pytest.mark.parametrize("form", ["config_file", "included_file", "flag"])
+def test_a_key_under_its_old_name_is_one_line_suggesting_its_name(new, old, form, tmp_path, monkeypatch, capsys,
+                                                                  no_model_loading):
+    """configs/tiny.yaml with a key under the name it had before the release (a config file, the model
+    file it includes with a relative path from another folder, or a flag): jsonargparse's unknown key,
+    one line that names it and suggests the argument's name."""
+    text = TINY_YAML.read_text().replace("bank_path: configs/tiny_bank", f"bank_path: {TINY_BANK}")
+    assert f"    {new}: " in text
+    old_text = text.replace(f"    {new}: ", f"    {old}: ")
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    if form == "config_file":
+        (folder / "old.yaml").write_text(old_text)
+        args = ["-c", str(folder / "old.yaml")]
+    elif form == "included_file":
+        head, rest = old_text.split("model:\n", 1)
+        model_text, data = rest.split("data:\n", 1)
+        (folder / "model.yaml").write_text(textwrap.dedent(model_text))
+        (folder / "old.yaml").write_text(f"{head}model: model.yaml\ndata:\n{data}")
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        args = ["-c", "../configs/old.yaml"]
+    else:
+        args = ["-c", str(TINY_YAML), f"--model.init_args.{old}=2"]
+    code, err = run_main(["fit", *args], capsys)
+    assert code == 2
+    assert_one_line_error(err, unknown_key("LOPDModule", old, new))
 
 
 @pytest.mark.parametrize(
     "config, flag, expected",
     [
-        (TINY_YAML, "--model.init_args.group_sise=3",
-         "unknown key model.init_args.group_sise (LOPDModule has no argument 'group_sise'); "
-         "did you mean model.init_args.group_size?"),
-        (TINY_YAML, "--model.init_args.rollouts_per_exampel=3",
-         "unknown key model.init_args.rollouts_per_exampel (LOPDModule has no argument 'rollouts_per_exampel'); "
-         "did you mean model.init_args.group_size?"),
-        (ROOT / "configs" / "compare_tiny" / "sdpo.yaml", "--model.init_args.top_k_distil=3",
-         "unknown key model.init_args.top_k_distil (SDPOModule has no argument 'top_k_distil'); "
-         "did you mean model.init_args.distill_top_k?"),
-        # jsd_alpha is SDPO's old name, not LOPD's: a plain unknown key, no did-you-mean
-        (TINY_YAML, "--model.init_args.jsd_alpha=0.3",
-         "unknown key model.init_args.jsd_alpha (LOPDModule has no argument 'jsd_alpha')"),
+        (TINY_YAML, "--model.init_args.group_sise=3", unknown_key("LOPDModule", "group_sise", "group_size")),
+        (SDPO_YAML, "--model.init_args.rollouts_per_example=3", unknown_key("SDPOModule", "rollouts_per_example", "group_size")),
+        (SDPO_YAML, "--model.init_args.top_k_distill=3", unknown_key("SDPOModule", "top_k_distill", "distill_top_k")),
+        (SDPO_YAML, "--model.init_args.jsd_alpha=0.3", unknown_key("SDPOModule", "jsd_alpha", "jsd_beta")),
+        # LOPD has no JSD: no did-you-mean
+        (TINY_YAML, "--model.init_args.jsd_alpha=0.3", unknown_key("LOPDModule", "jsd_alpha", None)),
     ],
-    ids=["new_name", "old_name", "sdpo_old_name", "another_methods_old_name"],
+    ids=["misspelt", "documented_meaning", "words_reordered", "documented_other_name", "nothing_close"],
 )
-def test_a_misspelt_key_still_gets_did_you_mean_with_the_new_name(config, flag, expected, capsys, no_model_loading,
-                                                                 fresh_deprecation_warnings):
+def test_an_unknown_key_suggests_the_closest_argument(config, flag, expected, capsys, no_model_loading):
+    """The closest argument: by its spelling, the same words in another order, or every word of the unknown
+    name in the argument's name and documentation (group_size: rollouts per example; jsd_beta: SDPO's alpha)."""
     code, err = run_main(["fit", "-c", str(config), flag], capsys)
     assert code == 2
     assert_one_line_error(err, expected)
-
-
-@pytest.mark.parametrize(
-    "method, renames",
-    [("LOPDModule", {"top_m": "distill_top_k", "rollouts_per_example": "group_size"}),
-     ("SDPOModule", {"rollouts_per_example": "group_size", "top_k_distill": "distill_top_k", "jsd_alpha": "jsd_beta"})],
-)
-def test_help_marks_the_old_names_as_deprecated(method, renames, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        _lightning_cli(["fit", "--model.help", method])
-    assert exit_info.value.code in (0, None)
-    text = " ".join(capsys.readouterr().out.split())
-    for old, new in renames.items():
-        flag = f"--model.{old} {old.upper()} deprecated spelling of ``{new}`` "
-        assert flag in text, text
-
-
-def test_print_config_shows_the_keys_as_given_and_writes_nothing(tmp_path, capsys, no_model_loading,
-                                                                fresh_deprecation_warnings):
-    """Nothing renames a config before it is read: --print_config (which builds nothing) shows an old key as
-    it was given, in each form of config (a file under its subcommand, --config=FILE, a YAML string)."""
-    nested = tmp_path / "nested.yaml"
-    nested.write_text("fit:\n  model:\n    init_args:\n      rollouts_per_example: 3  # kept comment\n")
-    before = nested.read_text()
-    with pytest.raises(SystemExit):
-        _lightning_cli([f"--config={nested}", "fit", "-c", str(TINY_YAML), "-c", "{model: {init_args: {top_m: 5}}}",
-                        "--print_config"])
-    printed = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
-    assert (printed["rollouts_per_example"], printed["top_m"]) == (3, 5)
-    assert (printed["group_size"], printed["distill_top_k"]) == (2, 8)  # tiny.yaml's: building it would fail
-    assert nested.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["nested.yaml"]
 
 
 def test_python_dash_m_runs_the_cli_package(tmp_path):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from lopd_lightning import deprecation
 from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,11 +69,6 @@ def test_trajectories_per_step_must_be_explicit(compare):
         compare.trajectories_per_step({"data": {"init_args": {"examples_per_step": 2}}, "model": {"init_args": {}}})
     assert compare.trajectories_per_step(
         {"data": {"init_args": {"examples_per_step": 2}}, "model": {"init_args": {"group_size": 4}}}) == 8
-    # a config of an earlier release (the group size's former name) still counts, with a warning
-    deprecation._warned.discard("model.init_args.rollouts_per_example")
-    with pytest.warns(FutureWarning, match="model.init_args.rollouts_per_example is deprecated"):
-        assert compare.trajectories_per_step(
-            {"data": {"init_args": {"examples_per_step": 2}}, "model": {"init_args": {"rollouts_per_example": 4}}}) == 8
 
 
 def test_unknown_method_is_named(compare, tmp_path):

@@ -1,14 +1,12 @@
 """The documented extension example (examples/custom_task.py): a new Task and an LOPDModule subclass
 that overrides the public hooks, trained for two steps; each hook is called and has its effect. And
-subclasses written for the previous release (the renamed constructor arguments, an ABC mixin)."""
+subclasses of a method module: an argument of their own, an ABC mixin."""
 
 from __future__ import annotations
 
 import abc
 import importlib.util
-import inspect
 import sys
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -16,19 +14,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lopd_lightning import deprecation
 from lopd_lightning.callbacks import MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.modules import (
-    GRPOModule,
-    LOPDModule,
-    OnPolicyModule,
-    OPSDModule,
-    SDPOModule,
-    SelfDistillationModule,
-    SFTModule,
-    SkillSDModule,
-)
+from lopd_lightning.modules import GRPOModule, LOPDModule
 from lopd_lightning.tasks.verify import verify_task
 from helpers import ParityToy, quiet_trainer
 
@@ -184,22 +172,15 @@ def test_module_hooked_task_routes_messages_and_rewards_through_the_hooks(custom
         broken.reward()
 
 
-# ------------------------------------------------------------------ subclasses written for the previous release
+# ------------------------------------------------------------------ subclasses of a method module
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 class BonusGRPO(GRPOModule):
-    """(i) the previous release's pattern: an argument of its own, the group size fixed under its old name."""
+    """(i) an argument of its own, and a default group size of its own."""
 
-    def __init__(self, bonus: float = 0.1, **kwargs):
-        super().__init__(rollouts_per_example=2, **kwargs)
-
-
-class OwnOldNameGRPO(GRPOModule):
-    """(ii) a parameter of its own named rollouts_per_example, passed on to ``super().__init__``."""
-
-    def __init__(self, model: str = "tiny", *, rollouts_per_example: int = 3, **kwargs):
-        super().__init__(model, rollouts_per_example=rollouts_per_example, **kwargs)
+    def __init__(self, bonus: float = 0.1, group_size: int = 2, **kwargs):
+        super().__init__(group_size=group_size, **kwargs)
 
 
 class Scorer(abc.ABC):
@@ -210,39 +191,10 @@ class Scorer(abc.ABC):
 
 
 class ScoredGRPO(GRPOModule, Scorer):
-    """(iii) a method module with an abc.ABC mixin."""
+    """(ii) a method module with an abc.ABC mixin."""
 
     def bonus_for(self, reward: float) -> float:
         return 0.5 * reward
-
-
-def renamed_warnings(caught) -> list:
-    return [w for w in caught if issubclass(w.category, FutureWarning) and "rollouts_per_example is deprecated" in str(w.message)]
-
-
-def test_a_subclass_giving_the_old_name_to_super_builds_with_one_warning(monkeypatch):
-    monkeypatch.setattr(deprecation, "_warned", set())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        modules = [BonusGRPO(lora=LORA, max_new_tokens=4) for _ in range(2)]
-    (warning,) = renamed_warnings(caught)
-    assert str(warning.message).startswith("BonusGRPO.rollouts_per_example is deprecated and will be removed; use "
-                                           "BonusGRPO.group_size")
-    assert warning.filename == __file__  # the subclass's super().__init__ line: the user's code
-    for module in modules:
-        assert module.hparams.bonus == 0.1 and module.hparams.group_size == 2
-        assert "rollouts_per_example" not in module.hparams
-
-
-def test_a_subclass_with_its_own_old_named_parameter_builds_and_keeps_it(monkeypatch):
-    monkeypatch.setattr(deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match="OwnOldNameGRPO.rollouts_per_example is deprecated"):
-        module = OwnOldNameGRPO(lora=LORA, max_new_tokens=4, rollouts_per_example=5)
-    # group_size is what the shipped code reads; the subclass's own parameter stays, so its checkpoint reloads
-    assert module.hparams.group_size == 5 and module.hparams.rollouts_per_example == 5
-    assert OwnOldNameGRPO(lora=LORA, max_new_tokens=4).hparams.group_size == 3
-    with pytest.raises(ValueError, match=r"given 5 and 6; keep only group_size"):
-        OwnOldNameGRPO(lora=LORA, rollouts_per_example=5, group_size=6)
 
 
 def test_a_method_module_with_an_abc_mixin_builds():
@@ -257,72 +209,16 @@ def test_a_method_module_with_an_abc_mixin_builds():
         Unfinished(lora=LORA)
 
 
-@pytest.mark.parametrize("cls", [BonusGRPO, OwnOldNameGRPO])
-def test_the_checkpoint_of_a_subclass_written_for_the_previous_release_loads(cls, tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        module = cls(lora=LORA, max_new_tokens=4, **({"rollouts_per_example": 2} if cls is OwnOldNameGRPO else {}))
+def test_a_subclass_with_an_argument_of_its_own_builds_and_its_checkpoint_loads(tmp_path):
+    module = BonusGRPO(lora=LORA, max_new_tokens=4)
+    assert module.hparams.bonus == 0.1 and module.hparams.group_size == 2
     dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
     trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
     trainer.fit(module, dm)
     path = next((tmp_path / "ck").glob("*.ckpt"))
     assert torch.load(path, weights_only=False)["hyper_parameters"]["group_size"] == 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        loaded = cls.load_from_checkpoint(path)
+    loaded = BonusGRPO.load_from_checkpoint(path)
     assert dict(loaded.hparams) == dict(module.hparams)
     for key, value in module.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
-
-
-SHIPPED = [OnPolicyModule, GRPOModule, SkillSDModule, SFTModule, SelfDistillationModule, SDPOModule, OPSDModule,
-           LOPDModule]
-OLD_VALUES = {"rollouts_per_example": 2, "top_m": 7, "top_k_distill": 7, "jsd_alpha": 0.3}
-
-
-def test_every_old_name_is_a_deprecated_parameter_folded_by_its_own_class_with_its_default(monkeypatch):
-    """Each shipped class declares exactly the old names of its own signature (``RENAMED_ARGUMENTS``), as
-    keyword-only parameters with default None documented as deprecated; built with every old name it
-    accepts, each is folded once, by the nearest class declaring it, against that class's default."""
-    import lopd_lightning.modules.base as base
-    import lopd_lightning.modules.grpo as grpo
-    import lopd_lightning.modules.lopd as lopd
-    import lopd_lightning.modules.opsd as opsd
-    import lopd_lightning.modules.sdpo as sdpo
-    import lopd_lightning.modules.self_distillation as self_distillation
-
-    class Stop(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Stop
-
-    folds = []
-
-    def recording(owner, old, old_value, new, new_value, default):
-        if old_value is not None:
-            folds.append((sys._getframe(1).f_locals["__class__"], old, new, default))
-        return deprecation.fold_renamed(owner, old, old_value, new, new_value, default)
-
-    monkeypatch.setattr(base, "load_student", stop)  # every fold runs before the student loads
-    for module in (base, grpo, lopd, opsd, sdpo, self_distillation):
-        monkeypatch.setattr(module, "fold_renamed", recording)
-    for cls in SHIPPED:
-        own = vars(cls).get("RENAMED_ARGUMENTS", {})
-        params = inspect.signature(cls.__init__).parameters
-        assert {p for p in params if p in deprecation.RENAMED_KEYS} == set(own), cls
-        for old, new in own.items():
-            assert deprecation.RENAMED_KEYS[old] == new and new in params
-            assert params[old].kind is inspect.Parameter.KEYWORD_ONLY and params[old].default is None
-            assert f"{old}: deprecated spelling of ``{new}``" in cls.__doc__, cls
-        accepted = deprecation.renamed_arguments(cls)
-        folds.clear()
-        with warnings.catch_warnings(), pytest.raises(Stop):
-            warnings.simplefilter("ignore", FutureWarning)
-            cls("tiny", **{old: OLD_VALUES[old] for old in accepted})
-        nearest = {old: next(k for k in cls.__mro__ if old in vars(k).get("RENAMED_ARGUMENTS", {})) for old in accepted}
-        assert sorted((k.__name__, old) for k, old, _, _ in folds) == sorted((k.__name__, old) for old, k in nearest.items())
-        for k, old, new, default in folds:
-            assert default == inspect.signature(k.__init__).parameters[new].default, (k, old)
-

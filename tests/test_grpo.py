@@ -16,7 +16,7 @@ from lopd_lightning.advantages import group_advantages
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs, grpo_loss, k3_kl
 from lopd_lightning.rollout import batch_from_conversations
-from helpers import ParityToy, assert_renamed_keyword, quiet_trainer
+from helpers import ParityToy, quiet_trainer
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -188,13 +188,6 @@ def test_group_of_one_fails_before_loading_the_model(no_model_loading):
 def test_bad_options_fail_before_loading_the_model(no_model_loading, overrides, message):
     with pytest.raises(ValueError, match=message):
         GRPOModule("tiny", **overrides)
-
-
-def test_rollouts_per_example_is_the_deprecated_spelling_of_group_size():
-    def make(**kwargs):
-        return GRPOModule("tiny", lora=LORA, max_new_tokens=6, **kwargs)
-
-    assert_renamed_keyword(make, "rollouts_per_example", "group_size", 2, owner="GRPOModule")
 
 
 # ------------------------------------------------------------------------------- step inputs

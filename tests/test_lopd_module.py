@@ -640,29 +640,6 @@ def test_module_beta_is_the_controllers_value_and_an_old_method_state_resumes():
     assert fresh.dual.update(0.3, fresh.margin) == 1.25  # m - Delta = 0: beta unchanged, the rule still applies
 
 
-# ---------------------------------------------------------------------------- renamed spellings
-def test_the_old_argument_names_still_work_and_warn_once(monkeypatch):
-    import warnings
-
-    from lopd_lightning import deprecation
-
-    monkeypatch.setattr(deprecation, "_warned", set())
-    options = dict(lora=LORA, num_latents=2, num_experiences=1, composer_depth=1, max_experience_tokens=16,
-                   embedder="hashing")
-    with pytest.warns(FutureWarning) as caught:
-        module = LOPDModule("tiny", top_m=7, rollouts_per_example=3, **options)
-    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-    assert any("LOPDModule.top_m is deprecated" in m and "LOPDModule.distill_top_k" in m for m in messages)
-    assert any("LOPDModule.rollouts_per_example is deprecated" in m and "LOPDModule.group_size" in m for m in messages)
-    assert module.hparams.distill_top_k == 7 and module.hparams.group_size == 3
-    assert "top_m" not in module.hparams and "rollouts_per_example" not in module.hparams
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="LOPDModule", category=FutureWarning)
-        LOPDModule("tiny", top_m=7, **options)  # once per process
-    with pytest.raises(ValueError, match="are the same setting"):
-        LOPDModule("tiny", top_m=7, distill_top_k=9, **options)
-
-
 def test_student_forward_gives_the_hidden_states_with_or_without_the_cache(tmp_path, bank_dir):
     module = make_module(bank_dir)
     rec = Recorder()

@@ -26,7 +26,7 @@ from lopd_lightning.rollout import batch_from_conversations
 from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
 from lopd_lightning.teacher import DEFAULT_FRAMING_PREFIX, DEFAULT_FRAMING_SUFFIX
-from helpers import assert_one_line_error, assert_renamed_keyword, quiet_trainer, run_main
+from helpers import assert_one_line_error, quiet_trainer, run_main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -195,14 +195,6 @@ def test_loss_equals_naive_generalized_jsd(divergence, beta):
     assert float(expected) > 0
     assert float(captured["loss"]) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
     assert captured["train/rows_with_reference"] == pytest.approx(2 / 3)
-
-
-@pytest.mark.parametrize("old, new, value", [("top_k_distill", "distill_top_k", 8), ("rollouts_per_example", "group_size", 2)])
-def test_renamed_keywords_still_work_and_warn_once(old, new, value):
-    def make(**kwargs):
-        return OPSDModule("tiny", lora=LORA, max_new_tokens=8, **kwargs)
-
-    assert_renamed_keyword(make, old, new, value, owner="OPSDModule")
 
 
 def test_teacher_contexts_frame_the_references_and_keep_the_rows_that_have_one():

@@ -25,7 +25,6 @@ from lopd_lightning.rollout import batch_from_conversations
 from lopd_lightning.tasks import Example
 from lopd_lightning.tasks.toy import ToyTask
 from lopd_lightning.teacher import SelfTeacher
-from helpers import assert_renamed_keyword
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -209,18 +208,6 @@ def test_one_step_fit_logs_tags_and_moves_the_ema_teacher(tmp_path):
     expected = 0.95 * seen["ema_before"][i] + 0.05 * student.detach()
     torch.testing.assert_close(ema.detach(), expected)
     assert not torch.equal(ema.detach(), seen["ema_before"][i])  # it moved towards the student
-
-
-# ------------------------------------------------------------------------------ renamed keywords
-@pytest.mark.parametrize(
-    "old, new, value",
-    [("rollouts_per_example", "group_size", 2), ("top_k_distill", "distill_top_k", 8), ("jsd_alpha", "jsd_beta", 0.3)],
-)
-def test_renamed_keywords_still_work_and_warn_once(old, new, value):
-    def make(**kwargs):
-        return SDPOModule("tiny", lora=LORA, max_new_tokens=8, **kwargs)
-
-    assert_renamed_keyword(make, old, new, value, owner="SDPOModule")
 
 
 def test_a_divergence_sdpo_does_not_take_fails_before_loading():

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from lopd_lightning.introspect import exception_chain, init_parameters
-from lopd_lightning.deprecation import RENAMED_KEYS
 from lopd_lightning.models import (
     EXPORT_INFO,
     SMOLLM2_NAME,
@@ -51,18 +50,6 @@ __all__ = ["check_checkpoint_path", "check_out_folder", "export_checkpoint", "ex
 
 #: The shipped methods, in the order :func:`module_class` tries them for a checkpoint that does not name its class.
 _METHODS = ("LOPDModule", "GRPOModule", "SDPOModule", "OPSDModule", "SkillSDModule", "SFTModule")
-
-
-def _current_names(hparams: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's hyperparameters with the keys renamed since it was written read under their new names
-    (:data:`~lopd_lightning.deprecation.RENAMED_KEYS`: ``rollouts_per_example`` -> ``group_size``, ...), so
-    that a checkpoint of an earlier release rebuilds its module. A key already under its new name wins."""
-    out = dict(hparams)
-    for old, new in RENAMED_KEYS.items():
-        if old in out:
-            value = out.pop(old)
-            out.setdefault(new, value)
-    return out
 
 
 def _import(path: str) -> Any:
@@ -88,7 +75,7 @@ def module_class(checkpoint: dict[str, Any], name: str | None = None) -> type:
     """
     from lopd_lightning.modules.base import OnPolicyModule
 
-    hparams = _current_names(checkpoint.get("hyper_parameters") or {})
+    hparams = checkpoint.get("hyper_parameters") or {}
     path = name or hparams.get("_class_path")
     if path:
         cls = _import(path)
@@ -176,9 +163,7 @@ def load_module(
     """Rebuild the module of a checkpoint (CPU) and load its weights: ``(module, checkpoint)``.
 
     The checkpoint is read once (with ``torch.load(weights_only=False)``: load only checkpoints you
-    trust). The module's ``bank_path`` is not read (the bank comes from the checkpoint). Hyperparameters
-    that a checkpoint of an earlier release stored under a name renamed since (``rollouts_per_example``,
-    ``top_m``, ``top_k_distill``, ``jsd_alpha``) are read under the new one (``group_size``, ...).
+    trust). The module's ``bank_path`` is not read (the bank comes from the checkpoint).
 
     Args:
         module_class_name: see :func:`module_class`.
@@ -187,7 +172,9 @@ def load_module(
     Raises:
         FileNotFoundError: no such checkpoint; the base model (the checkpoint's, or ``model``) does not exist
             (the message names ``lopd export --model``).
-        ValueError: a folder or a file that is not a Lightning checkpoint; see :func:`module_class`.
+        ValueError: a folder or a file that is not a Lightning checkpoint; see :func:`module_class`; a
+            checkpoint whose hyperparameters name an argument the class does not take (another version of
+            lopd_lightning wrote it).
     """
     path = check_checkpoint_path(checkpoint_path)
     if model is not None:
@@ -206,9 +193,16 @@ def load_module(
             f"lopd fit wrote (in its checkpoints/ folder)"
         )
     cls = module_class(checkpoint, module_class_name)
-    hparams = _current_names(checkpoint.get("hyper_parameters") or {})
+    hparams = checkpoint.get("hyper_parameters") or {}
     init = {k: v for k, v in hparams.items() if not k.startswith("_")}
     params = set(init_parameters(cls))
+    unknown = sorted(set(init) - params)
+    if unknown:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was written by another version of lopd_lightning: its hyperparameters name "
+            f"{', '.join(unknown)}, which {cls.__name__} does not take; retrain with this version, or export it "
+            f"with the lopd_lightning commit that wrote it"
+        )
     if "bank_path" in params:
         init["bank_path"] = None
     if "composer_path" in params:  # the checkpoint holds the composer it trained
@@ -226,7 +220,7 @@ def load_module(
 
             module = instantiate_module(cls, {"_class_path": hparams["_class_path"], **init})
         else:
-            module = cls(**{k: v for k, v in init.items() if k in params})
+            module = cls(**init)
     except Exception as error:
         # the module's loader names the config key of `lopd fit`; here the base model is the checkpoint's,
         # or --model

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import inspect
 
-from lopd_lightning.deprecation import renamed_arguments
-
 __all__ = ["exception_chain", "init_parameters"]
 
 
@@ -19,10 +17,8 @@ def exception_chain(error: BaseException) -> list[BaseException]:
 
 
 def init_parameters(cls: type) -> list[str]:
-    """The keyword arguments a class accepts, following ``**kwargs`` up the base classes (as jsonargparse does),
-    less the deprecated spellings of renamed ones (:func:`~lopd_lightning.deprecation.renamed_arguments`)."""
-    deprecated = renamed_arguments(cls)
-    names: list[str] = list(deprecated)  # skipped below, dropped at the end
+    """The keyword arguments a class accepts, following ``**kwargs`` up the base classes (as jsonargparse does)."""
+    names: list[str] = []
     for klass in cls.__mro__:
         if klass is object or "__init__" not in vars(klass):
             continue
@@ -34,4 +30,4 @@ def init_parameters(cls: type) -> list[str]:
                   and p.name not in names]
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
-    return names[len(deprecated):]
+    return names

@@ -18,7 +18,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lopd_lightning.deprecation import renamed_arguments
 from lopd_lightning.introspect import exception_chain, init_parameters
 
 __all__ = [
@@ -186,7 +185,7 @@ def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str,
         bad = f"{key}.{m.group(1)}" if key else m.group(1)
         if owner is None:
             return f"unknown key {bad}{did_you_mean(bad, keys)}"
-        hint = _argument_hint(bad, key, init_parameters(owner), renamed_arguments(owner))
+        hint = _argument_hint(bad, key, owner)
         return f"unknown key {bad} ({owner.__name__} has no argument {m.group(1)!r}){hint}"
     m = re.fullmatch(r"Subcommand '([^']+)' does not accept option '([^']+)'", _plain(inner))
     if m:
@@ -275,15 +274,69 @@ def _flat_keys(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _argument_hint(bad: str, key: str, params: list[str], renamed: dict[str, str]) -> str:
-    """Did-you-mean for an unknown constructor argument ``bad`` (``<key>.<name>``): the closest of ``params``
-    (the current names) to its name, where a near miss of a deprecated old name of the class (``renamed``:
-    old -> new) suggests its new name, never the deprecated one."""
-    spelled = {p: p for p in params}
-    spelled.update({old: new for old, new in renamed.items() if new in params})
+#: words of an argument's name that say nothing about which argument it is
+_FILLER_WORDS = frozenset({"a", "an", "by", "in", "num", "number", "of", "per", "the", "to"})
+
+
+def _words(text: str) -> set[str]:
+    """The lower-case words of ``text`` (split at anything but letters and digits), plurals made singular."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return {w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w for w in words}
+
+
+def _documented_arguments(cls: type) -> dict[str, str]:
+    """Argument name -> its text in the ``Args:`` sections of the docstrings of ``cls`` and its bases
+    (Google style: ``name: text`` or ``name, other: text``, continued on more deeply indented lines)."""
+    out: dict[str, str] = {}
+    for klass in cls.__mro__:
+        lines = (klass.__doc__ or "").splitlines()
+        start = next((i + 1 for i, line in enumerate(lines) if line.strip() == "Args:"), None)
+        if start is None:
+            continue
+        indent, names = None, []
+        for line in lines[start:]:
+            if not line.strip():
+                continue
+            depth = len(line) - len(line.lstrip())
+            indent = depth if indent is None else indent
+            if depth < indent:
+                break
+            m = re.match(r"([\w, ]+):(.*)", line.strip()) if depth == indent else None
+            if m:
+                names = [n.strip() for n in m.group(1).split(",") if n.strip()]
+                line = m.group(2)
+            for name in names:
+                out[name] = f"{out.get(name, '')} {line.strip()}"
+    return out
+
+
+def _closest_argument(name: str, owner: type) -> str | None:
+    """The argument of ``owner`` an unknown argument ``name`` most likely means, or None: a near-certain typo
+    of one; else the one argument whose name has the same words in another order; else the one argument
+    whose name and documentation hold every word of ``name`` (``rollouts_per_example``: ``group_size``,
+    documented as the rollouts per example); else the closest name (difflib)."""
+    params = init_parameters(owner)
+    match = difflib.get_close_matches(name, params, n=1, cutoff=0.85)
+    if match:
+        return match[0]
+    wanted = _words(name) - _FILLER_WORDS
+    if wanted:
+        docs = _documented_arguments(owner)
+        for covers in (lambda p: _words(p) - _FILLER_WORDS == wanted,
+                       lambda p: wanted <= _words(p) | _words(docs.get(p, ""))):
+            found = [p for p in params if covers(p)]
+            if len(found) == 1:
+                return found[0]
+    match = difflib.get_close_matches(name, params, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _argument_hint(bad: str, key: str, owner: type) -> str:
+    """Did-you-mean for an unknown constructor argument ``bad`` (``<key>.<name>``) of ``owner``: the argument it
+    most likely means (:func:`_closest_argument`)."""
     name = bad[len(key) + 1:] if key and bad.startswith(f"{key}.") else bad
-    match = difflib.get_close_matches(name, list(spelled), n=1, cutoff=0.6)
-    return f"; did you mean {key}.{spelled[match[0]]}?" if match else ""
+    match = _closest_argument(name, owner)
+    return f"; did you mean {key}.{match}?" if match else ""
 
 
 def _suggest_key(key: str, keys: list[str], *, prefix: str = "") -> str:

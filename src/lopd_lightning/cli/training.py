@@ -2,11 +2,9 @@
 
 A config names any module (``LOPDModule``, ``GRPOModule``, ...), DataModule, task or callback class.
 A parse error becomes one line naming the key (:func:`~lopd_lightning.cli.errors.parse_error_message`);
-an unknown task name is reported before the student loads (:func:`check_task_name`). The deprecated
-spelling of a renamed argument (``model.init_args.rollouts_per_example``, ...) is a parameter of the
-module's constructor, so jsonargparse reads it wherever it reads a key (config files, the files they
-include, the command line); the constructor renames it with a FutureWarning, and both spellings with
-different values are its ValueError, one line with status 1 (:func:`~lopd_lightning.cli.errors.explain`).
+an unknown task name is reported before the student loads (:func:`check_task_name`). An argument the
+class does not take is one line naming the key and the closest argument it does take (its name, or the
+meaning its docstring gives: ``model.init_args.rollouts_per_example`` suggests ``group_size``).
 Before ``fit`` builds anything, :func:`~lopd_lightning.cli.checks.check_fit_config` refuses what would fail
 only after the student loaded (a negative learning rate, gradient accumulation, an LOPD-only callback on
 another method).

@@ -24,12 +24,10 @@ Public hooks a user overrides to adapt a method to a new task (see README "Your 
 
 from __future__ import annotations
 
-import copy
-import inspect
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +36,6 @@ from typing_extensions import override
 
 from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_backbone, student_parameters, use_adapter
 from lopd_lightning.checkpointing import enable_activation_checkpointing
-from lopd_lightning.deprecation import fold_renamed, store_under_new_names
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
 from lopd_lightning.memory.bank import Experience
@@ -103,7 +100,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         learning_rate: AdamW learning rate of the student.
         weight_decay: AdamW weight decay of the student.
         grad_clip: max global grad norm of the student's update (0 disables).
-        group_size: trajectories per example per step (GRPO's group size G).
+        group_size: rollouts (trajectories) per example per step (GRPO's group size G).
         temperature, top_p, top_k: sampling settings of training rollouts.
         max_new_tokens: token limit per assistant turn.
         max_turns: turn limit of multi-turn episodes (None: the rollout default).
@@ -138,23 +135,17 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             LoRA merged, are synced into it after every optimiser step). See :mod:`lopd_lightning.rollout`.
         vllm_options: keyword options of :class:`~lopd_lightning.rollout.vllm_backend.VLLMBackend`
             (``max_model_len``, ``kv_cache_gib``, ``enable_prefix_caching``, ``engine_options``).
-        rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
-            a FutureWarning; the two names with different values are an error).
 
     Raises:
         ValueError: ``group_size`` < 1, ``temperature`` <= 0, a negative logging option, a bad LoRA setting or
             a vLLM engine dtype that cannot hold the student's merged weights (before the weights load:
-            :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`); an old and a new spelling of one
-            argument with different values.
+            :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`).
 
     Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``). The
     validation that runs after training step k is logged at x = k under ``val/`` (Lightning's own
     ``self.log`` would file it under k - 1) and at x = the trajectories generated so far under
     ``by_rollouts/``.
     """
-
-    #: this constructor's deprecated argument names -> their new names (each subclass lists its own).
-    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"rollouts_per_example": "group_size"}
 
     def __init__(
         self,
@@ -185,9 +176,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         progress_every_n_steps: int = 1,
         generation_backend: str = "hf",
         vllm_options: dict[str, Any] | None = None,
-        rollouts_per_example: int | None = None,
     ):
-        group_size = fold_renamed(type(self).__name__, "rollouts_per_example", rollouts_per_example, "group_size", group_size, 1)
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
@@ -230,15 +219,6 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         self._init_optimization()
         self._init_evaluation()
         self._init_observability()
-
-    @override
-    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
-        """Lightning's, then the deprecated argument names stored under their new ones
-        (:func:`~lopd_lightning.deprecation.store_under_new_names`; LightningCLI hands Lightning its config as given)."""
-        frame = frame or inspect.currentframe().f_back  # the caller's constructor, as Lightning's own default
-        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
-        store_under_new_names(self.hparams, type(self))
-        self._hparams_initial = copy.deepcopy(self.hparams)
 
     # ------------------------------------------------------------------ public hooks
     def build_messages(self, task: Task, example: Example) -> list[Message]:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.advantages import group_advantages
-from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.lm import unpack
 from lopd_lightning.losses import GRPOLoss, grpo_loss, k3_kl, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
@@ -87,8 +86,6 @@ class GRPOModule(OnPolicyModule):
         advantage_eps: eps added to the group std.
         logps_temperature: temperature of the training log-probs (1.0: the raw policy; set it to the
             sampling temperature to score tokens under the sampling distribution).
-        rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
-            a FutureWarning; the two names with different values are an error).
 
     Raises:
         ValueError: ``group_size`` < 2 or another option out of range, before the model loads.
@@ -98,8 +95,6 @@ class GRPOModule(OnPolicyModule):
     (fraction of groups whose rewards are all equal: no signal), ``train/grad_norm``; loss values are
     those of the last pass. Timings ``time/reference`` and ``time/student_step``.
     """
-
-    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"rollouts_per_example": "group_size"}
 
     def __init__(
         self,
@@ -112,11 +107,8 @@ class GRPOModule(OnPolicyModule):
         ppo_epochs: int = 1,
         advantage_eps: float = 1e-4,
         logps_temperature: float = 1.0,
-        rollouts_per_example: int | None = None,
         **kwargs: Any,
     ):
-        group_size = fold_renamed(type(self).__name__, "rollouts_per_example", rollouts_per_example, "group_size",
-                                  group_size, 4)
         # checks that need no model run before the student is loaded
         if group_size < 2:
             raise ValueError(

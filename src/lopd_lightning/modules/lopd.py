@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,7 +36,6 @@ from typing_extensions import override
 
 from lopd_lightning.adapters import add_composer_adapter, copy_adapter
 from lopd_lightning.checkpointing import recorded_forwards
-from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
 from lopd_lightning.losses import anchor_loss, composer_objective
@@ -177,8 +176,6 @@ class LOPDModule(OnPolicyModule):
             two runs of d635d06, with and without it). False recomputes the whole sequence, as activation
             checkpointing does (below). Models whose cache is not a plain full-attention one (sliding
             window, linear attention) get False, with a warning.
-        top_m: deprecated spelling of ``distill_top_k`` (removed in the release after next; a FutureWarning;
-            the two names with different values are an error).
 
     Activation checkpointing (``gradient_checkpointing=True``, an argument of the base module): the step's
     one backward runs after the student's pass (adapter ``"student"``, or the base weights of a full
@@ -195,8 +192,6 @@ class LOPDModule(OnPolicyModule):
     transformers' per-layer checkpoint function, where the recompute context cannot be installed; a first
     training step that ran no layer through it raises RuntimeError.
     """
-
-    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"top_m": "distill_top_k"}
 
     def __init__(
         self,
@@ -237,10 +232,8 @@ class LOPDModule(OnPolicyModule):
         distill_temperature: float = 1.0,
         distill_chunk_size: int | None = None,
         teacher_prefix_cache: bool = True,
-        top_m: int | None = None,
         **kwargs: Any,
     ):
-        distill_top_k = fold_renamed(type(self).__name__, "top_m", top_m, "distill_top_k", distill_top_k, 20)
         composer_cfg = dict(DEFAULT_COMPOSER_LORA) if composer_lora is None else composer_lora
         check_lopd_options(  # the checks that need no model, before the student is loaded
             num_latents=num_latents, num_experiences=num_experiences, distill_top_k=distill_top_k, embedder=embedder,

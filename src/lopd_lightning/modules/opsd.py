@@ -30,13 +30,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.memory.bank import Experience
 from lopd_lightning.memory.module_bank import build_bank, check_embedder
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
@@ -99,9 +98,6 @@ class OPSDModule(SelfDistillationModule):
             "hashing".
         allow_self_retrieval: let a task retrieve its own records (default False: its own solution would be
             the reference again).
-        rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
-            a FutureWarning; the two names with different values are an error).
-        top_k_distill: deprecated spelling of ``distill_top_k`` (likewise).
 
     ``group_size`` defaults to 1 (OPSD needs no groups).
 
@@ -119,7 +115,6 @@ class OPSDModule(SelfDistillationModule):
     """
 
     divergences = ("jsd", "forward_kl", "topk_reverse_kl")
-    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"rollouts_per_example": "group_size", "top_k_distill": "distill_top_k"}
 
     def __init__(
         self,
@@ -135,14 +130,9 @@ class OPSDModule(SelfDistillationModule):
         bank_path: str | None = None,
         embedder: str = "minilm",
         allow_self_retrieval: bool = False,
-        rollouts_per_example: int | None = None,
-        top_k_distill: int | None = None,
         **kwargs: Any,
     ):
         check_privileged_context(privileged_context, bank_path, embedder)  # before the weights load
-        name = type(self).__name__
-        group_size = fold_renamed(name, "rollouts_per_example", rollouts_per_example, "group_size", group_size, 1)
-        distill_top_k = fold_renamed(name, "top_k_distill", top_k_distill, "distill_top_k", distill_top_k, 20)
         super().__init__(
             model, group_size=group_size, divergence=divergence, jsd_beta=jsd_beta, distill_top_k=distill_top_k,
             distill_temperature=distill_temperature, **kwargs,

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.losses import token_logps
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
@@ -120,7 +119,7 @@ class SDPOModule(SelfDistillationModule):
         topk_support: whose top-k is the support of ``"topk_reverse_kl"``: ``"student"`` (SDPO's
             implementation, default) or ``"teacher"`` (LOPD's).
         jsd_beta: beta of :func:`~lopd_lightning.losses.generalized_jsd` for ``"jsd"`` (GKD convention:
-            0 forward KL(T || S), 1 reverse KL(S || T)).
+            0 forward KL(T || S), 1 reverse KL(S || T)); SDPO's code calls it alpha.
         is_clip: clip of the per-token importance weight ``min(pi_S / pi_old, is_clip)`` (detached);
             None disables the weight. ``pi_old`` is :meth:`behaviour_logps`: the current student's
             log-probs at ``distill_temperature``, detached. With one update per batch (this module),
@@ -135,10 +134,6 @@ class SDPOModule(SelfDistillationModule):
             Default False: rows without a successful sibling are dropped, whatever their feedback.
         max_demo_chars, max_feedback_chars: truncation of the demonstration and the feedback text.
         distill_temperature: temperature of both distributions in the divergence (1.0).
-        rollouts_per_example: deprecated spelling of ``group_size`` (removed in the release after next;
-            a FutureWarning; the two names with different values are an error).
-        top_k_distill: deprecated spelling of ``distill_top_k`` (likewise).
-        jsd_alpha: deprecated spelling of ``jsd_beta`` (likewise).
 
     Raises:
         ValueError: ``group_size < 2``, an unknown divergence, ``distill_top_k < 1``, ``jsd_beta``
@@ -152,9 +147,6 @@ class SDPOModule(SelfDistillationModule):
     """
 
     divergences = ("topk_reverse_kl", "jsd")
-    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {
-        "rollouts_per_example": "group_size", "top_k_distill": "distill_top_k", "jsd_alpha": "jsd_beta",
-    }
 
     def __init__(
         self,
@@ -173,15 +165,8 @@ class SDPOModule(SelfDistillationModule):
         max_demo_chars: int = 4000,
         max_feedback_chars: int = 1000,
         distill_temperature: float = 1.0,
-        rollouts_per_example: int | None = None,
-        top_k_distill: int | None = None,
-        jsd_alpha: float | None = None,
         **kwargs: Any,
     ):
-        name = type(self).__name__
-        group_size = fold_renamed(name, "rollouts_per_example", rollouts_per_example, "group_size", group_size, 4)
-        distill_top_k = fold_renamed(name, "top_k_distill", top_k_distill, "distill_top_k", distill_top_k, 20)
-        jsd_beta = fold_renamed(name, "jsd_alpha", jsd_alpha, "jsd_beta", jsd_beta, 0.5)
         # checks that need no model run before the student is loaded (the divergence's: the base's)
         if group_size < 2:
             raise ValueError(

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning import losses
-from lopd_lightning.deprecation import fold_renamed
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.teacher import SelfTeacher
@@ -77,8 +76,6 @@ class SelfDistillationModule(OnPolicyModule):
         distill_temperature: temperature of both distributions in the divergence, > 0.
         topk_support: whose top-k is the support of ``"topk_reverse_kl"``: ``"teacher"`` (LOPD's) or
             ``"student"`` (SDPO's implementation).
-        top_k_distill: deprecated spelling of ``distill_top_k`` (removed in the release after next; a
-            FutureWarning; the two names with different values are an error).
 
     Raises:
         ValueError: a divergence not in :attr:`divergences`, ``distill_top_k < 1``, ``jsd_beta`` outside
@@ -90,7 +87,6 @@ class SelfDistillationModule(OnPolicyModule):
     divergences: tuple[str, ...] = tuple(losses.DIVERGENCES)
     #: the self-teacher (set by the subclass).
     teacher: SelfTeacher
-    RENAMED_ARGUMENTS: ClassVar[dict[str, str]] = {"top_k_distill": "distill_top_k"}
 
     def __init__(
         self,
@@ -101,10 +97,8 @@ class SelfDistillationModule(OnPolicyModule):
         jsd_beta: float = 0.5,
         distill_temperature: float = 1.0,
         topk_support: str = "teacher",
-        top_k_distill: int | None = None,
         **kwargs: Any,
     ):
-        distill_top_k = fold_renamed(type(self).__name__, "top_k_distill", top_k_distill, "distill_top_k", distill_top_k, 20)
         if divergence not in self.divergences:
             choices = ", ".join(repr(d) for d in self.divergences)
             raise ValueError(f"divergence must be one of {choices}, got {divergence!r}; set model.init_args.divergence")
