@@ -501,9 +501,7 @@ def load_trained_composer(module, checkpoint: Path) -> int:
     def is_composer(key: str) -> bool:
         return key.startswith("composer.") or ".composer." in key
 
-    from lopd_lightning.composer.model import upgrade_composer_keys
-
-    state = upgrade_composer_keys(torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"])
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     loaded = {k: v for k, v in state.items() if is_composer(k)}
     own = [k for k in module.state_dict() if is_composer(k)]
     unknown, absent = [k for k in loaded if k not in own], [k for k in own if k not in loaded]

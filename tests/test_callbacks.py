@@ -108,6 +108,11 @@ def test_memory_refresh_waits_for_its_period_and_keeps_pending_in_its_state():
     restored.on_train_batch_end(fake_trainer(2), module, None, rollout_batch([1.0], ["toy/2"], ["c"]), 0)
     assert [r.task_id for r in module.bank.records] == ["toy/0", "toy/2"]  # both steps' successes at step 2
     assert restored.added_total == 2
+    del state["empty_steps"]  # a state this version does not write: one line, what to do
+    with pytest.raises(ValueError, match=r"^this checkpoint has no empty_steps in the state of MemoryRefresh: another "
+                                         r"version of lopd_lightning wrote it; retrain, or resume with the "
+                                         r"lopd_lightning commit that wrote it$"):
+        MemoryRefresh().load_state_dict(state)
 
 
 def test_memory_refresh_zero_period_is_off():

@@ -267,14 +267,6 @@ def test_load_refuses_another_encoder_lora(tmp_path):
         load_composer(other, tmp_path)
 
 
-def test_checkpoint_keys_of_the_resampler_are_read_as_the_compressor():
-    from lopd_lightning.composer.model import upgrade_composer_keys
-
-    state = {"composer.resampler.queries": 1, "anchor_composer.resampler.norm_out.weight": 2, "backbone.x.weight": 3}
-    assert upgrade_composer_keys(state) == {"composer.compressor.queries": 1,
-                                            "anchor_composer.compressor.norm_out.weight": 2, "backbone.x.weight": 3}
-
-
 def test_unknown_architecture_is_refused():
     with pytest.raises(ValueError, match="architecture 'resampler' is not one of memory_tokens, perceiver"):
         make(architecture="resampler")

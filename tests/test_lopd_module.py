@@ -600,7 +600,7 @@ def test_dual_ascent_skips_without_signal_and_on_a_non_finite_margin():
     assert dual.value == 0.3
 
 
-def test_dual_ascent_state_dict_round_trip_and_an_old_checkpoints_state():
+def test_dual_ascent_state_dict_round_trip_and_lopds_method_state():
     from lopd_lightning.losses.dual import DualAscent
 
     dual = DualAscent(0.0, lr=0.5)
@@ -610,8 +610,8 @@ def test_dual_ascent_state_dict_round_trip_and_an_old_checkpoints_state():
     fresh = DualAscent(0.0, lr=0.5)
     fresh.load_state_dict(state)
     assert fresh.value == dual.value and fresh.update(0.0, 0.1) == dual.update(0.0, 0.1)
-    old_method_state = {"beta": 1.5, "margin": 0.05, "warm_started": True, "bank": {}}  # LOPD's, before DualAscent
-    fresh.load_state_dict(old_method_state)
+    method_state = {"beta": 1.5, "margin": 0.05, "warm_started": True, "bank": {}}  # LOPD's: beta among the rest
+    fresh.load_state_dict(method_state)
     assert fresh.value == 1.5
     assert "DualAscent(value=1.5" in repr(fresh)
 
@@ -625,17 +625,16 @@ def test_dual_ascent_refuses_a_negative_start_or_step_size():
     assert DualAscent(0.0, lr=0.0).update(0.0, 0.05) == 0.0  # both 0: allowed, beta stays
 
 
-def test_module_beta_is_the_controllers_value_and_an_old_method_state_resumes():
+def test_module_beta_is_the_controllers_value_and_a_method_state_of_plain_floats_resumes():
     module = make_module(None, beta_init=0.4, dual_lr=0.25)
     assert module.beta == 0.4 and module.dual.value == 0.4 and module.dual.lr == 0.25
     module.beta = 0.9  # the property writes through
     assert module.dual.value == 0.9
     state = module.method_state()
     assert list(state)[:3] == ["beta", "margin", "warm_started"] and state["beta"] == 0.9
-    # a checkpoint written before the controller existed: the same keys, plain floats
-    old = {"beta": 1.25, "margin": 0.3, "warm_started": True, "bank": module.bank.state_dict()}
+    plain = {"beta": 1.25, "margin": 0.3, "warm_started": True, "bank": module.bank.state_dict()}
     fresh = make_module(None)
-    fresh.load_method_state(old)
+    fresh.load_method_state(plain)
     assert fresh.beta == 1.25 and fresh.dual.value == 1.25 and fresh.margin == 0.3 and fresh.warm_started
     assert fresh.dual.update(0.3, fresh.margin) == 1.25  # m - Delta = 0: beta unchanged, the rule still applies
 

@@ -132,31 +132,44 @@ def test_resume_after_an_interruption_matches_the_uninterrupted_run(tmp_path):
     assert reference.steps[TOTAL_STEPS]["beta"] > 0
 
 
-def test_a_checkpoint_with_the_old_untrained_composer_adapter_still_resumes(tmp_path, caplog):
-    """GRPO checkpoints written while every method carried an (unused) composer LoRA hold its weights;
-    they resume with one warning instead of failing on "Unexpected key(s)"."""
+def test_a_checkpoint_this_version_cannot_restore_is_refused_in_one_line(tmp_path, capsys):
+    """Weights under names the module does not have (here: a composer adapter, which a GRPO of another
+    version carried) or a state without an entry the module writes: resuming, load_from_checkpoint and
+    lopd export stop with one line that says what to do, before anything loads."""
     import torch
 
     from lopd_lightning.modules import GRPOModule
-    from helpers import ParityToy, quiet_trainer
+    from helpers import ParityToy, assert_one_line_error, quiet_trainer, run_main
 
     lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    module = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
     dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
     trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
-    trainer.fit(module, dm)
+    trainer.fit(GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4), dm)
     path = next((tmp_path / "ck").glob("*.ckpt"))
     checkpoint = torch.load(path, weights_only=False)
-    old = {k.replace(".student.", ".composer."): torch.zeros_like(v) for k, v in checkpoint["state_dict"].items()
-           if ".student." in k}
-    assert old and all(k not in checkpoint["state_dict"] for k in old)
-    checkpoint["state_dict"].update(old)  # what the earlier version saved
-    torch.save(checkpoint, path)
-
-    resumed = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
-    with caplog.at_level("WARNING"):
-        quiet_trainer(tmp_path / "2", max_steps=2).fit(resumed, dm, ckpt_path=str(path))
-    assert f"holds {len(old)} composer-adapter weights" in caplog.text
-    loaded = GRPOModule.load_from_checkpoint(path)  # lopd export's path, strict loading
-    assert not any(".composer." in k for k in loaded.state_dict())
+    extra = {k.replace(".student.", ".composer."): torch.zeros_like(v) for k, v in checkpoint["state_dict"].items()
+             if ".student." in k}
+    assert extra and all(k not in checkpoint["state_dict"] for k in extra)
+    fix = ("another version of lopd_lightning, or other settings, wrote it; retrain, or load it with the settings "
+           "and the lopd_lightning commit that wrote it")
+    weights = f"this checkpoint's weights do not match GRPOModule's ({len(extra)} unexpected, e.g. {min(extra)!r}): {fix}"
+    no_counter = f"this checkpoint has no non_finite_steps in the state of GRPOModule: {fix}"
+    for change, expected in (("weights", weights), ("state", no_counter)):
+        broken = torch.load(path, weights_only=False)
+        if change == "weights":
+            broken["state_dict"].update(extra)
+        else:
+            del broken["lopd_state"]["non_finite_steps"]
+        other = tmp_path / f"{change}.ckpt"
+        torch.save(broken, other)
+        with pytest.raises(ValueError) as caught:
+            resumed = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
+            quiet_trainer(tmp_path / change, max_steps=2).fit(resumed, dm, ckpt_path=str(other))
+        assert str(caught.value) == expected
+        with pytest.raises(ValueError) as caught:
+            GRPOModule.load_from_checkpoint(other)
+        assert str(caught.value) == expected
+        code, err = run_main(["export", str(other), "--out", str(tmp_path / f"student_{change}")], capsys)
+        assert code == 1
+        assert_one_line_error(err, expected)

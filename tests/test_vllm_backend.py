@@ -248,7 +248,9 @@ def test_vllm_engine_resyncs_after_a_checkpoint_load_or_a_marked_change():
     module = GRPOModule("tiny", group_size=2, max_new_tokens=4, generation_backend="hf")
     module._backend, module._backend_step = object(), 0  # a built backend at step 0
     assert module.generation_backend() is module._backend  # no sync needed (would fail on object())
-    module.on_load_checkpoint({})
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    module.on_load_checkpoint(checkpoint)
     assert module._backend_step == -1  # the next rollouts sync first
     module._backend_step = 0
     module.mark_weights_changed()

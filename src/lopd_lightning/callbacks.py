@@ -139,9 +139,14 @@ class MemoryRefresh(LOPDOnlyCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = sorted({"pending", "added_total", "empty_steps"} - set(state_dict))
+        if missing:
+            raise ValueError(f"this checkpoint has no {', '.join(missing)} in the state of MemoryRefresh: another "
+                             "version of lopd_lightning wrote it; retrain, or resume with the lopd_lightning commit "
+                             "that wrote it")
         self.pending = list(state_dict["pending"])
         self.added_total = int(state_dict["added_total"])
-        self.empty_steps = int(state_dict.get("empty_steps", 0))
+        self.empty_steps = int(state_dict["empty_steps"])
 
 
 class MarginSchedule(LOPDOnlyCallback):

@@ -207,9 +207,6 @@ def load_module(
         init["bank_path"] = None
     if "composer_path" in params:  # the checkpoint holds the composer it trained
         init["composer_path"] = None
-    if "composer_architecture" in params and "composer_architecture" not in init:
-        # written before the memory-token default: its composer is the paper's Perceiver at gain 1.0
-        init.update(composer_architecture="perceiver", composer_output_gain=1.0)
     if model is not None:
         init["model"] = model
     else:

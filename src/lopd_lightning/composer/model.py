@@ -52,7 +52,6 @@ __all__ = [
     "ExperienceBatch",
     "LatentComposer",
     "check_composer_options",
-    "upgrade_composer_keys",
     "clip_composer_grads",
     "composer_parameter_groups",
     "experience_prompt",
@@ -433,14 +432,6 @@ def composer_settings(composer: LatentComposer) -> dict:
     return {"architecture": composer.architecture, "num_latents": composer.num_latents,
             "hidden_size": composer.hidden_size, "lora_r": int(config.r), "lora_alpha": float(config.lora_alpha),
             "lora_target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else str(targets)}
-
-
-def upgrade_composer_keys(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A state dict written before the compressor's rename (``composer.resampler.*``) under today's keys
-    (``composer.compressor.*``), in place; returns it."""
-    for key in [k for k in state_dict if ".resampler." in f".{k}" and "composer" in k]:
-        state_dict[key.replace("resampler.", "compressor.", 1)] = state_dict.pop(key)
-    return state_dict
 
 
 def check_composer_options(architecture: str, output_gain: float | str, path: str | None,

@@ -89,8 +89,7 @@ class DualAscent:
         return {"beta": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore beta from :meth:`state_dict` (or any mapping with a ``"beta"`` entry, e.g. an older
-        checkpoint's LOPD method state)."""
+        """Restore beta from :meth:`state_dict` (or any mapping with a ``"beta"`` entry: LOPD's method state)."""
         self.value = float(state["beta"])
 
     def __repr__(self) -> str:

@@ -67,26 +67,33 @@ class StudentForward(NamedTuple):
     cache: Any | None
 
 
-def drop_stale_composer_weights(module: torch.nn.Module, checkpoint: dict[str, Any]) -> list[str]:
-    """Remove from ``checkpoint["state_dict"]`` the composer-adapter weights a module without a composer
-    cannot hold, with one warning; returns the keys removed.
+#: what to do with a checkpoint this version cannot restore
+OTHER_CHECKPOINT = ("another version of lopd_lightning, or other settings, wrote it; retrain, or load it with the "
+                    "settings and the lopd_lightning commit that wrote it")
 
-    Checkpoints of GRPO, SDPO, OPSD, Skill-SD and SFT written before this was fixed carried an untrained
-    composer LoRA (``...lora_A.composer.weight``) that these methods no longer have; without this, resuming
-    or exporting such a checkpoint fails with "Unexpected key(s)". Called before the state dict loads.
+
+def check_checkpoint(module: OnPolicyModule, checkpoint: dict[str, Any]) -> None:
+    """Refuse, in one line, a checkpoint ``module`` cannot restore as it is: called before anything loads.
+
+    Raises:
+        ValueError: its ``lopd_state`` lacks an entry that :meth:`OnPolicyModule.on_save_checkpoint` writes,
+            or (with ``strict_loading``) the names of its weights differ from the module's (e.g. another
+            LoRA, composer or version); the message counts the names and shows one of each kind.
     """
-    state = checkpoint.get("state_dict")
-    if not isinstance(state, dict):
-        return []
+    name = type(module).__name__
+    state = checkpoint.get("lopd_state")
+    wanted = {"rollouts_consumed", "non_finite_steps", *module.method_state()}
+    missing_state = sorted(wanted - set(state)) if isinstance(state, dict) else ["lopd_state"]
+    if missing_state:
+        raise ValueError(f"this checkpoint has no {', '.join(missing_state)} in the state of {name}: {OTHER_CHECKPOINT}")
+    saved = checkpoint.get("state_dict")
+    if not isinstance(saved, dict) or not module.strict_loading:
+        return
     own = set(module.state_dict())
-    stale = [k for k in state if ".composer." in k and k not in own]
-    for key in stale:
-        del state[key]
-    if stale:
-        log.warning("this checkpoint holds %d composer-adapter weights that %s has no use for (an earlier "
-                    "version gave every method an untrained composer); they are ignored", len(stale),
-                    type(module).__name__)
-    return stale
+    extra, absent = sorted(set(saved) - own), sorted(own - set(saved))
+    if extra or absent:
+        parts = [f"{len(keys)} {kind}, e.g. {keys[0]!r}" for kind, keys in (("unexpected", extra), ("missing", absent)) if keys]
+        raise ValueError(f"this checkpoint's weights do not match {name}'s ({'; '.join(parts)}): {OTHER_CHECKPOINT}")
 
 
 class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
@@ -537,11 +544,11 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        drop_stale_composer_weights(self, checkpoint)
+        check_checkpoint(self, checkpoint)
         self.mark_weights_changed()  # an engine with its own weights (vLLM) syncs before its next rollouts
-        state = checkpoint.get("lopd_state", {})
-        self.rollouts_consumed = int(state.get("rollouts_consumed", 0))
-        self.non_finite_steps = int(state.get("non_finite_steps", 0))
+        state = checkpoint["lopd_state"]
+        self.rollouts_consumed = int(state["rollouts_consumed"])
+        self.non_finite_steps = int(state["non_finite_steps"])
         self.load_method_state(state)
 
     def method_state(self) -> dict[str, Any]:

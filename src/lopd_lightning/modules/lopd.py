@@ -41,7 +41,6 @@ from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delt
 from lopd_lightning.losses import anchor_loss, composer_objective
 from lopd_lightning.losses.composer import has_both_outcomes
 from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_composer_grads, load_composer
-from lopd_lightning.composer.model import upgrade_composer_keys
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
 from lopd_lightning.memory.bank import Experience
@@ -528,15 +527,7 @@ class LOPDModule(OnPolicyModule):
         }
 
     @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if isinstance(checkpoint.get("state_dict"), dict):  # written before the compressor's rename
-            upgrade_composer_keys(checkpoint["state_dict"])
-        super().on_load_checkpoint(checkpoint)
-
-    @override
     def load_method_state(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
         self.dual.load_state_dict(state)
         self.margin = float(state["margin"])
         self.warm_started = bool(state["warm_started"])

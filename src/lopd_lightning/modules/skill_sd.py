@@ -461,8 +461,6 @@ class SkillSDModule(GRPOModule):
 
     @override
     def load_method_state(self, state: dict[str, Any]) -> None:
-        if not state or "skills" not in state:
-            return
         self.skills = [dict(s) for s in state["skills"]]
         self.next_skill_id = int(state["next_skill_id"])
         self.trajectory_buffer = deque((dict(r) for r in state["trajectory_buffer"]), maxlen=self.hparams.skill_buffer_size)
