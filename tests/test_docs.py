@@ -237,8 +237,7 @@ def effective_default(cls: type, name: str):
 
 def expected_knobs(cls: type) -> dict[str, str]:
     """What a page's knob table of ``cls`` must hold: a method's arguments beyond the shared ones (and the
-    shared ones whose default it changes), every argument for the base and the callbacks; the deprecated
-    spellings of renamed arguments are left out (``init_parameters``)."""
+    shared ones whose default it changes), every argument for the base and the callbacks (``init_parameters``)."""
     import inspect
 
     from lopd_lightning.introspect import init_parameters
