@@ -111,10 +111,11 @@ def test_build_memory_from_rollouts_keeps_what_reaches_min_reward(tmp_path, caps
     # min reward 0: every rollout is kept, one per example (distinct task ids, so no de-duplication)
     assert main([*args, "--min-reward", "0"]) == 0
     assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 4
-    # min reward above 1: nothing can be kept
-    assert main([*args, "--min-reward", "1.5"]) == 0
-    assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 0
-    assert "bank: 0 experiences from 4 train examples (rollouts)" in capsys.readouterr().out
+    # min reward above 1: nothing can be kept, so nothing is written (the bank there stays)
+    with pytest.raises(SystemExit):
+        main([*args, "--min-reward", "1.5"])
+    assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 4
+    assert "none of the 4 train examples gave a trajectory with reward >= 1.5" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("subcommand, prefix", [("validate", "val"), ("test", "test")])
@@ -151,10 +152,11 @@ def test_missing_bank_folder_names_the_fix(tmp_path):
 def test_build_memory_from_references_replays_and_scores_each_reference(tmp_path, capsys):
     """References are scored through the task, not assumed correct: above every reachable reward none is kept."""
     out = tmp_path / "bank"
-    assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--min-reward", "1.5", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "skipped toy/" in printed and "its reference solution scores 1.0" in printed
-    assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 0
+    with pytest.raises(SystemExit):
+        main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--min-reward", "1.5", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert "skipped toy/" in printed.out and "its reference solution scores 1.0" in printed.out
+    assert "nothing was written" in printed.err and not out.exists()
 
 
 # ---------------------------------------------------------------------- one-line errors (issue 14, item 1)

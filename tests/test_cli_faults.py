@@ -82,13 +82,13 @@ def test_an_interpolation_of_no_key_is_one_line_with_did_you_mean(interpolating,
 ONE_STEP = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
 
 
-@pytest.mark.parametrize("key", ["learning_rate", "composer_lr"])
+@pytest.mark.parametrize("key", ["learning_rate", "composer_lr", "dual_lr"])
 def test_a_negative_learning_rate_is_one_line_before_the_model_loads(key, capsys, no_model_loading):
     """It was 49 lines of traceback from torch's optimizer, after the student had loaded."""
     code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, f"--model.init_args.{key}=-1"], capsys)
     assert code == 1
-    assert_one_line_error(err, f"model.init_args.{key} must be a finite number >= 0 (a learning rate such as "
-                               f"1e-5), got -1.0")
+    assert_one_line_error(err, f"model.init_args.{key} must be a finite number >= 0 (a learning rate or, for "
+                               f"dual_lr, the dual step size), got -1.0")
 
 
 def test_gradient_accumulation_is_one_line_before_the_model_loads(capsys, no_model_loading):
@@ -205,3 +205,26 @@ def test_lopd_with_no_bank_and_nothing_to_fill_it_is_one_line_before_the_model_l
     check_fit_config(config([], bank_path="configs/tiny_bank"))  # a bank: the module's own checks read it
     with pytest.raises(CLIError, match="bank_path is null"):
         check_fit_config(config([], num_experiences=2))  # bank_path's default, null
+
+
+def test_build_memory_that_keeps_nothing_writes_nothing(tmp_path, capsys):
+    """`lopd build-memory -c configs/tiny.yaml` (rollouts of the tiny random model, which solves nothing) wrote an
+    empty bank over the shipped configs/tiny_bank/; now it refuses in one line and the folder keeps its bank."""
+    import shutil
+
+    from lopd_lightning.memory.bank import ExperienceBank
+    from lopd_lightning.memory.embed import get_embedder
+    from helpers import TINY_BANK
+
+    out = tmp_path / "bank"
+    shutil.copytree(TINY_BANK, out)
+    code, err = run_main(["build-memory", "-c", str(TINY_YAML), "--out", str(out), "--limit", "2", "--rollouts", "1"],
+                         capsys)
+    assert code == 1
+    assert_one_line_error(err, f"build-memory: none of the 2 train examples gave a trajectory with reward >= 1 "
+                               f"(rollouts), so nothing was written to {out}; add --from-references (the tasks' "
+                               f"reference solutions), or lower --min-reward")
+    assert len(ExperienceBank.load(out, get_embedder("hashing"))) == 24
+    code, err = run_main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--min-reward", "1.5",
+                          "--out", str(tmp_path / "new")], capsys)
+    assert code == 1 and err.strip().endswith("lower --min-reward") and not (tmp_path / "new").exists()

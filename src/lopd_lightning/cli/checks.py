@@ -51,8 +51,8 @@ def check_fit_config(config: Any) -> None:
         if (key == "learning_rate" or key.endswith("_lr")) and isinstance(value, (int, float)) and not (
             math.isfinite(value) and value >= 0
         ):
-            raise CLIError(f"model.init_args.{key} must be a finite number >= 0 (a learning rate such as 1e-5), "
-                           f"got {float(value)}", 1)
+            raise CLIError(f"model.init_args.{key} must be a finite number >= 0 (a learning rate or, for dual_lr, "
+                           f"the dual step size), got {float(value)}", 1)
     accumulate = _get(trainer, "accumulate_grad_batches")
     if accumulate not in (None, 1):
         raise CLIError(

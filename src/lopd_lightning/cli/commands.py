@@ -213,9 +213,14 @@ def build_memory_command(argv: list[str]) -> int:
             experiences = _rollout_experiences(module, dm, examples, args)
     fresh = ExperienceBank(bank.embedder, **bank.settings())
     fresh.add(experiences)
+    source = "reference solutions" if args.from_references else "rollouts"
+    if not len(fresh):  # an empty bank trains nothing, and writing it would replace a bank that is there
+        hint = ("lower --min-reward" if args.from_references else
+                "add --from-references (the tasks' reference solutions), or lower --min-reward")
+        raise CLIError(f"build-memory: none of the {len(examples)} train examples gave a trajectory with reward >= "
+                       f"{args.min_reward:g} ({source}), so nothing was written to {out}; {hint}", 1)
     fresh.save(out)
     seconds = time.perf_counter() - start
-    source = "reference solutions" if args.from_references else "rollouts"
     print(f"bank: {len(fresh)} experiences from {len(examples)} train examples ({source}) -> {out} ({seconds:.1f} s)")
     return 0
 
