@@ -5,7 +5,7 @@ exact it is, for each index type the experience bank can use (``ExperienceBank(i
 
 - ``numpy``: the exact reference, ``Q @ X.T`` then ``argpartition`` + sort of the top k.
 - ``flat``: ``faiss.IndexFlatIP`` (exact).
-- ``ivf``: ``faiss.IndexIVFFlat`` as the bank builds it (:func:`lopd_lightning.memory.bank.build_ivf`:
+- ``ivf``: ``faiss.IndexIVFFlat`` as the bank builds it (:func:`lopd_lightning.memory.faiss_index.build_ivf`:
   sqrt(N) lists, k-means of 10 iterations on <= 64 points per list), at several ``nprobe``.
 - ``hnsw``: ``faiss.IndexHNSWFlat`` with the bank's M and efConstruction, at several ``efSearch``.
 
@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` next to this file, when imported too
 from common import run_metadata, write_json_atomic  # noqa: E402
 
-from lopd_lightning.memory import bank as bank_module  # noqa: E402
+from lopd_lightning.memory import faiss_index  # noqa: E402
 from lopd_lightning.memory.embed import get_embedder  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "retrieval.json"
@@ -160,7 +160,7 @@ def bench_size(args: argparse.Namespace, kind: str, n: int) -> list[dict[str, An
     rows.append(row("flat", {}, build, len(faiss.serialize_index(flat)), lambda q: flat.search(q, k)[1]))
 
     t0 = time.perf_counter()
-    ivf = bank_module.build_ivf(data)
+    ivf = faiss_index.build_ivf(data)
     ivf.add(data)
     build = time.perf_counter() - t0
     memory = len(faiss.serialize_index(ivf))
@@ -171,14 +171,14 @@ def bench_size(args: argparse.Namespace, kind: str, n: int) -> list[dict[str, An
 
     if n <= args.hnsw_max_n:
         t0 = time.perf_counter()
-        hnsw = faiss.IndexHNSWFlat(args.dim, bank_module.HNSW_M, faiss.METRIC_INNER_PRODUCT)
-        hnsw.hnsw.efConstruction = bank_module.HNSW_EF_CONSTRUCTION
+        hnsw = faiss.IndexHNSWFlat(args.dim, faiss_index.HNSW_M, faiss.METRIC_INNER_PRODUCT)
+        hnsw.hnsw.efConstruction = faiss_index.HNSW_EF_CONSTRUCTION
         hnsw.add(data)
         build = time.perf_counter() - t0
         memory = len(faiss.serialize_index(hnsw))
         for ef in args.ef_search:
             hnsw.hnsw.efSearch = ef
-            rows.append(row("hnsw", {"M": bank_module.HNSW_M, "efConstruction": bank_module.HNSW_EF_CONSTRUCTION,
+            rows.append(row("hnsw", {"M": faiss_index.HNSW_M, "efConstruction": faiss_index.HNSW_EF_CONSTRUCTION,
                                      "efSearch": ef}, build, memory, lambda q: hnsw.search(q, k)[1]))
         return rows
 
@@ -236,10 +236,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "faiss_gpu": False, "quick": args.quick},
         "results": results,
         "embedders": embedders,
-        "auto": {"approximate_above": bank_module.AUTO_APPROXIMATE_ABOVE,
-                 "approximate_kind": bank_module.AUTO_APPROXIMATE_KIND, "ivf_nprobe": bank_module.IVF_NPROBE,
-                 "hnsw": {"M": bank_module.HNSW_M, "efSearch": bank_module.HNSW_EF_SEARCH,
-                          "efConstruction": bank_module.HNSW_EF_CONSTRUCTION}},
+        "auto": {"approximate_above": faiss_index.AUTO_APPROXIMATE_ABOVE,
+                 "approximate_kind": faiss_index.AUTO_APPROXIMATE_KIND, "ivf_nprobe": faiss_index.IVF_NPROBE,
+                 "hnsw": {"M": faiss_index.HNSW_M, "efSearch": faiss_index.HNSW_EF_SEARCH,
+                          "efConstruction": faiss_index.HNSW_EF_CONSTRUCTION}},
         "wall_seconds": round(time.perf_counter() - t_start, 1),
         **run_metadata(seed=args.seed, argv=argv),
     }

@@ -38,7 +38,7 @@ import lightning as L
 
 from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory import Experience
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks import Example, Message, Task
 

@@ -18,7 +18,7 @@ import torch
 
 from lopd_lightning.adapters import default_lora_config, prepare_backbone
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.models import load_student, tiny_model, tiny_tokenizer
 from lopd_lightning.modules import GRPOModule, LOPDModule, OPSDModule, SDPOModule

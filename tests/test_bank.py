@@ -373,15 +373,3 @@ def test_make_index_builds_each_kind_empty_and_searchable(kind, faiss_class):
     index.add(vectors)
     scores, positions = index.search(vectors[:3], 1)
     assert positions[:, 0].tolist() == [0, 1, 2] and np.allclose(scores[:, 0], 1.0, atol=1e-5)
-
-
-def test_the_bank_module_still_serves_the_names_that_moved_out_of_it():
-    """Experience, SearchResult, build_ivf and the index settings live in their own modules now; the bank's
-    module path serves the same objects (benchmarks/retrieval.py reads them there)."""
-    from lopd_lightning.memory import bank, experience, faiss_index
-
-    assert bank.Experience is experience.Experience and bank.SearchResult is experience.SearchResult
-    assert bank.MISSING_SCORE == experience.MISSING_SCORE == -1.0
-    for name in ("build_ivf", "AUTO_APPROXIMATE_ABOVE", "AUTO_APPROXIMATE_KIND", "IVF_NPROBE", "HNSW_M",
-                 "HNSW_EF_SEARCH", "HNSW_EF_CONSTRUCTION"):
-        assert getattr(bank, name) is getattr(faiss_index, name), name

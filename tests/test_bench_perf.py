@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lopd_lightning.losses.lm_head import chunked_topk_tail_reverse_kl
 from lopd_lightning.losses import topk_tail_reverse_kl
 from lopd_lightning.memory import Experience, ExperienceBank
-from lopd_lightning.memory.bank import build_ivf
+from lopd_lightning.memory.faiss_index import build_ivf
 from helpers import load_benchmark
 
 METADATA_KEYS = ("versions", "hardware", "seed", "git_sha", "timestamp", "argv")

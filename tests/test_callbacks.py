@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import GRPOModule, LOPDModule
 from lopd_lightning.tasks.toy import ToyTask

@@ -326,7 +326,7 @@ def test_the_console_command_prints_two_lines_for_a_config_error(tmp_path):
 
 # ---------------------------------------------------------------------- fail fast (issue 14, item 6)
 def one_experience_bank(folder: Path) -> Path:
-    from lopd_lightning.memory.bank import Experience
+    from lopd_lightning.memory import Experience
 
     task = ToyTask()
     bank = ExperienceBank(get_embedder("hashing"))

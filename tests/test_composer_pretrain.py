@@ -19,7 +19,7 @@ from lopd_lightning.composer.pretrain import (
 )
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.losses import token_logps
-from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory import Experience
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks.facts import FactsTask
 

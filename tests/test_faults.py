@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lopd_lightning import sandbox
-from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.embed import EmbedderError, HashingEmbedder
 from lopd_lightning.sandbox import run_code, run_many
 from lopd_lightning.rollout import generate_rollouts

@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lopd_lightning.advantages import group_advantages
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs, grpo_loss, k3_kl
+from lopd_lightning.losses import grpo_loss, k3_kl
+from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs
 from lopd_lightning.rollout import batch_from_conversations
 from helpers import ParityToy, quiet_trainer
 

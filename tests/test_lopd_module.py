@@ -19,7 +19,7 @@ from lopd_lightning.adapters import adapter_parameters, base_parameters
 from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.cli import _lightning_cli
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.modules.lopd import ANCHOR_ADAPTER, COMPOSER_ADAPTER

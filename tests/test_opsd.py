@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lopd_lightning.cli import main
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.losses import generalized_jsd
-from lopd_lightning.memory.bank import Experience, ExperienceBank
+from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules.opsd import OPSD_REFERENCE_TEMPLATE, OPSDModule
 from lopd_lightning.rollout import batch_from_conversations

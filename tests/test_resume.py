@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory import Experience
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks.toy import ToyTask
 from helpers import EvenToy

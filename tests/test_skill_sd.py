@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.modules.grpo import grpo_loss
+from lopd_lightning.losses import grpo_loss
 from lopd_lightning.modules.skill_sd import (
     SKILL_CONTEXT_PREFIX,
     SKILL_CONTEXT_SUFFIX,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from lopd_lightning.cli import main
-from lopd_lightning.tasks.base import Example, Task
+from lopd_lightning.tasks.base import Example, Task, turn_limit
 from lopd_lightning.tasks.toy import HINT_REQUEST, ToyTask, _HintEpisode
-from lopd_lightning.tasks.verify import turn_limit, verify_task
+from lopd_lightning.tasks.verify import verify_task
 
 
 class TwoStepToy(ToyTask):

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lopd_lightning.callbacks import MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.lm import base_model
-from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory import Experience
 from lopd_lightning.modules import GRPOModule, LOPDModule, OPSDModule, OnPolicyModule, SDPOModule, SFTModule, SkillSDModule
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared toy tasks
 from helpers import EvenToy, ParityToy  # noqa: E402

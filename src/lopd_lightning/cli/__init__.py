@@ -41,7 +41,6 @@ from lopd_lightning.cli.errors import (
     CLIError,
     did_you_mean,
     explain,
-    init_parameters,
     parse_error_message,
 )
 from lopd_lightning.cli.training import (
@@ -60,7 +59,6 @@ __all__ = [
     "did_you_mean",
     "explain",
     "export_command",
-    "init_parameters",
     "lightning_cli",
     "main",
     "parse_error_message",

@@ -24,11 +24,9 @@ __all__ = [
     "ArgumentParser",
     "CLIError",
     "did_you_mean",
-    "exception_chain",
     "explain",
     "import_class",
     "import_task_class",
-    "init_parameters",
     "interpolation_error_message",
     "parse_error_message",
 ]

@@ -45,7 +45,7 @@ from lopd_lightning.composer.model import (
 )
 
 if TYPE_CHECKING:
-    from lopd_lightning.memory.bank import Experience
+    from lopd_lightning.memory.experience import Experience
     from lopd_lightning.modules.lopd import LOPDModule
     from lopd_lightning.tasks import Example, Task
 

@@ -7,7 +7,7 @@ into unit vectors. The composer that turns retrieved experiences into latent tok
 :mod:`lopd_lightning.composer`.
 """
 
-from lopd_lightning.memory.bank import Experience, ExperienceBank, SearchResult
+from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import (
     BackboneEmbedder,
     EmbedderError,
@@ -18,6 +18,7 @@ from lopd_lightning.memory.embed import (
     get_embedder,
     minilm_folder,
 )
+from lopd_lightning.memory.experience import Experience, SearchResult
 from lopd_lightning.memory.module_bank import build_bank
 
 __all__ = [

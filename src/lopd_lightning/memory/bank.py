@@ -46,11 +46,7 @@ from lopd_lightning.memory.faiss_index import (
     AUTO_APPROXIMATE_ABOVE,
     AUTO_APPROXIMATE_KIND,
     GPU_MAX_K,
-    HNSW_EF_CONSTRUCTION,
-    HNSW_EF_SEARCH,
-    HNSW_M,
     IVF_NPROBE,
-    build_ivf,
     make_index,
 )
 from lopd_lightning.memory.persistence import (
@@ -59,9 +55,7 @@ from lopd_lightning.memory.persistence import (
     write_bank_folder,
 )
 
-# the records, the index settings and build_ivf live in their own modules; served here as before
-__all__ = ["AUTO_APPROXIMATE_ABOVE", "AUTO_APPROXIMATE_KIND", "HNSW_EF_CONSTRUCTION", "HNSW_EF_SEARCH", "HNSW_M",
-           "IVF_NPROBE", "MISSING_SCORE", "Experience", "ExperienceBank", "SearchResult", "build_ivf"]
+__all__ = ["ExperienceBank"]
 
 log = logging.getLogger(__name__)
 

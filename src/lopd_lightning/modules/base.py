@@ -38,7 +38,7 @@ from lopd_lightning.adapters import as_lora_config, check_lora_config, prepare_b
 from lopd_lightning.checkpointing import enable_activation_checkpointing
 from lopd_lightning.lm import position_ids_from_mask, selected_hidden_states, selected_logits, unpack
 from lopd_lightning.losses import token_logps
-from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory.experience import Experience
 from lopd_lightning.models import describe, load_student
 from lopd_lightning.modules.evaluation import EvaluationMixin
 from lopd_lightning.modules.hooked_task import ModuleHookedTask

@@ -9,7 +9,7 @@ One training step (manual optimisation, one optimiser):
    the old log-probs being the first pass's (detached), a global token mean; one optimiser update per
    pass, and ``trainer.global_step`` advances once per batch whatever the number of passes.
 
-No teacher. The loss itself is the pure function :func:`grpo_loss`, which subclasses reuse
+No teacher. The loss itself is the pure function :func:`~lopd_lightning.losses.grpo_loss`, which subclasses reuse
 (:class:`~lopd_lightning.modules.skill_sd.SkillSDModule` adds its self-distillation term).
 
 Sources: GRPO, Shao et al. 2024 (DeepSeekMath), section 4.1 (group-relative outcome advantages, the
@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lopd_lightning.advantages import group_advantages
 from lopd_lightning.lm import unpack
-from lopd_lightning.losses import GRPOLoss, grpo_loss, k3_kl, token_logps
+from lopd_lightning.losses import grpo_loss, token_logps
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.modules.optimization import clip_grads
 from lopd_lightning.rollout import RolloutBatch
@@ -64,7 +64,7 @@ class GRPOStepInputs:
         return cls(**{f.name: getattr(self, f.name) for f in fields(self)}, **extra)
 
 
-__all__ = ["GRPOLoss", "GRPOModule", "GRPOStepInputs", "grpo_loss", "k3_kl"]
+__all__ = ["GRPOModule", "GRPOStepInputs"]
 
 
 class GRPOModule(OnPolicyModule):

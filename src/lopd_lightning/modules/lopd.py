@@ -43,8 +43,8 @@ from lopd_lightning.losses.composer import has_both_outcomes
 from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_composer_grads, load_composer
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
-from lopd_lightning.memory.bank import Experience
-from lopd_lightning.memory.module_bank import EMBEDDERS, build_bank  # noqa: F401 (EMBEDDERS: re-exported)
+from lopd_lightning.memory.experience import Experience
+from lopd_lightning.memory.module_bank import build_bank
 from lopd_lightning.memory.persistence import check_bank_fills
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.modules.lopd_options import check_lopd_options

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.memory.bank import Experience
+from lopd_lightning.memory.experience import Experience
 from lopd_lightning.memory.module_bank import build_bank, check_embedder
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch

@@ -143,4 +143,4 @@ def verify_task(
     return report
 
 
-__all__ = ["VerifyReport", "turn_limit", "verify_task"]
+__all__ = ["VerifyReport", "verify_task"]
