@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lopd_lightning.cli import _lightning_cli, main
+from lopd_lightning.cli import lightning_cli, main
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule
@@ -32,7 +32,7 @@ TINY_YAML = ROOT / "configs" / "tiny.yaml"
 
 def print_config(args: list[str], capsys) -> dict:
     with pytest.raises(SystemExit) as exit_info:
-        _lightning_cli(["fit", *args, "--print_config"])
+        lightning_cli(["fit", *args, "--print_config"])
     assert exit_info.value.code in (0, None)
     return yaml.safe_load(capsys.readouterr().out)
 
@@ -122,7 +122,7 @@ def test_build_memory_from_rollouts_keeps_what_reaches_min_reward(tmp_path, caps
 def test_validate_and_test_subcommands_run_greedy_episodes(tmp_path, subcommand, prefix, monkeypatch):
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    cli = _lightning_cli([
+    cli = lightning_cli([
         subcommand, "-c", str(TINY_YAML), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
         "--trainer.enable_progress_bar=false", f"--model.init_args.bank_path={TINY_BANK}",
     ])
@@ -139,13 +139,13 @@ def test_build_memory_writes_to_the_configured_bank_path_then_fit_loads_it(tmp_p
     overrides = [f"--model.init_args.bank_path={bank}"]
     assert main(["build-memory", "-c", str(TINY_YAML), "--from-references", *overrides]) == 0
     assert f"-> {bank}" in capsys.readouterr().out
-    cli = _lightning_cli(["-c", str(TINY_YAML), *overrides, "--trainer.logger=false"], run=False)
+    cli = lightning_cli(["-c", str(TINY_YAML), *overrides, "--trainer.logger=false"], run=False)
     assert len(cli.model.bank) == 24
 
 
 def test_missing_bank_folder_names_the_fix(tmp_path):
     with pytest.raises(Exception, match="lopd build-memory"):
-        _lightning_cli(["-c", str(TINY_YAML), f"--model.init_args.bank_path={tmp_path / 'none'}",
+        lightning_cli(["-c", str(TINY_YAML), f"--model.init_args.bank_path={tmp_path / 'none'}",
                         "--trainer.logger=false"], run=False)
 
 
@@ -213,7 +213,7 @@ def test_a_task_class_path_given_as_a_name_shows_the_form_that_works(tmp_path, m
                                "its class path as data.init_args.task: {class_path: mymod.GuessTask} (command line: "
                                f"--data.init_args.task.class_path=mymod.GuessTask); known task names: {', '.join(TASK_NAMES)}")
     # the form the message shows is accepted (parsed and checked; the run itself is not started here)
-    cli = _lightning_cli(["-c", str(TINY_YAML), "--data.init_args.task.class_path=mymod.GuessTask"], run=False,
+    cli = lightning_cli(["-c", str(TINY_YAML), "--data.init_args.task.class_path=mymod.GuessTask"], run=False,
                          instantiate=False)
     assert cli.config.data.init_args.task.class_path == "mymod.GuessTask"
 

@@ -11,7 +11,7 @@ import lightning.pytorch  # noqa: F401  (imported here, not under capsys: its lo
 import pytest
 import yaml
 
-from lopd_lightning.cli import _lightning_cli
+from lopd_lightning.cli import lightning_cli
 from helpers import assert_one_line_error, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ QUICKSTART_LOPD = ROOT / "configs" / "quickstart" / "lopd.yaml"
 
 def printed_config(args: list[str], capsys) -> dict:
     with pytest.raises(SystemExit) as exit_info:
-        _lightning_cli(["fit", *args, "--print_config"])
+        lightning_cli(["fit", *args, "--print_config"])
     assert exit_info.value.code in (0, None)
     return yaml.safe_load(capsys.readouterr().out)
 

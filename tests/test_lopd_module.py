@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lopd_lightning.adapters import adapter_parameters, base_parameters
 from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
-from lopd_lightning.cli import _lightning_cli
+from lopd_lightning.cli import lightning_cli
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
@@ -144,7 +144,7 @@ REQUIRED_TAGS = [
 def test_two_step_fit_from_yaml_logs_every_tag(tmp_path, bank_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cli = _lightning_cli([
+    cli = lightning_cli([
         "fit", "-c", str(TINY_YAML),
         f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.logger.init_args.save_dir={tmp_path / 'tb'}",
@@ -518,7 +518,7 @@ def test_unknown_task_name_lists_known_ones(no_model_loading):
         OnPolicyDataModule("nope")
     # through the CLI: LightningCLI instantiates the model first, so the name is checked before that
     with pytest.raises(ValueError, match=r"unknown task 'nope' \(data.init_args.task\); known tasks: .*bfcl_simple_python.*toy"):
-        _lightning_cli(["-c", str(TINY_YAML), "--data.init_args.task=nope", "--trainer.logger=false"], run=False)
+        lightning_cli(["-c", str(TINY_YAML), "--data.init_args.task=nope", "--trainer.logger=false"], run=False)
 
 
 @pytest.mark.parametrize(
@@ -555,7 +555,7 @@ def test_distill_top_k_larger_than_vocabulary_fails_before_the_composer(monkeypa
 
 def test_bad_option_through_the_cli_names_the_option(no_model_loading):
     with pytest.raises(ValueError, match="group_size must be >= 1"):
-        _lightning_cli(
+        lightning_cli(
             ["-c", str(TINY_YAML), "--model.init_args.group_size=0", "--trainer.logger=false"], run=False
         )
 
@@ -717,7 +717,7 @@ def test_the_smoke_config_ships_its_bank_and_trains_lopd(tmp_path, monkeypatch):
         assert (out / name).read_text() == (shipped / name).read_text(), name
     assert (out / "embeddings.npy").read_bytes() == (shipped / "embeddings.npy").read_bytes()
     recorder = Recorder()
-    cli = _lightning_cli(["-c", str(TINY_YAML), "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+    cli = lightning_cli(["-c", str(TINY_YAML), "--trainer.logger=false", "--trainer.enable_checkpointing=false",
                           f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=0"], run=False)
     assert len(cli.model.bank) == 24
     cli.trainer.callbacks.append(recorder)

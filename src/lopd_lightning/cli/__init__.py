@@ -66,9 +66,6 @@ __all__ = [
     "tasks_command",
 ]
 
-#: The LightningCLI of ``lopd fit|validate|test`` under its former private name (tests and scripts call it).
-_lightning_cli = lightning_cli
-
 #: The commands of ``lopd``, with the one line ``lopd --help`` shows for each.
 COMMANDS: dict[str, str] = {
     "fit": "train a method: lopd fit -c CONFIG [-c MORE] [--key=value ...] [--print_config]",
