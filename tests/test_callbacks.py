@@ -224,3 +224,14 @@ def test_memory_refresh_refuses_opsd_with_or_without_a_bank(tmp_path, context):
                                          r"LOPDModule's experience bank\) works only with LOPDModule, and OPSDModule"):
         fit(tmp_path, module, OnPolicyDataModule("toy", examples_per_step=1), [MemoryRefresh(every_n_steps=1)],
             max_steps=1)
+
+
+def test_is_lopd_module_knows_lopd_and_its_subclasses_by_class():
+    from lopd_lightning.callbacks import is_lopd_module
+    from lopd_lightning.modules import OPSDModule
+
+    class MyLOPD(LOPDModule):
+        pass
+
+    assert is_lopd_module(object.__new__(LOPDModule)) and is_lopd_module(object.__new__(MyLOPD))
+    assert not is_lopd_module(object.__new__(GRPOModule)) and not is_lopd_module(object.__new__(OPSDModule))

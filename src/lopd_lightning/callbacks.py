@@ -38,10 +38,15 @@ class LOPDOnlyCallback(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from lopd_lightning.modules.lopd import LOPDModule  # the modules import this file's neighbours
-
-        if stage == "fit" and not isinstance(pl_module, LOPDModule):
+        if stage == "fit" and not is_lopd_module(pl_module):
             raise ValueError(lopd_only_refusal([type(self)], type(pl_module).__name__))
+
+
+def is_lopd_module(module: object) -> bool:
+    """True for an :class:`~lopd_lightning.modules.LOPDModule` or a subclass (found in the class's MRO by its
+    qualified name: the modules import this file, so it cannot import them)."""
+    return any(f"{c.__module__}.{c.__qualname__}" == "lopd_lightning.modules.lopd.LOPDModule"
+               for c in type(module).__mro__)
 
 
 def lopd_only_refusal(callbacks: list[type[LOPDOnlyCallback]], method: str) -> str:
@@ -83,6 +88,11 @@ class MemoryRefresh(LOPDOnlyCallback):
         self.added_total = 0
         #: steps that ran with an empty bank (no experiences: LOPD trained nothing in them)
         self.empty_steps = 0
+
+    @property
+    def fills_bank(self) -> bool:
+        """True when it adds trajectories to the bank (``every_n_steps`` > 0): LOPD may then start on an empty one."""
+        return self.every_n_steps > 0
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

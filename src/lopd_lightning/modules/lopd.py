@@ -483,9 +483,8 @@ class LOPDModule(OnPolicyModule):
 
     @override
     def on_fit_start(self) -> None:
-        from lopd_lightning.callbacks import MemoryRefresh  # callbacks may look up this module's class
-
-        refresh = any(isinstance(c, MemoryRefresh) and c.every_n_steps for c in self.trainer.callbacks)
+        # a callback that adds the run's trajectories to the bank says so (MemoryRefresh.fills_bank)
+        refresh = any(getattr(c, "fills_bank", False) for c in self.trainer.callbacks)
         check_bank_fills(len(self.bank), self.hparams.num_experiences, self.hparams.bank_path, refresh=refresh)
         if not self.warm_started:
             self.warm_start_composer()
