@@ -245,8 +245,7 @@ def run_method(method: str, args: argparse.Namespace) -> tuple[dict[str, Any], A
     fit_s = time.perf_counter() - start
     measured = timer.steps[args.warmup:]
     phases = sorted({k for s in measured for k in s} - {"step_total", "trajectories", "assistant_tokens"})
-    if method == "grpo":  # no bank: make_batch times an empty retrieve(); not a phase of GRPO
-        phases.remove("retrieval")
+    # GRPO has no bank: make_batch times no retrieval for it (only phases that ran are timed)
     median = {k: round(_median([s.get(k, 0.0) for s in measured]), 6) for k in phases}
     result = {
         **info,

@@ -134,7 +134,7 @@ def parameter_groups(module: LOPDModule) -> dict[str, list[torch.nn.Parameter]]:
 
 # --------------------------------------------------------------------------------- 1. fit from YAML
 REQUIRED_TAGS = [
-    "train/loss", "train/distill_kl", "train/margin_delta", "train/margin_m", "train/beta",
+    "train/loss", "train/margin_delta", "train/margin_m", "train/beta",
     "train/composer_anchor", "train/reward_mean", "train/success_rate", "train/rollouts",
     "time/generation", "time/teacher", "time/student_step", "time/composer_step", "by_rollouts/reward_mean",
     "train/latent_spread", "train/latent_swap_effect", "train/latent_own_minus_other",  # the probe, at step 0
@@ -164,7 +164,9 @@ def test_two_step_fit_from_yaml_logs_every_tag(tmp_path, bank_dir):
             scalars.setdefault(tag, []).extend(acc.Scalars(tag))
     missing = [t for t in REQUIRED_TAGS if t not in scalars]
     assert not missing, f"missing tags {missing}; have {sorted(scalars)}"
-    assert len(scalars["train/loss"]) == 2  # one point per step
+    assert [e.step for e in scalars["train/loss"]] == [1, 2]  # one point per step, step k at x = k
+    assert [e.step for e in scalars["time/retrieval"]] == [1, 2]  # LOPD retrieves from its bank every step
+    assert "train/distill_kl" not in scalars  # L_distill has one tag: train/loss
     # 2 examples x 2 rollouts per step: 4 then 8 trajectories consumed
     assert [e.value for e in scalars["train/rollouts"]] == [4.0, 8.0]
     assert sorted(e.step for e in scalars["by_rollouts/reward_mean"]) == [4, 8]
@@ -320,8 +322,8 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir, we
         delta = sum(0.5 * sum(side) / len(side) for side in sides)
     logged = rec.steps[0]["logged"]
     assert logged["train/margin_delta"] == pytest.approx(delta, rel=1e-4, abs=1e-6)
-    assert logged["train/distill_kl"] == pytest.approx(kl_sum / int(mask.sum()), rel=1e-4, abs=1e-6)
-    assert logged["train/distill_kl"] > 0
+    assert logged["train/loss"] == pytest.approx(kl_sum / int(mask.sum()), rel=1e-4, abs=1e-6)
+    assert logged["train/loss"] > 0 and "train/distill_kl" not in logged  # one tag for L_distill
 
 
 class FailingToy(EvenToy):

@@ -130,7 +130,7 @@ def test_one_step_fit_teacher_sees_the_reference_and_the_student_does_not(tmp_pa
         n = int(batch.attention_mask[b].sum())
         assert teacher_row[:pos] + teacher_row[pos + len(framed) : n + len(framed)] == student_row[:n]
     logged = seen["logged"]
-    for tag in ["train/loss", "train/distill", "train/rows_with_reference", "train/grad_norm",
+    for tag in ["train/loss", "train/rows_with_reference", "train/grad_norm",
                 "train/reward_mean", "train/success_rate", "time/teacher", "time/student_step"]:
         assert tag in logged, tag
     assert logged["train/rows_with_reference"] == pytest.approx(len(kept) / 4)

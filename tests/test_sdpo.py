@@ -195,7 +195,7 @@ def test_one_step_fit_logs_tags_and_moves_the_ema_teacher(tmp_path):
     assert module.global_step == 1
     assert len(seen["batch"]) == 8  # 2 examples x G = 4
     logged = seen["logged"]
-    for tag in ["train/loss", "train/distill", "train/rows_with_demo", "train/groups_without_success",
+    for tag in ["train/loss", "train/rows_with_demo", "train/groups_without_success",
                 "train/grad_norm", "train/reward_mean", "time/teacher", "time/student_step", "time/generation"]:
         assert tag in logged, tag
     assert logged["train/rows_with_demo"] == 1.0 and logged["train/groups_without_success"] == 0.0
@@ -255,7 +255,7 @@ def test_a_subclass_with_its_own_teacher_contexts_and_weights_trains_on_the_skel
     logged = run_step(module, batch)
     assert float(expected) > 0
     assert float(logged["loss"]) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
-    assert logged["train/rows_hinted"] == pytest.approx(0.5) and "train/distill" in logged
+    assert logged["train/rows_hinted"] == pytest.approx(0.5) and "train/loss" in logged
     assert module.updates == 1
 
 

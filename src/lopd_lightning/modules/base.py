@@ -149,9 +149,10 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`).
 
     Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``). The
-    validation that runs after training step k is logged at x = k under ``val/`` (Lightning's own
-    ``self.log`` would file it under k - 1) and at x = the trajectories generated so far under
-    ``by_rollouts/``.
+    k-th training step (the k-th optimiser step, 1-based) and the validation that runs after it are both
+    logged at x = k under ``train/``, ``time/`` and ``val/`` (Lightning's own ``self.log`` under
+    manual optimisation would file them under k - 1), the evaluation before training at x = 0, and at
+    x = the trajectories generated so far under ``by_rollouts/``.
     """
 
     def __init__(
@@ -303,7 +304,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         elif self._backend_step != int(self.global_step):
             start = time.perf_counter()
             self._backend.sync_weights(self.backbone)
-            self.step_timings["weight_sync"] = time.perf_counter() - start
+            if getattr(self._backend, "copies_weights", True):  # the HF backend runs the live student: nothing synced
+                self.step_timings["weight_sync"] = time.perf_counter() - start
             self._backend_step = int(self.global_step)
         return self._backend
 
@@ -349,7 +351,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         self.step_timings["generation"] = time.perf_counter() - start
         start = time.perf_counter()
         experiences = self.retrieve(task, examples)  # for the teacher's context; the rollouts never see them
-        self.step_timings["retrieval"] = time.perf_counter() - start
+        if experiences is not None:  # a method without a bank logs no time/retrieval
+            self.step_timings["retrieval"] = time.perf_counter() - start
         self.annotate(batch, examples)
         if experiences is not None:
             g = self.hparams.group_size

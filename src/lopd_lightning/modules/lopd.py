@@ -451,7 +451,6 @@ class LOPDModule(OnPolicyModule):
             {
                 **probe,
                 "train/loss": self.global_mean(loss_student),
-                "train/distill_kl": self.global_mean(loss_student),
                 **composer_terms,
                 "train/margin_delta": delta_global,
                 "train/margin_m": self.margin,

@@ -93,7 +93,10 @@ class ObservabilityMixin(LightningModule):
         values = {**shared, **{k: (v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}}
         for phase, seconds in self.step_timings.items():
             values[f"time/{phase}"] = seconds
-        self.log_dict({k: float(v) for k, v in values.items()}, on_step=True, on_epoch=False, batch_size=len(batch))
+        floats = {k: float(v) for k, v in values.items()}
+        # callback_metrics (progress, checkpoint monitors); the loggers get them below, at x = this step
+        self.log_dict(floats, on_step=True, on_epoch=False, batch_size=len(batch), logger=False)
+        self.log_step_scalars(floats)
         self.last_step_values = {
             "reward": float(shared["train/reward_mean"]),
             "success": float(shared["train/success_rate"]),
@@ -102,6 +105,18 @@ class ObservabilityMixin(LightningModule):
         self.log("reward", float(shared["train/reward_mean"]), prog_bar=True, logger=False, batch_size=len(batch))
         self.log("rollouts", float(self.rollouts_consumed), prog_bar=True, logger=False, batch_size=len(batch))
         self.log_by_rollouts({k.split("/", 1)[1]: v for k, v in values.items() if k.startswith("train/")})
+
+    def log_step_scalars(self, values: dict[str, float]) -> None:
+        """Write ``values`` to the loggers at x = ``global_step``: after the k-th optimiser step that is k,
+        the x of the validation that follows it (Lightning's own ``self.log`` under manual optimisation
+        files a training step's values under k - 1). Every ``log_every_n_steps`` steps, as Lightning's
+        logging does."""
+        if self._trainer is None:
+            return
+        step = int(self.global_step)
+        every = int(getattr(self.trainer, "log_every_n_steps", 1) or 1)
+        if step % every == 0 or self.trainer.should_stop:
+            self.log_to_loggers(values, step)
 
     def log_by_rollouts(self, values: dict[str, float | Tensor]) -> None:
         """Write ``by_rollouts/<name>`` scalars whose x-axis is the cumulative trajectory count."""

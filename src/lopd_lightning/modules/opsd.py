@@ -107,7 +107,7 @@ class OPSDModule(SelfDistillationModule):
             empty bank (before the model is loaded).
         FileNotFoundError: ``bank_path`` holds no bank (before the model is loaded).
 
-    Logged (besides the shared tags): ``train/loss``, ``train/distill``, ``train/rows_with_reference`` (the
+    Logged (besides the shared tags): ``train/loss``, ``train/rows_with_reference`` (the
     fraction of rows with a context: a reference, or a retrieved trace), ``train/grad_norm``;
     ``time/teacher``, ``time/student_step``.
 

@@ -139,7 +139,7 @@ class SDPOModule(SelfDistillationModule):
         ValueError: ``group_size < 2``, an unknown divergence, ``distill_top_k < 1``, ``jsd_beta``
             outside [0, 1] or ``is_clip <= 0`` (before the model is loaded).
 
-    Logged (besides the shared tags): ``train/loss``, ``train/distill``, ``train/rows_with_demo``,
+    Logged (besides the shared tags): ``train/loss``, ``train/rows_with_demo``,
     ``train/rows_kept``, ``train/groups_without_success``, ``train/grad_norm``; ``time/teacher``,
     ``time/student_step``.
 

@@ -20,7 +20,7 @@ initial model) and in SDPO's per-token importance weight. One training step:
 A rank without a kept row (and under a sharded strategy every rank) still runs the teacher pass when any
 row is kept there; with none it steps with a zero loss that reaches every parameter (DDP).
 
-Logged: ``train/loss`` and ``train/distill`` (the same value), the method's
+Logged: ``train/loss`` (the distillation loss), the method's
 :meth:`~SelfDistillationModule.distillation_metrics`, ``train/grad_norm``, and the shared tags.
 """
 
@@ -220,7 +220,7 @@ class SelfDistillationModule(OnPolicyModule):
             norm = self.clip_and_step(optimizer, self.student_parameters(), self.hparams.grad_clip)
         self.after_update()
         loss_global = self.global_mean(loss)
-        metrics = {"train/loss": loss_global, "train/distill": loss_global}
+        metrics = {"train/loss": loss_global}
         metrics.update(self.distillation_metrics(batch, contexts))
         metrics["train/grad_norm"] = norm
         self.log_rollout_metrics(batch, metrics)

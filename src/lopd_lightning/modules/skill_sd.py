@@ -349,7 +349,9 @@ class SkillSDModule(GRPOModule):
             start = time.perf_counter()
             self.refresh_skills()
             # after log_rollout_metrics: logged here (make_batch resets the step's timings)
-            self.log("time/skill_refresh", time.perf_counter() - start, on_step=True, on_epoch=False, batch_size=len(batch))
+            seconds = time.perf_counter() - start
+            self.log("time/skill_refresh", seconds, on_step=True, on_epoch=False, batch_size=len(batch), logger=False)
+            self.log_step_scalars({"time/skill_refresh": seconds})
         return loss
 
     # ------------------------------------------------------------------ outcomes, buffer, refresh

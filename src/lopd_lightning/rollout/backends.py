@@ -173,6 +173,10 @@ class GenerationBackend(abc.ABC):
             N :class:`Completion`.
         """
 
+    #: whether :meth:`sync_weights` copies weights into an engine of its own (timed as ``time/weight_sync``);
+    #: False for a backend that samples from the live model.
+    copies_weights: bool = True
+
     @abc.abstractmethod
     def sync_weights(self, model: Any) -> None:
         """Sample from ``model``'s current weights from now on (the trainer calls it after each update)."""
@@ -280,6 +284,8 @@ class HFGenerateBackend(GenerationBackend):
     Raises:
         ValueError: the tokenizer has no EOS token.
     """
+
+    copies_weights = False  # samples from the live model: sync_weights only drops cached keys/values
 
     def __init__(self, model: Any, tokenizer: Any, *, use_cache: bool = True, reuse_prefixes: bool = True):
         self.model, self.tokenizer, self.use_cache = model, tokenizer, bool(use_cache)
