@@ -112,32 +112,25 @@ def test_switching_the_method_of_an_lopd_config_names_the_lopd_only_callback(con
                                "with LOPDModule, and GRPOModule is not one; drop them from trainer.callbacks")
 
 
-def test_a_task_class_whose_module_does_not_import_says_what_tasks_verify_says(tmp_path, capsys, no_model_loading):
-    """It said `expected str, got "{'class_path': ...}"`; `lopd tasks verify` said the right thing."""
-    expected = "cannot import 'nomod' for task 'nomod.MyTask': No module named 'nomod' (is its folder on PYTHONPATH?)"
-    code, err = run_main(["tasks", "verify", "nomod.MyTask"], capsys)
+@pytest.mark.parametrize("module, source, reason", [
+    # it said `expected str, got "{'class_path': ...}"`; `lopd tasks verify` said the right thing
+    ("nomod", None, "No module named 'nomod' (is its folder on PYTHONPATH?)"),
+    # jsonargparse reports only the module's own message ("boom") among the Union's subtype errors: it said
+    # `data.init_args.task: expected str, got "NestedArg(key='class_path', val='broken_task.MyTask')"`
+    ("broken_task", "raise RuntimeError('boom')\n",
+     "RuntimeError: boom; fix the module (lopd --debug tasks verify broken_task.MyTask shows the traceback)"),
+], ids=["missing", "raises"])
+def test_a_task_class_whose_module_does_not_import_says_what_tasks_verify_says(module, source, reason, tmp_path,
+                                                                              capsys, monkeypatch, no_model_loading):
+    if source is not None:
+        (tmp_path / f"{module}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    expected = f"cannot import '{module}' for task '{module}.MyTask': {reason}"
+    code, err = run_main(["tasks", "verify", f"{module}.MyTask"], capsys)
     assert_one_line_error(err, expected)
     config = tmp_path / "task.yaml"
-    config.write_text("data:\n  init_args:\n    task:\n      class_path: nomod.MyTask\n")
-    for args in (["--data.init_args.task.class_path=nomod.MyTask"], ["-c", str(config)]):
-        code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, *args], capsys)
-        assert code == 2
-        assert_one_line_error(err, f"data.init_args.task.class_path: {expected}")
-
-
-def test_a_task_class_whose_module_raises_at_import_says_what_tasks_verify_says(tmp_path, capsys, monkeypatch,
-                                                                                no_model_loading):
-    """jsonargparse reports only the module's own message ("boom") among the Union's subtype errors: it said
-    `data.init_args.task: expected str, got "NestedArg(key='class_path', val='broken_task.MyTask')"`."""
-    (tmp_path / "broken_task.py").write_text("raise RuntimeError('boom')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    expected = ("cannot import 'broken_task' for task 'broken_task.MyTask': RuntimeError: boom; fix the module "
-                "(lopd --debug tasks verify broken_task.MyTask shows the traceback)")
-    code, err = run_main(["tasks", "verify", "broken_task.MyTask"], capsys)
-    assert_one_line_error(err, expected)
-    config = tmp_path / "task.yaml"
-    config.write_text("data:\n  init_args:\n    task:\n      class_path: broken_task.MyTask\n")
-    for args in (["--data.init_args.task.class_path=broken_task.MyTask"], ["-c", str(config)]):
+    config.write_text(f"data:\n  init_args:\n    task:\n      class_path: {module}.MyTask\n")
+    for args in ([f"--data.init_args.task.class_path={module}.MyTask"], ["-c", str(config)]):
         code, err = run_main(["fit", "-c", str(TINY_YAML), *ONE_STEP, *args], capsys)
         assert code == 2
         assert_one_line_error(err, f"data.init_args.task.class_path: {expected}")
