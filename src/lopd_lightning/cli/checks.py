@@ -60,20 +60,24 @@ def check_fit_config(config: Any) -> None:
             "optimization), so Lightning cannot accumulate gradients; remove trainer.accumulate_grad_batches (or "
             "set it to 1) and raise data.init_args.examples_per_step for more examples per update", 1
         )
-    _check_method_callbacks(model, _get(trainer, "callbacks"))
-    _check_bank_fills(model, _get(trainer, "callbacks"))
+    method = import_class(str(_get(model, "class_path") or ""))
+    if not isinstance(method, type):
+        return  # a class_path that does not import is the parser's error
+    callbacks = _get(trainer, "callbacks")
+    if callbacks is not None and not isinstance(callbacks, list):
+        callbacks = [callbacks]
+    callbacks = [(import_class(str(_get(c, "class_path") or "")), dict(_items(_get(c, "init_args"))))
+                 for c in callbacks or []]
+    _check_method_callbacks(method, [cls for cls, _ in callbacks])
+    _check_bank_fills(method, dict(_items(_get(model, "init_args"))), callbacks)
 
 
-def _check_method_callbacks(model: Any, callbacks: Any) -> None:
+def _check_method_callbacks(method: type, classes: list[Any]) -> None:
     from lopd_lightning.callbacks import LOPDOnlyCallback, lopd_only_refusal
     from lopd_lightning.modules import LOPDModule
 
-    method = import_class(str(_get(model, "class_path") or ""))
-    if method is None or issubclass(method, LOPDModule):
+    if issubclass(method, LOPDModule):
         return
-    if callbacks is not None and not isinstance(callbacks, list):
-        callbacks = [callbacks]
-    classes = [import_class(str(_get(c, "class_path") or "")) for c in callbacks or []]
     lopd_only = [c for c in classes if isinstance(c, type) and issubclass(c, LOPDOnlyCallback)]
     if lopd_only:
         raise CLIError(lopd_only_refusal(lopd_only, method.__name__), 1)
@@ -84,28 +88,19 @@ def _default(cls: type, name: str) -> Any:
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
-def _check_bank_fills(model: Any, callbacks: Any) -> None:
+def _check_bank_fills(method: type, init: dict[str, Any], callbacks: list[tuple[Any, dict[str, Any]]]) -> None:
     from lopd_lightning.callbacks import MemoryRefresh
     from lopd_lightning.memory.persistence import check_bank_fills
     from lopd_lightning.modules import LOPDModule
 
-    method = import_class(str(_get(model, "class_path") or ""))
-    if not (isinstance(method, type) and issubclass(method, LOPDModule)):
+    if not issubclass(method, LOPDModule):
         return
-    init = dict(_items(_get(model, "init_args")))
     bank_path = init.get("bank_path", _default(method, "bank_path"))
     if bank_path:
         return  # a missing or too small bank is refused by the module's own checks, also before the weights load
-    if callbacks is not None and not isinstance(callbacks, list):
-        callbacks = [callbacks]
-    refresh = False
-    for callback in callbacks or []:
-        cls = import_class(str(_get(callback, "class_path") or ""))
-        if isinstance(cls, type) and issubclass(cls, MemoryRefresh):
-            every = dict(_items(_get(callback, "init_args"))).get("every_n_steps", _default(cls, "every_n_steps"))
-            refresh = refresh or bool(every)
-    if refresh:
-        return  # fit warns once that the first steps train nothing
+    if any(isinstance(cls, type) and issubclass(cls, MemoryRefresh)
+           and args.get("every_n_steps", _default(cls, "every_n_steps")) for cls, args in callbacks):
+        return  # MemoryRefresh fills it: fit warns once that the first steps train nothing
     try:
         check_bank_fills(0, int(init.get("num_experiences", _default(method, "num_experiences")) or 0), bank_path,
                          refresh=False)
