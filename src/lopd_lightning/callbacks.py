@@ -96,7 +96,7 @@ class MemoryRefresh(LOPDOnlyCallback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.every_n_steps == 0 or not hasattr(pl_module, "bank"):
+        if self.every_n_steps == 0:  # setup refused any module that is not an LOPDModule
             return
         was_empty = len(pl_module.bank) == 0  # the bank changes only here, so it was empty all step
         self.empty_steps += was_empty
@@ -114,7 +114,7 @@ class MemoryRefresh(LOPDOnlyCallback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.every_n_steps and hasattr(pl_module, "bank") and len(pl_module.bank) == 0 and self.empty_steps:
+        if self.every_n_steps and len(pl_module.bank) == 0 and self.empty_steps:
             log.warning("the bank stayed empty: all %d steps ran without experiences and trained nothing; build "
                         "one with `lopd build-memory -c CONFIG --from-references` (model.init_args.bank_path)",
                         self.empty_steps)

@@ -340,7 +340,7 @@ class LOPDModule(OnPolicyModule):
         n_prefix = self._prefix_length(batch)  # the teacher's pass starts after these tokens
         with self.timed("student_step"):
             student, prefix = self._student_pass(batch, mask, n_prefix)  # [N, V] or [N, d]
-        frozen = self.hparams.get("freeze_composer", False)  # no composer objective: no graph through the teacher
+        frozen = self.hparams.freeze_composer  # no composer objective: no graph through the teacher
         with self.timed("teacher"), torch.no_grad() if frozen else nullcontext():
             composed, teacher = self._teacher_pass(batch, mask, n_prefix, prefix)  # [N, V] or [N, d]
             del prefix
@@ -419,7 +419,7 @@ class LOPDModule(OnPolicyModule):
         skipped = self.update_skipped  # a non-finite loss: manual_backward ran no backward on any rank
         with self.timed("student_step"):
             student_norm = self.clip_and_step(opt_student, self.student_parameters(), self.hparams.grad_clip)
-        frozen = self.hparams.get("freeze_composer", False)
+        frozen = self.hparams.freeze_composer
         with self.timed("composer_step"):
             if skipped or frozen:  # skipped: counted once by manual_backward; frozen: its gradient is the zero term
                 opt_composer.zero_grad(set_to_none=True)

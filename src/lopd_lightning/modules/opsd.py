@@ -207,7 +207,7 @@ class OPSDModule(SelfDistillationModule):
         """Per row, :meth:`reference_texts` (``references``) and them framed in ``OPSD_REFERENCE_TEMPLATE``
         (``texts``); with ``privileged_context: retrieved``, :meth:`retrieved_texts` in the teacher's framing
         (``texts``; ``references`` None). The rows with a context are kept (the others get none)."""
-        retrieved = self.hparams.get("privileged_context", "reference") == "retrieved"
+        retrieved = self.hparams.privileged_context == "retrieved"
         texts = self.retrieved_texts(batch) if retrieved else self.reference_texts(batch)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=batch.input_ids.device)
         if retrieved:
