@@ -36,8 +36,8 @@ requests for ``hidden_rules``; ``--limit N`` takes the first N):
    differently).
 4. **Statistics**: success = reward >= 1; ``difference`` = text_nearest_success - student_success, with
    ``difference_ci`` a 95% percentile interval from a paired bootstrap over questions
-   (:func:`paired_bootstrap`: ``--resamples`` draws, seeded by ``--seed``; a question's two answers are
-   resampled together).
+   (``compare_stats.paired_differences``, the comparison's own: ``--resamples`` draws, seeded by
+   ``--seed``; a question's two answers are resampled together).
 
 The JSON (``--out``): ``n_heldout``, ``student_success`` / ``student_solved``, ``text_nearest_success`` /
 ``text_nearest_solved``, ``difference``, ``difference_ci``, ``same_tool_rate``, ``targets`` and ``met``
@@ -56,8 +56,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
-import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +65,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
 from privileged_margin import Journal, file_stamp, teacher_greedy_reply  # noqa: E402
+from compare_stats import paired_differences  # noqa: E402
 from start_student import LORA, task_options  # noqa: E402
 
 #: the issue's bar, fixed before calibrating: the start student's greedy success, and the least difference
@@ -74,37 +73,6 @@ TARGETS = {"student_success": [0.10, 0.25], "difference_min": 0.20}
 
 
 # ---------------------------------------------------------------------------------------- statistics
-def paired_bootstrap(before: Sequence[float], after: Sequence[float], *, resamples: int, seed: int,
-                     level: float = 0.95) -> tuple[float, list[float]]:
-    """The mean paired difference ``after - before`` and its percentile bootstrap interval over questions.
-
-    Each of ``resamples`` draws takes n question indices with replacement (``random.Random(seed)``) and
-    computes the mean of ``after[i] - before[i]`` over them: a question's two outcomes stay together. The
-    interval's ends are the sorted draws at ``int(a * (resamples - 1))`` and ``ceil((1 - a) * (resamples - 1))``,
-    a = (1 - level) / 2 (the convention of ``privileged_margin.bootstrap_ci``).
-
-    Args:
-        before, after: one number per question (1.0 / 0.0 for success), in the same order.
-
-    Returns:
-        ``(difference, [low, high])``.
-
-    Raises:
-        ValueError: no questions, lengths that differ, or ``resamples < 1``.
-    """
-    if len(before) != len(after) or not before:
-        raise ValueError(f"need as many outcomes before as after, at least one; got {len(before)} and {len(after)}")
-    if resamples < 1:
-        raise ValueError(f"resamples must be >= 1, got {resamples}")
-    diffs = [float(b) - float(a) for a, b in zip(before, after, strict=True)]
-    n = len(diffs)
-    rng = random.Random(seed)
-    draws = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    low, high = draws[int(tail * (resamples - 1))], draws[int(math.ceil((1.0 - tail) * (resamples - 1)))]
-    return sum(diffs) / n, [low, high]
-
-
 def solved(reward: float) -> bool:
     return reward >= 1.0
 
@@ -137,7 +105,8 @@ def summarise(records: list[dict[str, Any]], *, resamples: int, seed: int) -> di
     """The top-level numbers of the JSON from the per-question records."""
     student = [1.0 if solved(r["student_reward"]) else 0.0 for r in records]
     text = [1.0 if solved(r["text_nearest_reward"]) else 0.0 for r in records]
-    difference, ci = paired_bootstrap(student, text, resamples=resamples, seed=seed)
+    paired = paired_differences(dict(enumerate(text)), dict(enumerate(student)), n_boot=resamples, seed=seed)
+    difference, ci = paired["mean_difference"], paired["ci"]
     overall = group_stats(records)
     return {
         "n_heldout": len(records),
@@ -150,7 +119,7 @@ def summarise(records: list[dict[str, Any]], *, resamples: int, seed: int) -> di
         "met": {
             "student_success": TARGETS["student_success"][0] <= overall["student_success"] <= TARGETS["student_success"][1],
             "difference": difference >= TARGETS["difference_min"],
-            "difference_ci_excludes_0": ci[0] > 0 or ci[1] < 0,
+            "difference_ci_excludes_0": paired["excludes_zero"],
         },
         "by_rule_kind": breakdown(records, lambda r: r.get("rule_kind")),
         "by_group": breakdown(records, tool_group),

@@ -4,7 +4,6 @@ breakdowns, hidden_rules' scoring under either references option, and a tiny end
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -22,43 +21,18 @@ def start():
     return load_benchmark("start_student")
 
 
-def exact_bootstrap_interval(diffs: list[float], level: float = 0.95) -> tuple[float, float]:
-    """The ideal bootstrap's percentile interval: every one of the n**n index tuples, equally likely; the ends
-    are the smallest means whose cumulative probability reaches (1 - level) / 2 and (1 + level) / 2."""
-    n = len(diffs)
-    means = sorted(sum(diffs[i] for i in t) / n for t in itertools.product(range(n), repeat=n))
-    tail = (1 - level) / 2
+def test_the_difference_is_the_comparisons_paired_bootstrap(calibration):
+    """The interval is compare_stats.paired_differences' (the comparison's own paired bootstrap), over the same
+    questions: every question gaining 1 gives [1, 1]; identical outcomes, however mixed, give [0, 0]."""
+    def summary(student, text):
+        records = [record(str(i), "book_flight", "date_format", False, True, s, t)
+                   for i, (s, t) in enumerate(zip(student, text, strict=True))]
+        return calibration.summarise(records, resamples=500, seed=0)
 
-    def quantile(q: float) -> float:
-        return next(m for k, m in enumerate(means, start=1) if k / len(means) >= q)
-
-    return quantile(tail), quantile(1 - tail)
-
-
-def test_paired_bootstrap_by_hand(calibration):
-    boot = calibration.paired_bootstrap
-    assert boot([0, 0, 0], [1, 1, 1], resamples=2000, seed=0) == (1.0, [1.0, 1.0])  # every question gains 1
-    # paired: identical outcomes give no spread at all, however mixed they are (unpaired, this would be wide)
-    assert boot([1, 0, 1, 0], [1, 0, 1, 0], resamples=2000, seed=0) == (0.0, [0.0, 0.0])
-    # two questions, differences 1 and 0: a resample's mean is 0, 0.5 or 1 (probabilities 1/4, 1/2, 1/4),
-    # so the 2.5% and 97.5% ends are 0 and 1
-    assert boot([0, 0], [1, 0], resamples=2000, seed=0) == (0.5, [0.0, 1.0])
-    assert boot([0, 1], [1, 1], resamples=50, seed=3) == boot([0, 1], [1, 1], resamples=50, seed=3)  # seeded
-    with pytest.raises(ValueError, match="as many"):
-        boot([0, 1], [1], resamples=10, seed=0)
-    with pytest.raises(ValueError, match="as many"):
-        boot([], [], resamples=10, seed=0)
-    with pytest.raises(ValueError, match="resamples"):
-        boot([0], [1], resamples=0, seed=0)
-
-
-def test_paired_bootstrap_matches_the_enumerated_bootstrap(calibration):
-    # differences 1, 1, 0, -1 (q4 got worse): the 256 resamples of 4 give P(mean <= -0.75) = 5/256 < 2.5% and
-    # P(mean <= -0.5) = 19/256, P(mean < 1) = 240/256 < 97.5%: the exact interval is [-0.5, 1.0]
-    before, after = [0, 0, 1, 1], [1, 1, 1, 0]
-    assert exact_bootstrap_interval([1, 1, 0, -1]) == (-0.5, 1.0)
-    difference, ci = calibration.paired_bootstrap(before, after, resamples=2000, seed=0)
-    assert difference == pytest.approx(0.25) and ci == [-0.5, 1.0]
+    gain = summary([0, 0, 0], [1, 1, 1])
+    assert gain["difference"] == 1.0 and gain["difference_ci"] == [1.0, 1.0] and gain["met"]["difference_ci_excludes_0"]
+    same = summary([1, 0, 1, 0], [1, 0, 1, 0])
+    assert same["difference"] == 0.0 and same["difference_ci"] == [0.0, 0.0] and not same["met"]["difference_ci_excludes_0"]
 
 
 def record(qid, tool, kind, plain, same, student, text):
