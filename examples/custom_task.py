@@ -152,7 +152,7 @@ def train(module: LOPDModule, datamodule: OnPolicyDataModule, *, max_steps: int 
 def main() -> None:
     module, datamodule = build()
     # min_reward 0: every trajectory is offered to experience_from_trajectory, which decides
-    callbacks = [MarginSchedule(margin=0.05), MemoryRefresh(every_n_steps=1, min_reward=0.0)]
+    callbacks = [MarginSchedule(), MemoryRefresh(every_n_steps=1, min_reward=0.0)]
     trainer = train(module, datamodule, callbacks=callbacks)
     metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
     print(f"{trainer.global_step} steps; bank size {len(module.bank)}; {metrics}")

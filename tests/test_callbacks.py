@@ -157,15 +157,15 @@ def test_memory_refresh_off_leaves_the_bank_frozen(tmp_path):
 
 
 # ------------------------------------------------------------------ MarginSchedule
-def test_margin_schedule_values_by_hand():
-    constant = MarginSchedule(margin=0.05)
-    assert [constant.value(s) for s in (0, 1, 100)] == [0.05, 0.05, 0.05]
-    linear = MarginSchedule(margin=0.08, schedule="linear", warmup_steps=4)
-    # 0.08 * s / 4 for s < 4, then 0.08
-    assert [linear.value(s) for s in range(6)] == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08, 0.08])
-    cosine = MarginSchedule(margin=0.08, schedule="cosine", warmup_steps=4)
-    # 0.08 * (1 - cos(pi s / 4)) / 2: s=1 -> 0.04 (1 - sqrt(2)/2) = 0.0117157; s=2 -> 0.04; s=3 -> 0.0682843
-    assert [cosine.value(s) for s in range(6)] == pytest.approx([0.0, 0.0117157, 0.04, 0.0682843, 0.08, 0.08], abs=1e-7)
+def test_margin_schedule_fractions_by_hand():
+    constant = MarginSchedule()
+    assert [constant.fraction(s) for s in (0, 1, 100)] == [1.0, 1.0, 1.0]
+    linear = MarginSchedule(schedule="linear", warmup_steps=4)
+    # s / 4 for s < 4, then 1
+    assert [linear.fraction(s) for s in range(6)] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 1.0])
+    cosine = MarginSchedule(schedule="cosine", warmup_steps=4)
+    # (1 - cos(pi s / 4)) / 2: s=1 -> (1 - sqrt(2)/2) / 2 = 0.1464466; s=2 -> 0.5; s=3 -> 0.8535534
+    assert [cosine.fraction(s) for s in range(6)] == pytest.approx([0.0, 0.1464466, 0.5, 0.8535534, 1.0, 1.0], abs=1e-7)
     with pytest.raises(ValueError, match="schedule must be"):
         MarginSchedule(schedule="step")
     with pytest.raises(ValueError, match="warmup_steps >= 1"):
@@ -173,7 +173,7 @@ def test_margin_schedule_values_by_hand():
 
 
 def test_module_margin_follows_the_schedule_during_a_fit(tmp_path):
-    module = make_module(margin=123.0)  # overwritten by the callback before every step
+    module = make_module(margin=0.09)  # the target m; the schedule ramps the m in effect up to it
 
     class Margins(Callback):
         def __init__(self):
@@ -184,18 +184,19 @@ def test_module_margin_follows_the_schedule_during_a_fit(tmp_path):
             self.logged.append(float(trainer.callback_metrics["train/margin_m"]))
 
     margins = Margins()
-    schedule = MarginSchedule(margin=0.09, schedule="linear", warmup_steps=3)
+    schedule = MarginSchedule(schedule="linear", warmup_steps=3)
     fit(tmp_path, module, OnPolicyDataModule("toy", examples_per_step=1), [schedule, margins], max_steps=3)
     # steps 0, 1, 2 of a 3-step ramp to 0.09: 0, 0.03, 0.06
     assert margins.used == pytest.approx([0.0, 0.03, 0.06])
     assert margins.logged == pytest.approx([0.0, 0.03, 0.06])
-    assert math.isclose(schedule.value(3), 0.09)
+    module.scale_margin(schedule.fraction(3))
+    assert module.margin == 0.09 and module.hparams.margin == 0.09  # the module's target, unchanged
 
 
 # ------------------------------------------------------------------ LOPD-only
 @pytest.mark.parametrize(
     "callback, does",
-    [(MarginSchedule(margin=0.05), "it sets LOPDModule's privileged margin"),
+    [(MarginSchedule(), "it sets LOPDModule's privileged margin"),
      (MemoryRefresh(every_n_steps=1), "it adds successful rollouts to LOPDModule's experience bank")],
     ids=["margin_schedule", "memory_refresh"],
 )

@@ -353,7 +353,7 @@ def test_checkpoint_holds_the_method_state_and_resume_continues(tmp_path, bank_d
     module = make_module(bank_dir, margin=0.5)
     rec = Recorder()
     callbacks = [
-        MarginSchedule(margin=0.5),
+        MarginSchedule(),
         MemoryRefresh(every_n_steps=1, min_reward=1.0),
         ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, save_last=False),
         rec,
@@ -402,7 +402,7 @@ def test_checkpoint_holds_the_method_state_and_resume_continues(tmp_path, bank_d
                 composer_steps={float(s["step"]) for s in trainer.optimizers[1].state.values()},
             )
 
-    callbacks2 = [MarginSchedule(margin=0.5), MemoryRefresh(every_n_steps=0), AtResume()]
+    callbacks2 = [MarginSchedule(), MemoryRefresh(every_n_steps=0), AtResume()]
     trainer2 = make_trainer(tmp_path / "resume", max_steps=3, callbacks=callbacks2)
     dm2 = make_dm(EvenToy())
     trainer2.fit(fresh, dm2, ckpt_path=str(path))

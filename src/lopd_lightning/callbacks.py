@@ -2,7 +2,7 @@
 progress bars that count training steps.
 
 The first two are independent of the module's code: they act on ``pl_module.bank`` and
-``pl_module.margin``, take explicit constructor arguments and are configured in YAML (``trainer.callbacks``).
+``pl_module.scale_margin``, take explicit constructor arguments and are configured in YAML (``trainer.callbacks``).
 They are LOPD-only (:class:`LOPDOnlyCallback`): a fit of a module without what they act on (GRPO, SDPO, ...,
 e.g. an LOPD config whose ``model.class_path`` was switched) is refused in one line naming the callback to
 drop from ``trainer.callbacks`` (:func:`lopd_only_refusal`; ``lopd fit`` says it before the weights load).
@@ -160,16 +160,18 @@ class MemoryRefresh(LOPDOnlyCallback):
 
 
 class MarginSchedule(LOPDOnlyCallback):
-    """Sets the privileged margin ``pl_module.margin`` (m of docs/METHOD.md section 5) before every step.
+    """Ramps the privileged margin m (docs/METHOD.md section 5) of the module before every step.
+
+    The module owns m: its ``margin`` argument is the target and ``LOPDModule.margin`` the value in effect.
+    This callback owns only the ramp's shape: before each step it calls
+    ``pl_module.scale_margin(self.fraction(trainer.global_step))``.
 
     Args:
-        margin: the target m; None (default) takes the module's own ``margin`` argument, so the schedule
-            and the module cannot disagree silently (paper: 0.05).
-        schedule: "constant" (the paper), "linear" (0 -> m over ``warmup_steps``, then m) or "cosine"
-            (0 -> m along a half cosine over ``warmup_steps``, then m).
+        schedule: "constant" (the paper: m throughout), "linear" (0 -> m over ``warmup_steps``, then m) or
+            "cosine" (0 -> m along a half cosine over ``warmup_steps``, then m).
         warmup_steps: length of the ramp of "linear" and "cosine"; ignored by "constant".
 
-    LOPD-only (:class:`LOPDOnlyCallback`): a fit of a module without a ``margin`` is refused at setup.
+    LOPD-only (:class:`LOPDOnlyCallback`): a fit of a module without a privileged margin is refused at setup.
 
     Raises:
         ValueError: an unknown ``schedule``, a ramp without ``warmup_steps``; (``setup``) a fit of a module
@@ -178,40 +180,26 @@ class MarginSchedule(LOPDOnlyCallback):
 
     DOES = "it sets LOPDModule's privileged margin"
 
-    def __init__(
-        self,
-        margin: float | None = None,
-        schedule: Literal["constant", "linear", "cosine"] = "constant",
-        warmup_steps: int = 0,
-    ):
+    def __init__(self, schedule: Literal["constant", "linear", "cosine"] = "constant", warmup_steps: int = 0):
         if schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
         if schedule != "constant" and warmup_steps < 1:
             raise ValueError(f"schedule {schedule!r} needs warmup_steps >= 1, got {warmup_steps}")
-        self.margin = None if margin is None else float(margin)
         self.schedule = schedule
         self.warmup_steps = int(warmup_steps)
 
-    def value(self, step: int, margin: float | None = None) -> float:
-        """m at optimiser step ``step`` (0-based), ramping to ``margin`` (default: the constructor's).
-
-        Raises:
-            ValueError: no target margin (neither given here nor to the constructor).
-        """
-        target = self.margin if margin is None else margin
-        if target is None:
-            raise ValueError("MarginSchedule has no target margin: pass margin=... or attach it to a module")
+    def fraction(self, step: int) -> float:
+        """The fraction of the target m in effect at optimiser step ``step`` (0-based), in [0, 1]."""
         if self.schedule == "constant" or step >= self.warmup_steps:
-            return target
+            return 1.0
         fraction = step / self.warmup_steps
         if self.schedule == "linear":
-            return target * fraction
-        return target * 0.5 * (1.0 - math.cos(math.pi * fraction))
+            return fraction
+        return 0.5 * (1.0 - math.cos(math.pi * fraction))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        target = self.margin if self.margin is not None else float(pl_module.hparams.margin)
-        pl_module.margin = self.value(trainer.global_step, target)
+        pl_module.scale_margin(self.fraction(trainer.global_step))
 
 
 class RunSummary(Callback):

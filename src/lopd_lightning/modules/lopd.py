@@ -123,7 +123,8 @@ class LOPDModule(OnPolicyModule):
             ``train/margin_delta`` is still logged, as a measurement, and ``train/beta`` (constant);
             ``train/composer_loss`` and ``train/composer_anchor`` are not.
         distill_top_k: M, the teacher's top-M support of the distillation KL (paper: 20).
-        margin: m, the privileged margin (paper: 0.05); a MarginSchedule callback may vary it.
+        margin: m, the privileged margin (paper: 0.05): the target of :meth:`scale_margin`, which a
+            ``MarginSchedule`` callback calls to ramp m up to it.
         anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
         margin_weighting: how Delta weighs the rollouts: ``"paper"`` (the default: the mean of A D over
             rollouts) or ``"balanced"`` (successes and failures weighed equally; not in the paper, see
@@ -274,6 +275,7 @@ class LOPDModule(OnPolicyModule):
         #: what ``lopd pretrain-composer`` saved beside the composer loaded from ``composer_path`` (None: none)
         self.composer_info = load_composer(self.composer, composer_path) if composer_path else None
         self.freeze_anchor()
+        #: m in effect this step (float): the ``margin`` argument, or the part of it :meth:`scale_margin` set.
         self.margin = float(margin)
         #: beta and its dual ascent (docs/METHOD.md 5); ``self.beta`` reads and sets its value.
         self.dual = DualAscent(beta_init, lr=dual_lr)
@@ -287,6 +289,13 @@ class LOPDModule(OnPolicyModule):
     @beta.setter
     def beta(self, value: float) -> None:
         self.dual.value = float(value)
+
+    def scale_margin(self, fraction: float) -> None:
+        """Set :attr:`margin`, the m in effect, to ``fraction`` (in [0, 1]) of the ``margin`` argument, the target m.
+
+        The one way m moves during a fit (``MarginSchedule`` calls it before every step; docs/METHOD.md section 5).
+        """
+        self.margin = fraction * float(self.hparams.margin)
 
     # ------------------------------------------------------------------ retrieval
     @override
