@@ -316,20 +316,20 @@ def floor_units(module: LOPDModule, batch, args: argparse.Namespace) -> dict[str
 
     def forward():
         with torch.no_grad():
-            module.student_logits(batch, mask)
+            module.student_forward(batch, mask).values
 
     def composer_forward():
         with torch.no_grad():
-            module.compose(batch)
+            module.batch_latents(batch)
 
     def composer():
-        composed = module.compose(batch)
+        composed = module.batch_latents(batch)
         (composed.latents.float() ** 2).mean().backward()
         zero_composer_grads()
 
     def composer_path():
         own = module.teacher.own_prefix(batch.input_ids, batch.attention_mask, n_prefix) if n_prefix and not shared else None
-        composed = module.compose(batch)
+        composed = module.batch_latents(batch)
         teacher = (module.teacher.hidden_on_student_positions if module.hparams.get("distill_chunk_size")
                    else module.teacher.logits_on_student_positions)
         out = teacher(batch.input_ids, batch.attention_mask, batch.context_position, positions=positions,
@@ -341,7 +341,7 @@ def floor_units(module: LOPDModule, batch, args: argparse.Namespace) -> dict[str
         module.anchor_latents(batch)
 
     def student_update():  # a GRPO-like update of the student on this batch: forward + backward, no step
-        logits = module.student_logits(batch, mask)
+        logits = module.student_forward(batch, mask).values
         token_logps(logits[None], targets[mask][None])[0].mean().backward()
         module.zero_grad(set_to_none=True)
 

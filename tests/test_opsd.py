@@ -80,19 +80,19 @@ def test_reference_text_lookup():
 def test_one_step_fit_teacher_sees_the_reference_and_the_student_does_not(tmp_path):
     module = make_module(lora=LORA)
     teacher_ids, student_ids = [], []
-    insert, student_logits = module.teacher.insert_context, module.student_logits
+    insert, student_forward = module.teacher.insert_context, module.student_forward
 
     def record_insert(*args, **kwargs):
         out = insert(*args, **kwargs)
         teacher_ids.append(out.input_ids.clone())
         return out
 
-    def record_student(batch, positions=None):
+    def record_student(batch, positions, **kwargs):
         student_ids.append(batch.input_ids.clone())
-        return student_logits(batch, positions)
+        return student_forward(batch, positions, **kwargs)
 
     module.teacher.insert_context = record_insert
-    module.student_logits = record_student
+    module.student_forward = record_student
     seen = {}
 
     class Rec(Callback):

@@ -16,12 +16,12 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj
 
 
 def reference_nll(module: SFTModule, batch) -> float:
-    """-sum omega log pi(y* | s) / sum omega, recomputed from the student's logits."""
+    """-sum omega log pi(y* | s) / sum omega, recomputed from the student's logits at the assistant tokens."""
+    targets, mask = module.shifted(batch)
     with torch.no_grad():
-        logits = module.student_logits(batch)
-    targets, mask = batch.input_ids[:, 1:], batch.assistant_mask[:, 1:]
-    logps = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
-    return float(-(logps * mask).sum() / mask.sum())
+        logits = module.student_forward(batch, mask).values  # [N, V]
+    logps = torch.log_softmax(logits.float(), -1).gather(-1, targets[mask][:, None])[:, 0]
+    return float(-logps.mean())
 
 
 def test_reference_batch_is_the_replayed_reference_conversation():
@@ -60,12 +60,12 @@ def test_two_sft_steps_reduce_the_reference_nll_and_save_a_loadable_student(tmp_
     assert any(save_dir.glob("*.safetensors"))
     model, tokenizer = load_student(str(save_dir))
     assert not hasattr(model, "peft_config")  # a plain model: the LoRA is merged in
+    real = batch.attention_mask[:, :-1].bool()  # padding positions carry no meaning: compare real tokens
     with torch.no_grad():
-        expected = module.student_logits(batch)
+        expected = module.student_forward(batch, real).values  # [N, V] at the real tokens
         got = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         untrained = tiny_model(seed=0)(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    real = batch.attention_mask[:, :-1].bool()  # padding positions carry no meaning: compare real tokens
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[real], expected, atol=1e-5, rtol=1e-5)
     assert (got[real] - untrained[real]).abs().max() > 1e-3  # the saved weights are the trained ones
     # the saved tokenizer encodes the conversation the same way
     assert tokenizer.apply_chat_template(batch.messages[0], tokenize=False) == module.tokenizer.apply_chat_template(

@@ -182,13 +182,13 @@ def test_the_teacher_sees_the_skill_and_the_student_does_not(tmp_path):
 
     module.teacher.insert_context = spy
     student_inputs = []
-    student_logits = module.student_logits
+    student_forward = module.student_forward
 
-    def spy_student(batch, positions=None):
+    def spy_student(batch, positions, **kwargs):
         student_inputs.append(batch.input_ids.clone())
-        return student_logits(batch, positions)
+        return student_forward(batch, positions, **kwargs)
 
-    module.student_logits = spy_student
+    module.student_forward = spy_student
     rec = Recorder()
     quiet_trainer(tmp_path, callbacks=[rec]).fit(module, make_dm())
     batch = rec.steps[0]["batch"]

@@ -7,7 +7,7 @@ Two kinds of values, float32 on CPU with one torch thread:
 
 * ``teacher_forced_values()``: per method, the loss pieces of one fixed teacher-forced batch (no generation) through
   the method's own public functions: GRPO (``step_inputs`` / ``loss_terms``, at the pass-1 ratio and at shifted old
-  log-probs), SDPO and OPSD (``teacher_contexts`` / ``teacher_logits`` / ``student_logits`` / ``distillation_loss``),
+  log-probs), SDPO and OPSD (``teacher_contexts`` / ``teacher_logits`` / ``student_forward`` / ``distillation_loss``),
   Skill-SD (``loss_terms`` with a skill), SFT (the masked NLL of its step) and LOPD (``LOPDModule.losses``, with
   experiences from a hand-built bank of the toy task's reference solutions).
 * ``fit_values()``: per method, the logged values after each of 2 steps of a seeded tiny-model ``fit`` on the toy
@@ -115,7 +115,7 @@ def _self_distillation(module, batch) -> dict[str, float]:
     kept_mask = mask & contexts.kept[:, None]
     num_tokens = module.num_loss_tokens(batch, kept_mask)
     teacher = module.teacher_logits(batch, contexts, kept_mask)
-    student = module.student_logits(batch, mask)
+    student = module.student_forward(batch, mask).values
     loss = module.distillation_loss(batch, student, teacher, contexts.kept, num_tokens)
     return {"loss": _f(loss), "kept_rows": _f(contexts.kept.sum()), "num_tokens": float(num_tokens)}
 

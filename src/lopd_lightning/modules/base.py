@@ -426,7 +426,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
     def student_forward(
         self, batch: RolloutBatch, positions: Tensor, *, output: str = "logits", keep_cache: bool = False
     ) -> StudentForward:
-        """The student's forward pass on the batch, its outputs kept only at ``positions``.
+        """The student's forward pass on the batch, its outputs kept only at ``positions``: the one pass every
+        method's student loss reads (LOPD's and the self-distillation methods' logits or hidden states;
+        :meth:`student_logps` for the log-probs of the batch's own tokens).
 
         Args:
             positions: (B, T-1) bool in shifted coordinates (e.g. the loss mask of :meth:`shifted`).
@@ -460,36 +462,23 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             )
         return StudentForward(*out) if keep_cache else StudentForward(out, None)
 
-    def student_logits(self, batch: RolloutBatch, positions: Tensor | None = None) -> Tensor:
-        """Logits of the student on the batch; position t predicts token t+1.
-
-        Args:
-            positions: (B, T-1) bool in shifted coordinates (e.g. the loss mask of :meth:`shifted`), or None.
-
-        Returns:
-            (B, T-1, V) without ``positions``; packed (N, V) at the selected positions with them (the LM
-            head runs only there). For the key/value cache too, use :meth:`student_forward`.
-        """
-        if positions is not None:
-            return self.student_forward(batch, positions).values
-        with self.student_context():
-            return selected_logits(
-                self.backbone,
-                None,
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                position_ids=position_ids_from_mask(batch.attention_mask),
-            )[:, :-1]
-
     @staticmethod
     def unshift(positions: Tensor) -> Tensor:
         """(B, T-1) shifted-coordinate positions -> (B, T) model positions (a False column appended)."""
         return torch.cat([positions.bool(), positions.new_zeros(positions.shape[0], 1).bool()], dim=1)
 
     def student_logps(self, batch: RolloutBatch, *, temperature: float = 1.0) -> Tensor:
-        """(B, T-1) log-probs of the batch's tokens under the student on the assistant tokens (0 elsewhere)."""
+        """The student's log-probs log pi_S(a | s) of the batch's own tokens at its assistant tokens, unpacked:
+        what GRPO's ratio and SFT's NLL read (:meth:`student_forward` gives the whole distribution, packed).
+
+        Args:
+            temperature: the logits are divided by it before the log-softmax.
+
+        Returns:
+            (B, T-1) float, in shifted coordinates (position t scores token t+1); 0 off the assistant mask.
+        """
         targets, mask = self.shifted(batch)
-        logits = self.student_logits(batch, mask)
+        logits = self.student_forward(batch, mask).values  # [N, V]
         return unpack(token_logps(logits[None], targets[mask][None], temperature=temperature)[0], mask)
 
     def num_loss_tokens(self, batch: RolloutBatch, mask: Tensor | None = None) -> float:

@@ -214,7 +214,7 @@ class SelfDistillationModule(OnPolicyModule):
         with self.timed("teacher"):
             teacher_logits = self.teacher_logits(batch, contexts, kept_mask)
         with self.timed("student_step"):
-            student_logits = self.student_logits(batch, mask)  # [N, V], every assistant token
+            student_logits = self.student_forward(batch, mask).values  # [N, V], every assistant token
             loss = self.distillation_loss(batch, student_logits, teacher_logits, contexts.kept, num_tokens)
             self.manual_backward(loss)
             norm = self.clip_and_step(optimizer, self.student_parameters(), self.hparams.grad_clip)
