@@ -106,7 +106,7 @@ def answer_nll(module, batch, **context) -> list[float]:
 
 def latents_for(module, examples, experiences):
     """The composer's latents for each example with the given experience (one per row)."""
-    return module.compose_experiences([ex.text for ex in examples], [[e] for e in experiences])
+    return module.composer.compose([[(ex.text, e.trace)] for ex, e in zip(examples, experiences, strict=True)])
 
 
 def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None = None) -> dict[str, Any]:

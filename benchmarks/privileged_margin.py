@@ -211,7 +211,7 @@ def student_token_logps(module, batch):
 
     targets, mask = module.shifted(batch)
     with torch.no_grad():
-        return unpack(token_logps(module.student_logits(batch, mask)[None], targets[mask][None])[0], mask), mask
+        return unpack(token_logps(module.student_forward(batch, mask).values[None], targets[mask][None])[0], mask), mask
 
 
 def token_deltas(module, batch, contexts: dict[str, Any], *, student=None) -> dict[str, list[tuple[float, float, int]]]:
@@ -236,7 +236,7 @@ def token_deltas(module, batch, contexts: dict[str, Any], *, student=None) -> di
             if kind == "text":
                 kwargs["context_ids"] = value
             else:
-                composed = module.compose(batch, value)
+                composed = module.batch_latents(batch, value)
                 kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
             logits = module.teacher.logits_on_student_positions(
                 batch.input_ids, batch.attention_mask, batch.context_position, **kwargs
@@ -295,7 +295,7 @@ def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=No
     attn = torch.ones_like(ids)
     kwargs: dict[str, Any] = {}
     if composer is not None:
-        composed = module.compose_experiences([example.text], module.retrieve(task, [example]), composer)
+        composed = composer.compose([[(example.text, e.trace) for e in module.retrieve(task, [example])[0]]])
     if composed is not None:
         kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
     elif context_ids is not None:
@@ -339,7 +339,7 @@ def latent_rms(module, composer, batch) -> float:
     import torch
 
     with torch.no_grad():
-        composed = module.compose(batch, composer)
+        composed = module.batch_latents(batch, composer)
         keep = composed.latent_mask
         return float(composed.latents[keep].pow(2).mean().sqrt()) if keep.any() else float("nan")
 

@@ -238,7 +238,7 @@ def own_and_other(module: LOPDModule, task: FactsTask) -> tuple[float, float, fl
     values = []
     with torch.no_grad():
         for experiences in (own, own[1:] + own[:1]):
-            composed = module.compose_experiences([ex.text for ex in examples], [[e] for e in experiences])
+            composed = module.composer.compose([[(ex.text, e.trace)] for ex, e in zip(examples, experiences, strict=True)])
             logits = module.teacher.logits_on_student_positions(
                 batch.input_ids, batch.attention_mask, batch.context_position, positions=module.unshift(mask),
                 latents=composed.latents, latent_mask=composed.latent_mask)

@@ -111,7 +111,7 @@ def warm_start_grads(bank_dir, checkpointing: bool) -> tuple[torch.Tensor, list[
     examples = task.examples("train")[:2]
     batch = module.reference_batch(task, examples)
     batch.experiences = module.retrieve(task, examples)
-    loss = latent_nll(module.teacher, module.compose(batch), batch.input_ids, batch.attention_mask,
+    loss = latent_nll(module.teacher, module.batch_latents(batch), batch.input_ids, batch.attention_mask,
                            batch.context_position, batch.assistant_mask)
     loss.backward()
     return loss.detach(), [p.grad for p in module.composer.trainable_parameters()]
@@ -249,7 +249,7 @@ def teacher_pass(module: LOPDModule, batch, *, prefix: bool) -> tuple[torch.Tens
     """The teacher's logits at the student's positions with the composer's latents, the latents' gradient of
     their squared sum, and the bytes autograd saved outside checkpointed layers during the teacher's pass."""
     targets, mask = module.shifted(batch)
-    composed = module.compose(batch)
+    composed = module.batch_latents(batch)
     latents = composed.latents.detach().requires_grad_(True)
     n = module._prefix_length(batch) if not prefix else 3
     cache = module.teacher.own_prefix(batch.input_ids, batch.attention_mask, n) if prefix else None

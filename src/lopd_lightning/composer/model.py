@@ -355,7 +355,15 @@ class LatentComposer(nn.Module):
         return ComposerOutput(latents, latent_mask)
 
     def compose(self, experiences: list[list[tuple[str, str]]]) -> ComposerOutput:
-        """Tokenise and run: B lists of (task_text, trace) -> :class:`ComposerOutput`."""
+        """c_phi of texts: the one texts -> latents (:meth:`tokenize_experiences`, then :meth:`forward`).
+
+        Args:
+            experiences: B lists (one per task) of (task_text x, trace m_j) pairs, as :meth:`tokenize_experiences`.
+
+        Returns:
+            :class:`ComposerOutput`: latents (B, J*K, d) float on the compressor's device and latent_mask
+            (B, J*K) bool, J the longest row's count.
+        """
         batch = self.tokenize_experiences(experiences)
         return self(batch.input_ids, batch.attention_mask, batch.experience_mask)
 

@@ -150,7 +150,7 @@ def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Exampl
         raise ValueError("no row of this pretraining batch has an experience (retrieval found none and "
                          "model.init_args.warm_start_self_retrieval is false); set it to true, or fill the bank")
     batch.experiences = experiences
-    composed = module.compose(batch)
+    composed = module.batch_latents(batch)
     k = module.composer.num_latents
     zero = composed.latents.sum() * 0.0
     task_nll = zero

@@ -46,7 +46,7 @@ def latent_probe(module: LOPDModule, batch: RolloutBatch) -> dict[str, Tensor]:
     zero = torch.zeros((), device=module.device)
     spread, swap, signed, valid = zero, zero, zero, zero
     with torch.no_grad():
-        composed = module.compose(batch)
+        composed = module.batch_latents(batch)
         k = module.composer.num_latents
         distinct = torch.tensor([first[e] for e in ids], device=composed.latents.device)
         per_experience = composed.latents[distinct].reshape(-1, k, composed.latents.shape[-1])
@@ -57,7 +57,7 @@ def latent_probe(module: LOPDModule, batch: RolloutBatch) -> dict[str, Tensor]:
             original = batch.experiences
             batch.experiences = [experiences[first[other_of[e]]] for e in batch.example_ids]
             try:
-                other = module.compose(batch)
+                other = module.batch_latents(batch)
             finally:
                 batch.experiences = original
             targets, mask = module.shifted(batch)

@@ -306,29 +306,27 @@ class LOPDModule(OnPolicyModule):
         result = self.bank.search([e.id for e in examples], [e.text for e in examples], self.hparams.num_experiences)
         return result.experiences
 
-    def compose(self, batch: RolloutBatch, composer: LatentComposer | None = None):
-        """Latents of the batch's experiences: ComposerOutput (latents (B, J*K, d), latent_mask (B, J*K)).
+    def batch_latents(self, batch: RolloutBatch, composer: LatentComposer | None = None) -> ComposerOutput:
+        """c_phi of the batch: row b's retrieved experiences (``batch.experiences[b]``), each read by the encoder
+        with "Task to solve: <row b's own task>" (``batch.metadata[b]["task_text"]``), through
+        :meth:`~lopd_lightning.composer.model.LatentComposer.compose` (the one texts -> latents).
 
-        Each trajectory's encoder input is "Task to solve: <its own task>" + one retrieved trajectory.
+        Args:
+            composer: the composer to run (default: :attr:`composer`; :meth:`anchor_latents` passes the anchor).
+
+        Returns:
+            :class:`~lopd_lightning.composer.model.ComposerOutput`: latents (B, J*K, d) float and latent_mask
+            (B, J*K) bool, False on the slots of rows with fewer than J experiences.
         """
         experiences = batch.experiences or [[] for _ in range(len(batch))]
-        return self.compose_experiences([meta["task_text"] for meta in batch.metadata], experiences, composer)
-
-    def compose_experiences(self, task_texts: list[str], experiences: list[list[Experience]],
-                            composer: LatentComposer | None = None) -> ComposerOutput:
-        """Latents of B rows given as texts: row b's experiences, each read with "Task to solve: <task_texts[b]>"."""
-        composer = composer or self.composer
-        pairs = [[(text, e.trace) for e in exps] for text, exps in zip(task_texts, experiences, strict=True)]
-        tokens = composer.tokenize_experiences(pairs)
-        return composer(
-            tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device), tokens.experience_mask.to(self.device)
-        )
+        pairs = [[(meta["task_text"], e.trace) for e in row] for meta, row in zip(batch.metadata, experiences, strict=True)]
+        return (composer or self.composer).compose(pairs)
 
     # ------------------------------------------------------------------ warm start
     def anchor_latents(self, batch: RolloutBatch) -> Tensor:
         """c_phi0: latents of the frozen snapshot of the warm-started composer, no gradient."""
         with torch.no_grad():
-            return self.compose(batch, self.anchor_composer).latents
+            return self.batch_latents(batch, self.anchor_composer).latents
 
     def freeze_anchor(self) -> None:
         """Copy the current composer (LoRA and compressor) into the frozen anchor c_phi0."""
@@ -387,7 +385,7 @@ class LOPDModule(OnPolicyModule):
         after the shared ``n_prefix`` tokens (``prefix`` from the student, or one no-grad teacher pass)."""
         if n_prefix > 0 and prefix is None:
             prefix = self.teacher.own_prefix(batch.input_ids, batch.attention_mask, n_prefix)
-        composed = self.compose(batch)
+        composed = self.batch_latents(batch)
         teacher = self.teacher.on_student_positions(
             batch.input_ids, batch.attention_mask, batch.context_position, positions=self.unshift(mask),
             output=self.lm_head.output, latents=composed.latents, latent_mask=composed.latent_mask, prefix=prefix,
