@@ -376,13 +376,10 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
                 break
         return messages, self.score_trajectory(task, example, messages, episode_reward(task, example, episode))
 
-    def reference_conversation(self, task: Task, example: Example) -> list[Message]:
-        """The conversation of :meth:`reference_trajectory` (teacher-forced SFT and warm-start data)."""
-        return self.reference_trajectory(task, example)[0]
-
     def reference_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
-        """A teacher-forced batch of the examples' reference solutions (reward 1, one per example)."""
-        conversations = [self.reference_conversation(task, ex) for ex in examples]
+        """A teacher-forced batch of the examples' reference solutions, the conversations of
+        :meth:`reference_trajectory` (reward 1, one row per example: SFT's and the composer warm start's data)."""
+        conversations = [self.reference_trajectory(task, ex)[0] for ex in examples]
         batch = batch_from_conversations(
             self.tokenizer,
             conversations,
