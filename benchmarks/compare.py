@@ -15,7 +15,7 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
 ``tensorboard --logdir runs/compare`` overlays every method and seed.
 
 - **Held-out curve**: every run evaluates the student greedily on all the held-out questions of the
-  config (``val_examples``) before its first step and at least ``--evaluations`` times evenly after it,
+  config (``val_limit``) before its first step and at least ``--evaluations`` times evenly after it,
   the last at its end (:func:`evaluation_interval`); per question from ``<log_dir>/generations/val_step_<k>.jsonl``.
 - **Resume**: a ``last.ckpt`` is saved every ``--checkpoint-every`` steps in the run folder; a run with
   no result file whose folder holds a checkpoint of the same config continues from it
@@ -233,7 +233,7 @@ def run_config(config: dict[str, Any], spec: RunSpec, *, root: Path, student: st
     data = config.setdefault("data", {}).setdefault("init_args", {})
     data["seed"] = spec.seed
     if spec.dev_slice is not None:  # validate on train questions kept out of training; the bank without them
-        data.update(dev_slice=spec.dev_slice, dev_slice_seed=dev_seed, val_examples=None)
+        data.update(dev_slice=spec.dev_slice, dev_slice_seed=dev_seed, val_limit=None)
         if init_args.get("bank_path"):
             init_args["bank_path"] = _path(Path(root) / "bank")
     return config

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 best.update(steps=step, dev_success=success,
                             weights=[p.detach().clone() for p in pl_module.student_parameters()])
 
-    dm = OnPolicyDataModule(task, examples_per_step=args.examples_per_step, val_examples=None, seed=args.seed)
+    dm = OnPolicyDataModule(task, examples_per_step=args.examples_per_step, val_limit=None, seed=args.seed)
     trainer = L.Trainer(max_steps=max(args.steps), accelerator="cpu", devices=1, precision=32, logger=False,
                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[DevEvaluation()],

@@ -215,7 +215,7 @@ def build(method: str, args: argparse.Namespace) -> tuple[Any, OnPolicyDataModul
         group = args.grpo_group
         module = GRPOModule(args.model, group_size=group, **GRPO_SETTINGS, **common)
         callbacks = []
-    dm = OnPolicyDataModule(args.task, examples_per_step=args.trajectories // group, val_examples=1, seed=args.seed)
+    dm = OnPolicyDataModule(args.task, examples_per_step=args.trajectories // group, val_limit=1, seed=args.seed)
     if method == "lopd":
         start = time.perf_counter()
         info["bank_size"] = reference_bank(module, dm, args.bank_limit)

@@ -133,7 +133,7 @@ def build(**module_options: Any) -> tuple[ReverseWordLOPD, OnPolicyDataModule]:
     )
     options.update(module_options)
     module = ReverseWordLOPD("tiny", **options)
-    datamodule = OnPolicyDataModule(ReverseWordTask(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    datamodule = OnPolicyDataModule(ReverseWordTask(), examples_per_step=2, val_limit=2, val_batch_size=2)
     return module, datamodule
 
 

@@ -140,7 +140,7 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on(method, tmp_path,
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[hook], default_root_dir=str(tmp_path))
-    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=4, val_batch_size=4)
+    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=4, val_batch_size=4)
     with caplog.at_level(logging.WARNING):
         trainer.fit(module, dm)
     assert trainer.global_step == 3  # the skipped step still counts
@@ -218,7 +218,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=0),
                    DiskFullOnStep(1, monkeypatch)],
     )
-    dm = OnPolicyDataModule("toy", examples_per_step=2, val_examples=4, val_batch_size=4)
+    dm = OnPolicyDataModule("toy", examples_per_step=2, val_limit=4, val_batch_size=4)
     with pytest.raises(OSError, match="No space left on device"):
         trainer.fit(module, dm)
     monkeypatch.undo()
@@ -230,7 +230,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path))
     fresh = GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=8)
-    resumed.fit(fresh, OnPolicyDataModule("toy", examples_per_step=2, val_examples=4, val_batch_size=4),
+    resumed.fit(fresh, OnPolicyDataModule("toy", examples_per_step=2, val_limit=4, val_batch_size=4),
                 ckpt_path=str(ckpt_dir / "last.ckpt"))
     assert resumed.global_step == 2
 
@@ -259,7 +259,7 @@ def test_teacher_pass_runs_on_every_rank_under_a_sharded_strategy(sharded, tmp_p
     trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path))
-    trainer.fit(module, OnPolicyDataModule("toy", examples_per_step=2, val_examples=4, val_batch_size=4))
+    trainer.fit(module, OnPolicyDataModule("toy", examples_per_step=2, val_limit=4, val_batch_size=4))
     assert len(calls) == (1 if sharded else 0)
     assert float(trainer.callback_metrics["train/loss"]) == 0.0
     assert float(trainer.callback_metrics["train/rows_with_reference"]) == 0.0

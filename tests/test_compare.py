@@ -169,7 +169,7 @@ def test_a_run_config_evaluates_every_held_out_question_at_the_start_between_and
     run = compare.run_config(config, spec, root=tmp_path, student="runs/evidence/sft_student", backend="vllm")
     trainer, init = run["trainer"], run["model"]["init_args"]
     assert (trainer["max_steps"], trainer["val_check_interval"], trainer["limit_val_batches"]) == (48, 16, 1.0)
-    assert run["data"]["init_args"]["val_examples"] == 65 and init["validate_before_training"] and init["save_generations"]
+    assert run["data"]["init_args"]["val_limit"] == 65 and init["validate_before_training"] and init["save_generations"]
     assert (init["learning_rate"], init["generation_backend"], init["model"], init["seed"]) == (3e-5, "vllm", "runs/evidence/sft_student", 1)
     checkpoint = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))
     assert checkpoint["init_args"]["save_last"] and checkpoint["init_args"]["dirpath"] == str(tmp_path / "grpo" / "seed_1" / "checkpoints")
@@ -179,7 +179,7 @@ def test_a_run_config_evaluates_every_held_out_question_at_the_start_between_and
     # the sweep's runs validate on the dev slice of the train split, with a bank of their own
     lopd = compare.method_config(ROOT / "configs" / "compare", "lopd")
     dev = compare.run_config(lopd, compare.RunSpec("lopd", 0, 64, dev_slice=32, evaluations=1), root=tmp_path)
-    assert {"dev_slice": 32, "dev_slice_seed": 0, "val_examples": None}.items() <= dev["data"]["init_args"].items()
+    assert {"dev_slice": 32, "dev_slice_seed": 0, "val_limit": None}.items() <= dev["data"]["init_args"].items()
     assert dev["model"]["init_args"]["bank_path"] == str(tmp_path / "bank") and dev["trainer"]["val_check_interval"] == 16
 
 

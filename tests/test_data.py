@@ -103,7 +103,7 @@ def test_on_before_batch_transfer_makes_rollouts_for_training_only():
 
 
 def test_val_loader_serves_example_lists_in_order():
-    dm = OnPolicyDataModule("toy", val_examples=5, val_batch_size=2)
+    dm = OnPolicyDataModule("toy", val_limit=5, val_batch_size=2)
     batches = list(dm.val_dataloader())
     assert [len(b) for b in batches] == [2, 2, 1]
     assert [ex.id for b in batches for ex in b] == ids(ToyTask().examples("val")[:5])
@@ -114,17 +114,17 @@ def test_a_dev_slice_of_the_train_split_replaces_validation_and_leaves_training(
     train = ToyTask().examples("train")
     dm = OnPolicyDataModule("toy", examples_per_step=2, dev_slice=6, dev_slice_seed=0, val_batch_size=4)
     chosen = sorted(random.Random(0).sample(range(len(train)), 6))  # benchmarks/start_student.py's draw
-    assert ids(dm.val_examples_list) == [train[i].id for i in chosen]
+    assert ids(dm.val_examples) == [train[i].id for i in chosen]
     assert ids(dm.train_examples) == [ex.id for i, ex in enumerate(train) if i not in chosen]
-    assert [ex.id for b in dm.val_dataloader() for ex in b] == ids(dm.val_examples_list)
+    assert [ex.id for b in dm.val_dataloader() for ex in b] == ids(dm.val_examples)
     # no training step ever draws a dev question, over several epochs
     drawn = {ex.id for p in range(0, 4 * len(dm.train_examples), 2) for ex in dm.examples_at(p)}
-    assert drawn == set(ids(dm.train_examples)) and not drawn & set(ids(dm.val_examples_list))
-    assert not set(ids(dm.val_examples_list)) & set(ids(ToyTask().examples("val")))  # never the held-out split
-    assert dm.example(dm.val_examples_list[0].id) is dm.val_examples_list[0]
-    # val_examples limits the slice, another seed draws another slice
-    assert ids(OnPolicyDataModule("toy", dev_slice=6, val_examples=2).val_examples_list) == ids(dm.val_examples_list[:2])
-    assert ids(OnPolicyDataModule("toy", dev_slice=6, dev_slice_seed=1).val_examples_list) != ids(dm.val_examples_list)
+    assert drawn == set(ids(dm.train_examples)) and not drawn & set(ids(dm.val_examples))
+    assert not set(ids(dm.val_examples)) & set(ids(ToyTask().examples("val")))  # never the held-out split
+    assert dm.example(dm.val_examples[0].id) is dm.val_examples[0]
+    # val_limit limits the slice, another seed draws another slice
+    assert ids(OnPolicyDataModule("toy", dev_slice=6, val_limit=2).val_examples) == ids(dm.val_examples[:2])
+    assert ids(OnPolicyDataModule("toy", dev_slice=6, dev_slice_seed=1).val_examples) != ids(dm.val_examples)
     for size in (0, len(train)):
         with pytest.raises(ValueError, match=rf"data.init_args.dev_slice must be in \[1, {len(train) - 1}\].*got {size}"):
             _ = OnPolicyDataModule("toy", dev_slice=size).train_examples
@@ -132,7 +132,7 @@ def test_a_dev_slice_of_the_train_split_replaces_validation_and_leaves_training(
 
 def test_example_lookup_and_bad_options():
     dm = OnPolicyDataModule("toy")
-    val_id = dm.val_examples_list[0].id
+    val_id = dm.val_examples[0].id
     assert dm.example(val_id).id == val_id
     with pytest.raises(KeyError, match="no example with id"):
         dm.example("toy/999")

@@ -56,7 +56,7 @@ def train(module, root: Path) -> Path:
         max_steps=2, accelerator="cpu", devices=1, logger=False, limit_val_batches=0, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=str(root), callbacks=[checkpoints],
     )
-    trainer.fit(module, OnPolicyDataModule(ParityToy(), examples_per_step=1, val_examples=1))
+    trainer.fit(module, OnPolicyDataModule(ParityToy(), examples_per_step=1, val_limit=1))
     assert trainer.global_step == 2
     return root / "ckpt" / "last.ckpt"
 
@@ -221,7 +221,7 @@ def test_lopd_fit_then_export_then_validate_on_the_exported_student(tmp_path, ca
     and `lopd validate` runs with the folder as its model."""
     common = ["-c", str(TINY_YAML), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
               "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-              "--data.init_args.val_examples=1"]
+              "--data.init_args.val_limit=1"]
     assert main(["fit", *common, "--trainer.max_steps=1", "--trainer.val_check_interval=1"]) == 0
     [ckpt] = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
     assert main(["export", str(ckpt), "--out", str(tmp_path / "student")]) == 0

@@ -212,7 +212,7 @@ def test_a_method_module_with_an_abc_mixin_builds():
 def test_a_subclass_with_an_argument_of_its_own_builds_and_its_checkpoint_loads(tmp_path):
     module = BonusGRPO(lora=LORA, max_new_tokens=4)
     assert module.hparams.bonus == 0.1 and module.hparams.group_size == 2
-    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
     trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
     trainer.fit(module, dm)

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("method", ddp_methods.METHODS)
 def test_every_method_trains_two_steps_on_one_gpu(tmp_path, method):
     module = ddp_methods.build_module(method)
-    data = OnPolicyDataModule(ddp_methods.task_for(method), examples_per_step=2, val_examples=4, val_batch_size=4)
+    data = OnPolicyDataModule(ddp_methods.task_for(method), examples_per_step=2, val_limit=4, val_batch_size=4)
     trainer = quiet_trainer(tmp_path, max_steps=2, accelerator="gpu")
     trainer.fit(module, data)
     assert module.global_step == 2 and module.device.type == "cuda"

@@ -30,7 +30,7 @@ def make_module(**overrides) -> GRPOModule:
 
 
 def make_dm(task=None, **overrides) -> OnPolicyDataModule:
-    options = dict(examples_per_step=2, val_examples=2, val_batch_size=2)
+    options = dict(examples_per_step=2, val_limit=2, val_batch_size=2)
     options.update(overrides)
     return OnPolicyDataModule(task if task is not None else ParityToy(), **options)
 

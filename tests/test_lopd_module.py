@@ -73,7 +73,7 @@ def make_module(bank_dir: Path | None, **overrides) -> LOPDModule:
 
 
 def make_dm(task="toy", **overrides) -> OnPolicyDataModule:
-    options = dict(examples_per_step=2, val_examples=4, val_batch_size=4)
+    options = dict(examples_per_step=2, val_limit=4, val_batch_size=4)
     options.update(overrides)
     return OnPolicyDataModule(task, **options)
 
@@ -506,7 +506,7 @@ def test_warm_start_without_successful_records_is_skipped(tmp_path):
 # ------------------------------------------------------------------- validation before training
 def test_validate_before_training_records_step_zero(tmp_path, bank_dir):
     module = make_module(bank_dir, validate_before_training=True)
-    make_trainer(tmp_path, max_steps=1).fit(module, make_dm(val_examples=3))
+    make_trainer(tmp_path, max_steps=1).fit(module, make_dm(val_limit=3))
     step, values = module.val_history[0]
     assert step == 0
     assert set(values) == {"val/reward_mean", "val/success_rate", "val/turns_mean", "val/reply_tokens_mean",

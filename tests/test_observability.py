@@ -36,7 +36,7 @@ def make_module(**overrides) -> GRPOModule:
 
 def make_dm(**overrides) -> OnPolicyDataModule:
     # EvenToy: reward 1 exactly for the even-numbered examples, whatever the model says
-    options = dict(examples_per_step=EXAMPLES_PER_STEP, val_examples=VAL_EXAMPLES, val_batch_size=2)
+    options = dict(examples_per_step=EXAMPLES_PER_STEP, val_limit=VAL_EXAMPLES, val_batch_size=2)
     options.update(overrides)
     return OnPolicyDataModule(EvenToy(num_examples=16), **options)
 
@@ -105,7 +105,7 @@ def run(tmp_path_factory):
 # ----------------------------------------------------------------------- 5. exact validation x-axes
 def test_validation_after_step_k_is_at_k_and_the_sanity_check_is_not_logged(run):
     scalars, module = run["scalars"], run["module"]
-    val_ids = [ex.id for ex in run["dm"].val_examples_list]
+    val_ids = [ex.id for ex in run["dm"].val_examples]
     expected = sum(even(i) for i in val_ids) / len(val_ids)  # every validation: the same 3 held-out examples
     # before training (0), after step 1 (1), after step 2 (2); nothing from the sanity check
     assert [s for s, _ in scalars["val/reward_mean"]] == [0, 1, 2]
@@ -145,7 +145,7 @@ def test_only_the_phases_that_ran_are_timed(run):
 def test_run_summary_reads_the_real_validations_and_names_the_generations(run):
     (summary_cb,) = [c for c in run["trainer"].callbacks if isinstance(c, RunSummary)]
     summary = summary_cb.summary(run["trainer"], run["module"])
-    val_ids = [ex.id for ex in run["dm"].val_examples_list]
+    val_ids = [ex.id for ex in run["dm"].val_examples]
     expected = sum(even(i) for i in val_ids) / len(val_ids)
     assert [step for step, _ in summary["history"]] == [0, 1, 2]
     assert summary["before"] == pytest.approx(expected) and summary["after"] == pytest.approx(expected)
@@ -156,7 +156,7 @@ def test_run_summary_reads_the_real_validations_and_names_the_generations(run):
 def test_every_validation_episode_is_written_to_jsonl(run):
     folder = run["log_dir"] / "generations"
     assert sorted(p.name for p in folder.iterdir()) == ["val_step_0.jsonl", "val_step_1.jsonl", "val_step_2.jsonl"]
-    val_ids = [ex.id for ex in run["dm"].val_examples_list]
+    val_ids = [ex.id for ex in run["dm"].val_examples]
     for step in (0, 1, 2):
         lines = (folder / f"val_step_{step}.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines]
@@ -214,7 +214,7 @@ def test_samples_reach_tensorboard_as_text(run):
     texts, dm = run["texts"], run["dm"]
     val = dict(texts["samples/val/text_summary"])
     assert sorted(val) == [0, 1, 2]
-    first, second, third = dm.val_examples_list
+    first, second, third = dm.val_examples
     text = val[2]
     # log_samples=2: the first two held-out episodes, separated by a rule; the third is not shown
     assert text.count("\n\n---\n\n") == 1
@@ -285,7 +285,7 @@ def test_one_progress_line_per_step_with_the_steps_numbers(run):
 def test_default_rich_progress_bar_shows_steps_not_epoch_minus_two(tmp_path):
     trainer = quiet_trainer(tmp_path, max_steps=2, enable_progress_bar=True)
     assert type(trainer.progress_bar_callback) is RichProgressBar  # Lightning's default here (rich installed)
-    trainer.fit(make_module(log_samples=0), make_dm(val_examples=1))
+    trainer.fit(make_module(log_samples=0), make_dm(val_limit=1))
     bar = trainer.progress_bar_callback
     assert isinstance(bar, StepRichProgressBar)
     description = bar.train_description()
@@ -294,7 +294,7 @@ def test_default_rich_progress_bar_shows_steps_not_epoch_minus_two(tmp_path):
 
 def test_tqdm_progress_bar_shows_steps(tmp_path):
     trainer = quiet_trainer(tmp_path, max_steps=2, enable_progress_bar=True, callbacks=[TQDMProgressBar()])
-    trainer.fit(make_module(log_samples=0), make_dm(val_examples=1))
+    trainer.fit(make_module(log_samples=0), make_dm(val_limit=1))
     bar = trainer.progress_bar_callback
     assert isinstance(bar, StepTQDMProgressBar)
     assert bar.train_progress_bar.desc == "step 2/2: "  # tqdm appends ": "
@@ -302,14 +302,14 @@ def test_tqdm_progress_bar_shows_steps(tmp_path):
 
 def test_a_disabled_or_custom_progress_bar_is_left_alone(tmp_path):
     trainer = quiet_trainer(tmp_path, max_steps=1)  # enable_progress_bar=False
-    trainer.fit(make_module(log_samples=0), make_dm(val_examples=1))
+    trainer.fit(make_module(log_samples=0), make_dm(val_limit=1))
     assert trainer.progress_bar_callback is None
 
     class Mine(TQDMProgressBar):
         pass
 
     trainer = quiet_trainer(tmp_path, max_steps=1, enable_progress_bar=True, callbacks=[Mine()])
-    trainer.fit(make_module(log_samples=0), make_dm(val_examples=1))
+    trainer.fit(make_module(log_samples=0), make_dm(val_limit=1))
     assert type(trainer.progress_bar_callback) is Mine
 
 
@@ -329,7 +329,7 @@ def test_the_step_bar_replaces_the_default_without_lightnings_override_line(tmp_
     lightning_log.addHandler(handler)
     try:
         trainer = quiet_trainer(tmp_path, max_steps=1, enable_progress_bar=True)
-        trainer.fit(make_module(log_samples=0), make_dm(val_examples=1))
+        trainer.fit(make_module(log_samples=0), make_dm(val_limit=1))
     finally:
         lightning_log.removeHandler(handler)
         lightning_log.setLevel(old_level)
@@ -373,7 +373,7 @@ def test_standalone_validate_returns_and_logs_its_metrics(tmp_path):
     trainer = quiet_trainer(tmp_path, limit_val_batches=None, logger=TensorBoardLogger(save_dir=str(tmp_path), name="v"))
     dm = make_dm()
     (results,) = trainer.validate(make_module(), dm)
-    val_ids = [ex.id for ex in dm.val_examples_list]
+    val_ids = [ex.id for ex in dm.val_examples]
     assert results["val/reward_mean"] == pytest.approx(sum(even(i) for i in val_ids) / len(val_ids))
     rows = (Path(trainer.logger.log_dir) / "generations" / "val_step_0.jsonl").read_text().splitlines()
     assert len(rows) == VAL_EXAMPLES

@@ -101,7 +101,7 @@ def test_one_step_fit_teacher_sees_the_reference_and_the_student_does_not(tmp_pa
             seen["batch"] = batch
             seen["refs"] = pl_module.reference_texts(batch)
 
-    dm = OnPolicyDataModule(NoReferenceToy(), examples_per_step=4, val_examples=2, val_batch_size=2)
+    dm = OnPolicyDataModule(NoReferenceToy(), examples_per_step=4, val_limit=2, val_batch_size=2)
     L.Trainer(
         max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, limit_val_batches=0,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[Rec()],
@@ -143,7 +143,7 @@ def test_teacher_is_frozen_initial_weights(tmp_path):
     assert shadow is not None and not any(p.requires_grad for p in shadow.parameters())
     before = [p.detach().clone() for p in shadow.parameters()]
     student_before = [p.detach().clone() for p in module.student_parameters()]
-    dm = OnPolicyDataModule(ToyTask(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    dm = OnPolicyDataModule(ToyTask(), examples_per_step=2, val_limit=2, val_batch_size=2)
     L.Trainer(
         max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, limit_val_batches=0,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
@@ -280,7 +280,7 @@ def test_retrieved_context_is_the_framed_trace_of_the_nearest_experience_and_a_f
             seen.append((batch, {k: float(v) for k, v in trainer.callback_metrics.items()}))
 
     student_before = [p.detach().clone() for p in module.student_parameters()]
-    dm = OnPolicyDataModule(ToyTask(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    dm = OnPolicyDataModule(ToyTask(), examples_per_step=2, val_limit=2, val_batch_size=2)
     quiet_trainer(tmp_path, max_steps=2, callbacks=[Rec()]).fit(module, dm)
     assert module.global_step == 2 and len(seen) == len(teacher_ids) == 2
     assert not all(torch.equal(a, p) for a, p in zip(student_before, module.student_parameters(), strict=True))

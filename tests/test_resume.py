@@ -75,7 +75,7 @@ def build(tmp_path, name: str, extra_callbacks=()):
         composer_lr=1e-3, margin=0.3, seed=0,
     )
     seed_bank(module, task)
-    dm = OnPolicyDataModule(task, examples_per_step=2, val_examples=4, val_batch_size=4)
+    dm = OnPolicyDataModule(task, examples_per_step=2, val_limit=4, val_batch_size=4)
     log = StepLog()
     callbacks = [
         MarginSchedule(schedule="linear", warmup_steps=TOTAL_STEPS),  # the margin depends on the step
@@ -142,7 +142,7 @@ def test_a_checkpoint_this_version_cannot_restore_is_refused_in_one_line(tmp_pat
     from helpers import ParityToy, assert_one_line_error, quiet_trainer, run_main
 
     lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
     trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
     trainer.fit(GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4), dm)

@@ -190,7 +190,7 @@ def test_one_step_fit_logs_tags_and_moves_the_ema_teacher(tmp_path):
             seen["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
             seen["batch"] = batch
 
-    dm = OnPolicyDataModule(AlwaysToy(), examples_per_step=2, val_examples=2, val_batch_size=2)
+    dm = OnPolicyDataModule(AlwaysToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
     make_trainer(tmp_path, [Rec()]).fit(module, dm)
     assert module.global_step == 1
     assert len(seen["batch"]) == 8  # 2 examples x G = 4

@@ -54,7 +54,7 @@ def favour_a_letter(module: SkillSDModule, letter: str = "k") -> None:
 
 
 def make_dm(**overrides) -> OnPolicyDataModule:
-    options = dict(examples_per_step=2, val_examples=2, val_batch_size=2)
+    options = dict(examples_per_step=2, val_limit=2, val_batch_size=2)
     options.update(overrides)
     return OnPolicyDataModule(ParityToy(), **options)
 

@@ -348,5 +348,5 @@ def test_training_continues_after_replies_with_lone_surrogates(tmp_path, monkeyp
             seen.append(batch)
 
     trainer = quiet_trainer(tmp_path, callbacks=[Keep()])
-    trainer.fit(module, OnPolicyDataModule(ToyTask(), examples_per_step=2, val_examples=2, val_batch_size=2))
+    trainer.fit(module, OnPolicyDataModule(ToyTask(), examples_per_step=2, val_limit=2, val_batch_size=2))
     assert trainer.global_step == 1 and seen[0].rewards.tolist() == [0.0] * 4

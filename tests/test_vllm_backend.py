@@ -207,7 +207,7 @@ def test_vllm_module_syncs_the_lora_student_after_each_step(tmp_path, peaked):
     tokenizer.save_pretrained(folder)
     module = GRPOModule(str(folder), lora=LORA, group_size=2, max_new_tokens=6, learning_rate=0.05, grad_clip=0.0,
                         generation_backend="vllm", vllm_options={"max_model_len": 1024, "kv_cache_gib": 1})
-    data = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_examples=4, val_batch_size=4)
+    data = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=4, val_batch_size=4)
     quiet_trainer(tmp_path, max_steps=2).fit(module, data)
     assert module.global_step == 2 and module.step_timings.get("weight_sync", 0) > 0  # step 2's rollouts synced
     with torch.no_grad():  # an update of the LoRA student (GRPO's may be zero here: equal rewards in a group)

@@ -83,14 +83,14 @@ class OnPolicyDataModule(LightningDataModule):
             or a :class:`~lopd_lightning.tasks.Task` instance (subclass mode in YAML).
         task_options: keyword options of the named task (e.g. ``{"val_fraction": 0.25}``).
         examples_per_step: distinct tasks (prompts) per optimiser step.
-        val_examples: how many val-split examples validation runs (None: all), the first ones in order.
+        val_limit: validate on only the first N val examples (None: all), in order (:attr:`val_examples`).
         val_batch_size: examples per validation batch (greedy episodes run batched).
         train_limit: use only the first N train examples (None: all); for quick runs.
         seed: seed of the per-epoch permutation of the train examples.
         dev_slice: validate on a dev slice of the train split instead of the val split (None: the val
             split): that many train examples (:func:`dev_slice_indices`, seeded by ``dev_slice_seed``)
             are taken out of training and served, in train-split order, as the validation examples
-            (``val_examples`` then limits those). ``train_limit`` applies to what training keeps.
+            (``val_limit`` then limits those). ``train_limit`` applies to what training keeps.
         dev_slice_seed: seed of the dev slice's draw (0: the slice ``benchmarks/start_student.py`` sets aside).
 
     The number of rollouts per example, sampling settings and turn limits belong to the method
@@ -107,7 +107,7 @@ class OnPolicyDataModule(LightningDataModule):
         task_options: dict[str, Any] | None = None,
         *,
         examples_per_step: int = 8,
-        val_examples: int | None = None,
+        val_limit: int | None = None,
         val_batch_size: int = 8,
         train_limit: int | None = None,
         seed: int = 0,
@@ -123,7 +123,7 @@ class OnPolicyDataModule(LightningDataModule):
         if task_options and not isinstance(task, str):
             raise ValueError("task_options are only for a task given by name; configure a Task instance directly")
         self.examples_per_step = examples_per_step
-        self.val_examples = val_examples
+        self.val_limit = val_limit
         self.val_batch_size = val_batch_size
         self.train_limit = train_limit
         self.seed = seed
@@ -155,13 +155,13 @@ class OnPolicyDataModule(LightningDataModule):
         return self._train
 
     @property
-    def val_examples_list(self) -> list[Example]:
-        """The val split, or the dev slice with ``dev_slice`` (first ``val_examples`` of it when set)."""
+    def val_examples(self) -> list[Example]:
+        """The val split, or the dev slice with ``dev_slice``, its first ``val_limit`` examples (when set)."""
         if self._val is None:
             dev = self._dev_positions()
             train = self.task.examples("train") if dev else []
             examples = [train[i] for i in sorted(dev)] if dev else self.task.examples("val")
-            self._val = examples[: self.val_examples] if self.val_examples else examples
+            self._val = examples[: self.val_limit] if self.val_limit else examples
         return self._val
 
     def example(self, example_id: str) -> Example:
@@ -171,7 +171,7 @@ class OnPolicyDataModule(LightningDataModule):
             KeyError: no example of this task's splits has that id.
         """
         if self._by_id is None:
-            self._by_id = {ex.id: ex for ex in (*self.train_examples, *self.val_examples_list)}
+            self._by_id = {ex.id: ex for ex in (*self.train_examples, *self.val_examples)}
         if example_id not in self._by_id:
             raise KeyError(f"no example with id {example_id!r} in task {self.task.name!r}")
         return self._by_id[example_id]
@@ -247,7 +247,7 @@ class OnPolicyDataModule(LightningDataModule):
         return (int(trainer.global_rank), int(trainer.world_size)) if trainer is not None else (0, 1)
 
     def val_dataloader(self) -> DataLoader:
-        val = self.val_examples_list
+        val = self.val_examples
         if not val:
             return []
         return DataLoader(val, batch_size=self.val_batch_size, shuffle=False, num_workers=0, collate_fn=list)

@@ -130,7 +130,7 @@ def main() -> None:
     torch.set_num_threads(1)
     module = build_module(args.method)
     capture = Capture()
-    dm = OnPolicyDataModule(task_for(args.method), examples_per_step=2, val_examples=4, val_batch_size=4)
+    dm = OnPolicyDataModule(task_for(args.method), examples_per_step=2, val_limit=4, val_batch_size=4)
     common = dict(accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
     if args.single:

@@ -255,7 +255,7 @@ def fit_method(method: str, root: str | Path, steps: int = FIT_STEPS) -> list[di
     # rewards that vary within a group (ParityToy), so that GRPO's advantages and SDPO's demonstrations exist; SFT
     # trains on the toy task's references
     task = "toy" if method == "sft" else ParityToy()
-    dm = OnPolicyDataModule(task, examples_per_step=per_step, val_examples=4, val_batch_size=4)
+    dm = OnPolicyDataModule(task, examples_per_step=per_step, val_limit=4, val_batch_size=4)
 
     records: list[dict[str, float]] = []
 

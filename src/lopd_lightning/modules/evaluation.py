@@ -207,7 +207,7 @@ class EvaluationMixin(ObservabilityMixin):
                     seen.add(r["example_id"])
                     records.append(r)
             dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-            if dm is not None and hasattr(dm, "val_examples_list"):
-                order = {ex.id: i for i, ex in enumerate(dm.val_examples_list)}
+            if dm is not None and hasattr(dm, "val_examples"):
+                order = {ex.id: i for i, ex in enumerate(dm.val_examples)}
                 records.sort(key=lambda r: order.get(r["example_id"], len(order)))
         return records
