@@ -58,7 +58,7 @@ from common import run_metadata, write_json_atomic  # noqa: E402
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh  # noqa: E402
+from lopd_lightning.modules.lopd_callbacks import MarginSchedule, MemoryRefresh  # noqa: E402
 from lopd_lightning.data import OnPolicyDataModule  # noqa: E402
 from lopd_lightning.modules import GRPOModule, LOPDModule  # noqa: E402
 

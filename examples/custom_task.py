@@ -36,7 +36,7 @@ from typing import Any
 
 import lightning as L
 
-from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
+from lopd_lightning.modules.lopd_callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory import Experience
 from lopd_lightning.modules import LOPDModule

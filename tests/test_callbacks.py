@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
+from lopd_lightning.modules.lopd_callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory import Experience, ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
@@ -227,12 +227,17 @@ def test_memory_refresh_refuses_opsd_with_or_without_a_bank(tmp_path, context):
             max_steps=1)
 
 
-def test_is_lopd_module_knows_lopd_and_its_subclasses_by_class():
-    from lopd_lightning.callbacks import is_lopd_module
+def test_an_lopd_only_callback_accepts_lopd_and_its_subclasses_and_refuses_the_rest():
+    """The check is ``isinstance(pl_module, LOPDModule)``: a user's subclass of LOPDModule is accepted."""
     from lopd_lightning.modules import OPSDModule
 
     class MyLOPD(LOPDModule):
         pass
 
-    assert is_lopd_module(object.__new__(LOPDModule)) and is_lopd_module(object.__new__(MyLOPD))
-    assert not is_lopd_module(object.__new__(GRPOModule)) and not is_lopd_module(object.__new__(OPSDModule))
+    for callback in (MarginSchedule(), MemoryRefresh()):
+        for method in (LOPDModule, MyLOPD):
+            callback.setup(None, object.__new__(method), "fit")
+        for method in (GRPOModule, OPSDModule):
+            with pytest.raises(ValueError, match=rf"^trainer.callbacks: {type(callback).__name__} .* works only "
+                                                 rf"with LOPDModule, and {method.__name__} is not one"):
+                callback.setup(None, object.__new__(method), "fit")

@@ -174,8 +174,8 @@ def test_lopd_with_no_bank_and_nothing_to_fill_it_is_one_line_before_the_model_l
     (or with J = 0) the check lets the fit through."""
     no_refresh = tmp_path / "no_refresh.yaml"
     no_refresh.write_text(yaml.safe_dump({"trainer": {"callbacks": [
-        {"class_path": "lopd_lightning.callbacks.MarginSchedule"},
-        {"class_path": "lopd_lightning.callbacks.MemoryRefresh", "init_args": {"every_n_steps": 0}},
+        {"class_path": "lopd_lightning.modules.lopd_callbacks.MarginSchedule"},
+        {"class_path": "lopd_lightning.modules.lopd_callbacks.MemoryRefresh", "init_args": {"every_n_steps": 0}},
     ]}}))
     code, err = run_main(["fit", "-c", str(TINY_YAML), "-c", str(no_refresh), *ONE_STEP,
                           "--model.init_args.bank_path=null"], capsys)
@@ -183,8 +183,8 @@ def test_lopd_with_no_bank_and_nothing_to_fill_it_is_one_line_before_the_model_l
     assert_one_line_error(err, "model.init_args.bank_path is null, so LOPD's teacher has no experiences and every "
                                "step would train nothing (loss 0); build a bank with `lopd build-memory -c CONFIG "
                                "--from-references` and set model.init_args.bank_path to its folder, or add "
-                               "lopd_lightning.callbacks.MemoryRefresh to trainer.callbacks to fill it from the "
-                               "run's own successes")
+                               "lopd_lightning.modules.lopd_callbacks.MemoryRefresh to trainer.callbacks to fill it "
+                               "from the run's own successes")
     from lopd_lightning.cli.checks import check_fit_config
     from lopd_lightning.cli.errors import CLIError
 
@@ -192,7 +192,7 @@ def test_lopd_with_no_bank_and_nothing_to_fill_it_is_one_line_before_the_model_l
         return {"model": {"class_path": "lopd_lightning.modules.LOPDModule", "init_args": init_args},
                 "trainer": {"callbacks": callbacks}}
 
-    refresh = {"class_path": "lopd_lightning.callbacks.MemoryRefresh"}  # every_n_steps: its default, 10
+    refresh = {"class_path": "lopd_lightning.modules.lopd_callbacks.MemoryRefresh"}  # every_n_steps: its default, 10
     check_fit_config(config([refresh], bank_path=None))  # MemoryRefresh will fill it: fit warns instead
     check_fit_config(config([], bank_path=None, num_experiences=0))  # no retrieval: no bank needed
     check_fit_config(config([], bank_path="configs/tiny_bank"))  # a bank: the module's own checks read it

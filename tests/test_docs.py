@@ -265,7 +265,7 @@ def knob_tables(text: str) -> dict[str, dict[str, str]]:
 
 
 def method_pages():
-    from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
+    from lopd_lightning.modules.lopd_callbacks import MarginSchedule, MemoryRefresh
     from lopd_lightning.modules import GRPOModule, LOPDModule, OPSDModule, SDPOModule, SFTModule, SkillSDModule
 
     return {
@@ -350,7 +350,7 @@ def method_tags(cls: type) -> set[str]:
     tags = set().union(*(tags_in_source(f) for f in files))
     if issubclass(cls, LOPDModule):
         tags |= tags_in_source(SRC / "composer" / "probe.py") | tags_in_source(SRC / "composer" / "pretrain.py")
-        tags |= tags_in_source(SRC / "callbacks.py", ("MemoryRefresh", "MarginSchedule"))
+        tags |= tags_in_source(SRC / "modules" / "lopd_callbacks.py")
     return tags
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lopd_lightning.callbacks import MemoryRefresh
+from lopd_lightning.modules.lopd_callbacks import MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.modules import GRPOModule, LOPDModule
 from lopd_lightning.tasks.verify import verify_task

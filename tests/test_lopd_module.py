@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lopd_lightning.adapters import adapter_parameters, base_parameters
-from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
+from lopd_lightning.modules.lopd_callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.cli import lightning_cli
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory import Experience, ExperienceBank

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lopd_lightning.callbacks import MarginSchedule, MemoryRefresh
+from lopd_lightning.modules.lopd_callbacks import MarginSchedule, MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.memory import Experience
 from lopd_lightning.modules import LOPDModule

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lopd_lightning.callbacks import MemoryRefresh
+from lopd_lightning.modules.lopd_callbacks import MemoryRefresh
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.lm import base_model
 from lopd_lightning.memory import Experience

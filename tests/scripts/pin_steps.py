@@ -220,7 +220,7 @@ def fit_method(method: str, root: str | Path, steps: int = FIT_STEPS) -> list[di
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    from lopd_lightning.callbacks import MarginSchedule
+    from lopd_lightning.modules.lopd_callbacks import MarginSchedule
     from lopd_lightning.data import OnPolicyDataModule
     from lopd_lightning.modules import GRPOModule, LOPDModule, OPSDModule, SDPOModule, SFTModule, SkillSDModule
 

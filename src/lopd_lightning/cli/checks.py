@@ -5,8 +5,9 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
   finite (torch's optimizers refuse it once the model is built);
 - ``trainer.accumulate_grad_batches`` other than 1 (every method steps its optimizers itself, so Lightning
   cannot accumulate);
-- an LOPD-only callback (``MarginSchedule``, ``MemoryRefresh``: :class:`~lopd_lightning.callbacks.LOPDOnlyCallback`)
-  with another method, e.g. an LOPD config whose ``model.class_path`` was switched to ``GRPOModule``;
+- an LOPD-only callback (``MarginSchedule``, ``MemoryRefresh``:
+  :class:`~lopd_lightning.modules.lopd_callbacks.LOPDOnlyCallback`) with another method, e.g. an LOPD config
+  whose ``model.class_path`` was switched to ``GRPOModule``;
 - LOPD with no bank (``model.init_args.bank_path`` null, J > 0) and no ``MemoryRefresh`` to fill it: every step
   would train nothing (:func:`~lopd_lightning.memory.persistence.check_bank_fills`, which ``fit`` runs too).
 
@@ -73,7 +74,7 @@ def check_fit_config(config: Any) -> None:
 
 
 def _check_method_callbacks(method: type, classes: list[Any]) -> None:
-    from lopd_lightning.callbacks import LOPDOnlyCallback, lopd_only_refusal
+    from lopd_lightning.modules.lopd_callbacks import LOPDOnlyCallback, lopd_only_refusal
     from lopd_lightning.modules import LOPDModule
 
     if issubclass(method, LOPDModule):
@@ -89,7 +90,7 @@ def _default(cls: type, name: str) -> Any:
 
 
 def _check_bank_fills(method: type, init: dict[str, Any], callbacks: list[tuple[Any, dict[str, Any]]]) -> None:
-    from lopd_lightning.callbacks import MemoryRefresh
+    from lopd_lightning.modules.lopd_callbacks import MemoryRefresh
     from lopd_lightning.memory.persistence import check_bank_fills
     from lopd_lightning.modules import LOPDModule
 

@@ -61,7 +61,9 @@ def import_class(path: str) -> type | None:
     """The class at ``path`` (``module.Class``, or a short name of lopd_lightning's modules, DataModule or
     callbacks), or None when there is none."""
     module_name, _, name = path.rpartition(".")
-    for module in ([module_name] if module_name else ["lopd_lightning.modules", "lopd_lightning.data", "lopd_lightning.callbacks"]):
+    ours = ["lopd_lightning.modules", "lopd_lightning.data", "lopd_lightning.callbacks",
+            "lopd_lightning.modules.lopd_callbacks"]
+    for module in ([module_name] if module_name else ours):
         try:
             obj = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
@@ -103,10 +105,11 @@ def _known_class_paths(key: str) -> list[str]:
     if key.startswith("data"):
         return ["lopd_lightning.data.OnPolicyDataModule"]
     if "callbacks" in key:
-        import lopd_lightning.callbacks as ours
+        import lopd_lightning.callbacks as generic
+        import lopd_lightning.modules.lopd_callbacks as lopd_only
 
-        return ([f"lopd_lightning.callbacks.{n}" for n, v in vars(ours).items() if isinstance(v, type)
-                 and issubclass(v, pl_callbacks.Callback) and v.__module__ == ours.__name__]
+        return ([f"{ours.__name__}.{n}" for ours in (generic, lopd_only) for n, v in vars(ours).items()
+                 if isinstance(v, type) and issubclass(v, pl_callbacks.Callback) and v.__module__ == ours.__name__]
                 + [f"lightning.pytorch.callbacks.{n}" for n in pl_callbacks.__all__])
     if "logger" in key:
         return [f"lightning.pytorch.loggers.{n}" for n in pl_loggers.__all__]

@@ -111,6 +111,7 @@ def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True
 
     import lopd_lightning.callbacks  # noqa: F401
     import lopd_lightning.modules  # noqa: F401  (registers the shipped methods for short class names)
+    import lopd_lightning.modules.lopd_callbacks  # noqa: F401  (and LOPD's callbacks)
     from lopd_lightning.data import OnPolicyDataModule
     from lopd_lightning.modules.base import OnPolicyModule
 

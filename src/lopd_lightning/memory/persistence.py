@@ -147,7 +147,7 @@ def check_bank_fills(size: int, num_experiences: int, bank_path: str | None, *, 
         raise ValueError(
             f"{where}, so LOPD's teacher has no experiences and every step would train nothing (loss 0); build a "
             f"bank with `lopd build-memory -c CONFIG --from-references` and set model.init_args.bank_path to its "
-            f"folder, or add lopd_lightning.callbacks.MemoryRefresh to trainer.callbacks to fill it from the "
-            f"run's own successes"
+            f"folder, or add lopd_lightning.modules.lopd_callbacks.MemoryRefresh to trainer.callbacks to fill it "
+            f"from the run's own successes"
         )
     log.warning("%s: LOPD trains nothing until MemoryRefresh adds the run's first successful trajectory", where)
