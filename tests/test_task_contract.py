@@ -185,3 +185,36 @@ def test_single_turn_info_reaches_the_metadata(model, tokenizer):
 
 def test_task_declares_max_turns_default():
     assert Task.max_turns is None and Task.multi_turn is False
+
+
+# ----------------------------------------------------------------------- score and score_with_info: one computation
+def test_a_task_implements_one_of_score_and_score_with_info_and_the_base_derives_the_other():
+    from lopd_lightning.tasks.toy import ToyTask
+
+    class Explained(ToyTask):  # ToyTask implements score; this subclass says why instead
+        def score_with_info(self, example, completion):
+            return 0.0, {"error": "never right"}
+
+    class PlainAgain(Explained):  # and back: its score is the source of both again
+        def score(self, example, completion):
+            return 1.0
+
+    toy = ToyTask(num_examples=2)
+    example = toy.examples()[0]
+    answer = example.data["answer"]
+    assert toy.score(example, answer) == 1.0 and toy.score_with_info(example, answer) == (1.0, {})
+    explained = Explained(num_examples=2)
+    assert explained.score(example, answer) == 0.0  # not ToyTask's score, which would say 1.0
+    assert explained.score_with_info(example, answer) == (0.0, {"error": "never right"})
+    assert PlainAgain(num_examples=2).score_with_info(example, "x") == (1.0, {})
+    assert explained.start(example).step(answer).info == {"error": "never right"}
+
+
+def test_a_task_that_defines_both_is_refused():
+    with pytest.raises(TypeError, match="Both defines both score and score_with_info: a task implements one of them"):
+        class Both(Undeclared):
+            def score(self, example, completion):
+                return 1.0
+
+            def score_with_info(self, example, completion):
+                return 1.0, {}

@@ -178,9 +178,9 @@ def test_a_single_turn_task_without_score_is_told_so_not_that_it_is_multi_turn(t
     code, out, _ = run_main(["tasks", "verify", f"{name}.NoScoreTask"], capsys)
     assert code == 1
     assert out.splitlines()[1] == (
-        "  FAIL no_score/0: reward 0.0 (NotImplementedError: NoScoreTask does not implement score(example, "
-        "completion), which a single-turn task (multi_turn = False) must; a multi-turn task sets "
-        "multi_turn = True and overrides start(example))"
+        "  FAIL no_score/0: reward 0.0 (NotImplementedError: NoScoreTask implements neither score(example, "
+        "completion) nor score_with_info(example, completion), one of which a single-turn task "
+        "(multi_turn = False) must; a multi-turn task sets multi_turn = True and overrides start(example))"
     )
 
 

@@ -1,9 +1,10 @@
 """The Task protocol: what a new task implements.
 
 A task is a set of examples, the student's first messages for each, an environment that answers the
-student's replies, and a reward in [0, 1]. Single-turn tasks only implement :meth:`Task.score`;
-multi-turn tasks set ``multi_turn = True`` (and ``max_turns``), override :meth:`Task.start` and return
-their own :class:`Episode`.
+student's replies, and a reward in [0, 1]. Single-turn tasks implement one of :meth:`Task.score` (the
+reward) and :meth:`Task.score_with_info` (the reward and why), and the base derives the other; multi-turn
+tasks set ``multi_turn = True`` (and ``max_turns``), override :meth:`Task.start` and return their own
+:class:`Episode`.
 
 The rollout loop, per example: ``messages = task.initial_messages(example)``, ``episode =
 task.start(example)``; then, until the episode is done or ``max_turns`` replies were made, the student
@@ -129,7 +130,7 @@ class Episode(abc.ABC):
 
 
 class SingleTurnEpisode(Episode):
-    """One reply, scored by :meth:`Task.score`; done after the first step."""
+    """One reply, scored by :meth:`Task.score_with_info`; done after the first step."""
 
     def __init__(self, task: Task, example: Example):
         self.task, self.example = task, example
@@ -220,30 +221,60 @@ class Task(abc.ABC):
         """
         return [self.reference_solution(example)]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Keep :meth:`score` and :meth:`score_with_info` one computation: the one a class defines is the source,
+        and the other is the base's, derived from it (a subclass of a ``score`` task that defines
+        ``score_with_info`` gets a ``score`` that reads it, and the other way round).
+
+        Raises:
+            TypeError: the class defines both (the message says to keep one).
+        """
+        super().__init_subclass__(**kwargs)
+        own = [name for name in ("score", "score_with_info") if name in vars(cls)]
+        if len(own) == 2:
+            raise TypeError(f"{cls.__name__} defines both score and score_with_info: a task implements one of them "
+                            "(score_with_info to say why a reply failed) and the other is derived from it; drop one")
+        if own == ["score"] and cls.score_with_info is not Task.score_with_info:
+            cls.score_with_info = Task.score_with_info  # a base's score_with_info would ignore this score
+        elif own == ["score_with_info"] and cls.score is not Task.score:
+            cls.score = Task.score  # a base's score would ignore this score_with_info
+
     def score(self, example: Example, completion: str) -> float:
         """Reward in [0, 1] of one assistant reply (single-turn tasks). Never raises on bad text
         (empty or whitespace-only replies included: they score 0).
+
+        A single-turn task implements exactly one of this and :meth:`score_with_info` (a class that defines
+        both is refused: :meth:`__init_subclass__`); the base derives the other. Default: the reward of
+        :meth:`score_with_info`. The rollout reads :meth:`score_with_info`; this is the plain reward, for
+        callers that want only the number.
 
         The value is checked where it is read: :func:`episode_reward` (the episode loop, ``lopd tasks
         verify``) raises ValueError naming the task and the example if it is outside [0, 1]
         (:func:`check_reward`).
 
         Raises:
-            NotImplementedError: not overridden (the message names the class, and says a multi-turn task
-                uses ``start(example).step(...)`` instead).
+            NotImplementedError: the task implements neither (the message names the class, and says a
+                multi-turn task uses ``start(example).step(...)`` instead).
         """
+        if type(self).score_with_info is not Task.score_with_info:
+            return self.score_with_info(example, completion)[0]
         if self.multi_turn:
             raise NotImplementedError(f"{type(self).__name__} is multi-turn: use start(example).step(...)")
         raise NotImplementedError(
-            f"{type(self).__name__} does not implement score(example, completion), which a single-turn task "
-            f"(multi_turn = False) must; a multi-turn task sets multi_turn = True and overrides start(example)"
+            f"{type(self).__name__} implements neither score(example, completion) nor score_with_info(example, "
+            f"completion), one of which a single-turn task (multi_turn = False) must; a multi-turn task sets "
+            f"multi_turn = True and overrides start(example)"
         )
 
     def score_with_info(self, example: Example, completion: str) -> tuple[float, dict[str, Any]]:
-        """The reward of one reply and diagnostics for :class:`StepResult.info` (single-turn tasks).
+        """The reward of one reply and diagnostics for :class:`StepResult.info` (single-turn tasks): what a
+        single-turn episode reads (:class:`SingleTurnEpisode`).
 
-        Override to explain a low score, e.g. ``(0.0, {"error": "malformed tool call: ..."})``; the
-        rollout records ``info["error"]`` with the trajectory. Default: ``(score(...), {})``.
+        Implement this instead of :meth:`score` to explain a low score, e.g. ``(0.0, {"error": "malformed tool
+        call: ..."})``; the rollout records ``info["error"]`` with the trajectory. Default: ``(score(...), {})``.
+
+        Raises:
+            NotImplementedError: the task implements neither (:meth:`score`'s message).
         """
         return self.score(example, completion), {}
 

@@ -298,14 +298,10 @@ class HumanEvalTask(Task):
         code = extract_code(completion, prompt=data["prompt"], entry_point=data["entry_point"])
         return build_programs(prompt=data["prompt"], test=data["test"], entry_point=data["entry_point"], code=code)
 
-    def score(self, example: Example, completion: str) -> float:
-        """1.0 if the reply's function passes all tests of ``example``, else 0.0. Never raises on bad
-        text (a non-string reply scores 0)."""
-        return self.score_many([(example, completion)], max_workers=1)[0]
-
     def score_with_info(self, example: Example, completion: str) -> tuple[float, dict]:
-        """The reward and, when it is 0, ``{"error": why}``: the sandbox's reason (timeout, memory limit,
-        crash, exit status and the last line of stderr) or "empty reply"."""
+        """1.0 if the reply's function passes all tests of ``example``, else 0.0, and, when it is 0,
+        ``{"error": why}``: the sandbox's reason (timeout, memory limit, crash, exit status and the last line
+        of stderr), "empty reply" or "reply is not text". Never raises on bad text. (``score`` is its reward.)"""
         return self._score_many_with_info([(example, completion)], max_workers=1)[0]
 
     def score_many(

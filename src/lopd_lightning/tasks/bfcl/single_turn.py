@@ -130,9 +130,6 @@ class BFCLTask(Task):
         except Exception as err:  # a checker bug must not stop training; it shows up in verify
             return CheckResult(False, f"checker error: {type(err).__name__}: {err}")
 
-    def score(self, example: Example, completion: str) -> float:
-        return 1.0 if self.check(example, completion).valid else 0.0
-
     def score_with_info(self, example: Example, completion: str) -> tuple[float, dict[str, Any]]:
         """The reward and, when it is 0, ``{"error": the checker's reason}`` (e.g. "malformed tool call:
         ...", "function name 'f' not found (got 'g')", "wrong type for 'x': ...")."""

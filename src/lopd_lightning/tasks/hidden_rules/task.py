@@ -230,9 +230,6 @@ class HiddenRulesTask(Task):
         except Exception as err:  # bad text must never stop training; verify shows checker bugs
             return Verdict(False, f"checker error: {type(err).__name__}: {err}")
 
-    def score(self, example: Example, completion: str) -> float:
-        return 1.0 if self.check(example, completion).valid else 0.0
-
     def score_with_info(self, example: Example, completion: str) -> tuple[float, dict[str, Any]]:
         """``(1.0, {})``, or ``(0.0, {"error": what failed})`` with ``"rule"`` (its kind) when the hidden
         rule was broken (never on a plain tool)."""
