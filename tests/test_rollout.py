@@ -806,7 +806,7 @@ def test_the_weights_stamp_sees_a_disabled_peft_adapter():
 
 def test_the_weights_stamp_sees_a_merged_or_rescaled_peft_adapter():
     """peft merges through ``weight.data`` (no version bump): the stamp sees it by the merged adapters, and a
-    rescaled adapter by its scaling (the same :func:`~lopd_lightning.adapters.tuner_state` checkpointing reads)."""
+    rescaled adapter by its scaling (the same :func:`~lopd_lightning.adapters.tuner_states` checkpointing reads)."""
     from lopd_lightning.adapters import prepare_backbone, tuner_layers
     from lopd_lightning.models import tiny_model
     from lopd_lightning.rollout.kv_reuse import weights_stamp

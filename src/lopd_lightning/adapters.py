@@ -37,7 +37,7 @@ checkpointing its layers are recomputed then, under the state of their forward
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -77,8 +77,9 @@ __all__ = [
     "prepare_backbone",
     "student_adapter_name",
     "student_parameters",
+    "TunerState",
     "tuner_layers",
-    "tuner_state",
+    "tuner_states",
     "use_adapter",
 ]
 
@@ -253,9 +254,10 @@ def add_composer_adapter(backbone: nn.Module, config: LoraConfig | dict[str, Any
     if isinstance(backbone, PeftModel):
         prev_active, prev_disabled = _current_state(backbone)
         backbone.add_adapter(name, cfg)
-        _switch(backbone, prev_active)  # the student's adapter stays the active one
+        layers = tuner_layers(backbone)  # after the adapter was added: it may have injected layers
+        _switch(backbone, prev_active, layers)  # the student's adapter stays the active one
         if prev_disabled:
-            _switch(backbone, None)
+            _switch(backbone, None, layers)
     else:
         backbone = get_peft_model(backbone, cfg, adapter_name=name)
         backbone.base_model.disable_adapter_layers()
@@ -328,14 +330,26 @@ def tuner_layers(model: nn.Module) -> list[BaseTunerLayer]:
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
-def tuner_state(layer: BaseTunerLayer) -> tuple[str | list[str], bool, dict[str, float], tuple[str, ...]]:
-    """The adapter selection and scaling that decide one peft adapter layer's forward (with its weights, its
-    input and its modules' train flags): its active adapter(s) (a copy, a name or a list as peft holds it),
-    its disabled flag, its scaling per adapter and its merged adapters. Compared with ``==``; read by
-    activation checkpointing (to recompute under the forward's state) and by the prefix cache's weights stamp (to drop rows computed under another state)."""
-    active = layer._active_adapter
-    return (active if isinstance(active, str) else list(active), bool(layer._disable_adapters),
-            dict(getattr(layer, "scaling", {})), tuple(layer.merged_adapters))
+#: one peft adapter layer's forward-deciding state (:func:`tuner_states`)
+TunerState = tuple[str | list[str], bool, dict[str, float], tuple[str, ...]]
+
+
+def tuner_states(modules: Iterable[nn.Module]) -> list[TunerState]:
+    """The adapter selection and scaling that decide the forward of each peft adapter layer
+    (``BaseTunerLayer``) among ``modules``, in their order (``[]`` when none is one), read in one pass.
+
+    Per layer (with its weights, its input and its modules' train flags, what decides its forward): its
+    active adapter(s) (a copy, a name or a list as peft holds it), its disabled flag, its scaling per
+    adapter (a copy) and its merged adapters. Compared with ``==``. Read by activation checkpointing (a
+    decoder layer's, at every checkpointed forward, to recompute under the forward's state) and by the
+    prefix cache's weights stamp (a whole model's, ``model.modules()``, at every ``generate`` call of a
+    rollout session, to drop rows computed under another state): one call each, not one per layer.
+    """
+    return [
+        (layer._active_adapter if isinstance(layer._active_adapter, str) else list(layer._active_adapter),
+         bool(layer._disable_adapters), dict(getattr(layer, "scaling", {})), tuple(layer.merged_adapters))
+        for layer in modules if isinstance(layer, BaseTunerLayer)
+    ]
 
 
 def adapter_names(peft_model: nn.Module) -> list[str]:
@@ -417,15 +431,18 @@ def frozen(params: list[nn.Parameter] | Iterator[nn.Parameter]) -> Iterator[None
             p.requires_grad_(flag)
 
 
-def _current_state(peft_model: PeftModel) -> tuple[list[str], bool]:
-    layers = tuner_layers(peft_model)
+def _current_state(peft_model: PeftModel, layers: list[BaseTunerLayer] | None = None) -> tuple[list[str], bool]:
+    """The active adapters and whether every adapter layer is disabled (``layers``: the model's
+    :func:`tuner_layers`, listed by the caller that already has them)."""
+    layers = tuner_layers(peft_model) if layers is None else layers
     disabled = bool(layers) and all(layer.disable_adapters for layer in layers)
     active = list(layers[0].active_adapters) if layers else [peft_model.active_adapter]
     return active, disabled
 
 
-def _switch(peft_model: PeftModel, active: list[str] | str | None) -> None:
-    """Activate ``active`` (None: all adapters disabled). Flips requires_grad flags (peft does): restore after."""
+def _switch(peft_model: PeftModel, active: list[str] | str | None, layers: list[BaseTunerLayer]) -> None:
+    """Activate ``active`` (None: all adapters disabled); ``layers`` are the model's :func:`tuner_layers`
+    (switching adds or removes none). Flips requires_grad flags (peft does): restore after."""
     if active is None:
         peft_model.base_model.disable_adapter_layers()
         return
@@ -434,8 +451,7 @@ def _switch(peft_model: PeftModel, active: list[str] | str | None) -> None:
         peft_model.set_adapter(names[0])
     else:  # a multi-adapter state set by someone else: restore it as it was
         peft_model.base_model.set_adapter(names)
-    _, disabled = _current_state(peft_model)
-    if disabled:
+    if layers and all(layer.disable_adapters for layer in layers):
         peft_model.base_model.enable_adapter_layers()
 
 
@@ -471,7 +487,8 @@ def use_adapter(peft_model: nn.Module, name: str | None, *, grads: GradMode = "k
         return
     params = list(peft_model.parameters())
     flags = [p.requires_grad for p in params]
-    prev_active, prev_disabled = _current_state(peft_model)
+    layers = tuner_layers(peft_model)  # for the switch in (switching adds or removes none)
+    prev_active, prev_disabled = _current_state(peft_model, layers)
     prev_peft_active = peft_model.active_adapter
 
     def restore_flags() -> None:
@@ -480,7 +497,7 @@ def use_adapter(peft_model: nn.Module, name: str | None, *, grads: GradMode = "k
                 p.requires_grad_(flag)
 
     try:
-        _switch(peft_model, name)
+        _switch(peft_model, name, layers)
         restore_flags()
         if grads != "keep":
             keep = {id(p) for p in adapter_parameters(peft_model, name)} if (grads == "adapter" and name) else set()
@@ -489,9 +506,10 @@ def use_adapter(peft_model: nn.Module, name: str | None, *, grads: GradMode = "k
                     p.requires_grad_(False)
         yield peft_model
     finally:
-        _switch(peft_model, prev_active)
+        layers = tuner_layers(peft_model)  # listed again: the context may have added an adapter
+        _switch(peft_model, prev_active, layers)
         if prev_disabled:
-            _switch(peft_model, None)
+            _switch(peft_model, None, layers)
         peft_model.active_adapter = prev_peft_active
         restore_flags()
 
@@ -521,9 +539,10 @@ def copy_adapter(peft_model: PeftModel, source: str, target: str) -> list[nn.Par
         flags = [p.requires_grad for p in params]
         prev_active, prev_disabled = _current_state(peft_model)
         peft_model.add_adapter(target, peft_model.peft_config[source])
-        _switch(peft_model, prev_active)
+        layers = tuner_layers(peft_model)  # after the adapter was added: it may have injected layers
+        _switch(peft_model, prev_active, layers)
         if prev_disabled:
-            _switch(peft_model, None)
+            _switch(peft_model, None, layers)
         for p, flag in zip(params, flags, strict=True):
             p.requires_grad_(flag)
     pairs = list(zip(adapter_parameters(peft_model, target), adapter_parameters(peft_model, source), strict=True))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lopd_lightning.adapters import tuner_layers, tuner_state
+from lopd_lightning.adapters import tuner_layers, tuner_states
 
 __all__ = ["ForwardStateRecompute", "enable_activation_checkpointing", "layers_checkpointed_in_eval", "recorded_forwards"]
 
@@ -75,7 +75,7 @@ class _ForwardState:
 
     def __init__(self, layout: _Layout) -> None:
         self.layout = layout
-        self.tuners = [tuner_state(m) for m in layout.tuners]
+        self.tuners = tuner_states(layout.tuners)
         self.flags = [p.requires_grad for p in layout.params]
         self.training = [m.training for m in layout.modules]
 

@@ -240,7 +240,7 @@ class HFGenerateBackend(GenerationBackend):
     weights. Inside a session it is also dropped by :meth:`sync_weights` and, best effort, whenever
     :func:`~lopd_lightning.rollout.kv_reuse.weights_stamp` changed: a parameter's storage or autograd
     version counter (``p.add_``, ``load_state_dict``, ``.to()``), or a peft adapter layer's
-    :func:`~lopd_lightning.adapters.tuner_state` (active or disabled adapters, scaling, merged adapters).
+    state (:func:`~lopd_lightning.adapters.tuner_states`: active or disabled adapters, scaling, merged adapters).
     Writes through ``p.data`` and fused optimiser kernels may not bump the counter: the
     guarantee is the session's scope plus ``sync_weights``, not the stamp. The rows of finished episodes
     go at the next turn (``GenerationSession.retain``: only rows a live context extends are kept), and a

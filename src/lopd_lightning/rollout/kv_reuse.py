@@ -273,22 +273,26 @@ class ReuseMismatch(RuntimeError):
 
 
 def weights_stamp(model: Any) -> tuple[Any, ...]:
-    """A best-effort fingerprint of the weights: each parameter's storage and autograd version counter, and
-    each peft adapter layer's :func:`~lopd_lightning.adapters.tuner_state` (active adapters, disabled flag,
-    scaling, merged adapters).
+    """A best-effort fingerprint of the weights: each parameter's storage and autograd version counter
+    (``(data_ptr, _version)``, in ``model.parameters()`` order), then each peft adapter layer's state, as
+    :func:`~lopd_lightning.adapters.tuner_states` reads it (active adapters, disabled flag, scaling, merged
+    adapters; one call for the whole model).
 
     It sees in-place updates through the parameter itself (``p.add_(...)``, ``p.copy_(...)`` under
-    ``no_grad``, ``load_state_dict``), a move (``.to()`` changes the storage), and a switch, disabling,
-    rescaling or merge of a peft adapter. It does NOT see writes through ``p.data`` (``p.data += ...``,
-    ``p.data.copy_``), which bypass the counter, nor every optimiser: fused/foreach AdamW kernels may update
-    without bumping it. The guarantee is the session's scope (nothing is kept beyond one :func:`~lopd_lightning.
-    rollout.generate_rollouts` call) plus ``sync_weights``; this stamp only catches some changes made inside it.
-    Compare stamps with ``==`` (they are not hashable: they hold lists and dicts).
+    ``no_grad``, ``load_state_dict``), a move (``.to()`` changes the storage), a parameter added or replaced
+    by another tensor (unless that one took the freed memory of the old), and a switch, disabling, rescaling
+    or merge of a peft adapter. It does NOT see writes through ``p.data`` (``p.data += ...``,
+    ``p.data.copy_``), which bypass the counter, nor every optimiser:
+    fused/foreach AdamW kernels may update without bumping it. The guarantee is the session's scope (nothing
+    is kept beyond one :func:`~lopd_lightning.rollout.generate_rollouts` call) plus ``sync_weights``; this
+    stamp only catches some changes made inside it. Compare stamps with ``==`` (they are not hashable:
+    they hold lists and dicts). Cost: one pass over the parameters and one over the modules, per
+    ``generate`` call of a session.
     """
-    from lopd_lightning.adapters import tuner_layers, tuner_state  # lazy: peft is imported only when a stamp is taken
+    from lopd_lightning.adapters import tuner_states  # lazy: peft is imported only when a stamp is taken
 
     params = tuple((p.data_ptr(), int(getattr(p, "_version", 0))) for p in model.parameters())
-    return params + tuple(tuner_state(layer) for layer in tuner_layers(model))
+    return params + tuple(tuner_states(model.modules()))
 
 
 def unsupported(model: Any) -> str | None:
