@@ -25,9 +25,9 @@ from lopd_lightning.losses.lm_head import (
     constant_head,
     distillation_loss,
     lm_head_parameters,
-    margin_delta,
 )
-from lopd_lightning.losses import privileged_margin, token_logps, topk_tail_reverse_kl
+from lopd_lightning.composer.objective import margin_delta, privileged_margin
+from lopd_lightning.losses import token_logps, topk_tail_reverse_kl
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.models import tiny_model, tiny_tokenizer

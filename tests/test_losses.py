@@ -14,16 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lopd_lightning.losses.composer import has_both_outcomes
+from lopd_lightning.composer.objective import anchor_loss, composer_objective, has_both_outcomes, privileged_margin
 from lopd_lightning.losses import (
-    anchor_loss,
-    composer_objective,
     generalized_jsd,
     k3_kl,
     masked_mean,
     ppo_clip_fraction,
     ppo_clip_loss,
-    privileged_margin,
     token_logps,
     topk_tail_logprobs,
     topk_tail_reverse_kl,

@@ -1,4 +1,4 @@
-"""Pure tensor losses of LOPD and its baselines: log-probabilities, divergences, margin, PPO-clip, reduction.
+"""Pure tensor losses of LOPD and its baselines: log-probabilities, divergences, PPO-clip, reduction.
 
 Every function here takes tensors and keyword-only options and returns tensors; nothing logs or reduces
 behind the caller's back (:class:`LMHead` holds references to the two LM heads, :class:`DualAscent` beta). Divergences return one value per token, (B, T); reduce them
@@ -24,19 +24,19 @@ One concern per module, every public name re-exported here:
 * ``divergences``: :func:`topk_tail_logprobs` and :func:`topk_tail_reverse_kl` (section 5, the top-M +
   tail reverse KL of LOPD, also SDPO's), :func:`generalized_jsd` (section 6, OPSD's generalized JSD, the
   GKD convention), :data:`DIVERGENCES` / :func:`divergence` (the divergences by name).
-* ``composer``: :func:`privileged_margin` (section 5, the margin Delta(phi)), :func:`anchor_loss` (section
-  5, the latent anchor), :func:`composer_objective` (section 5, L_distill + beta (m - Delta) + lambda anchor).
 * ``policy``: :func:`ppo_clip_loss` / :func:`ppo_clip_fraction` (section 6, the GRPO policy loss),
   :func:`k3_kl` (section 6, the k3 KL estimator: GRPO's KL to the reference, Skill-SD's self-distillation
   term), :func:`grpo_loss` / :class:`GRPOLoss` (section 6, GRPO's objective).
 * ``lm_head``: :class:`LMHead`, the LM head applied to (N, V) logits or to (N, d) hidden states chunk by
-  chunk (``distill_chunk_size``), behind :func:`distillation_loss` and :func:`margin_delta` (section 5).
+  chunk (``distill_chunk_size``), behind :func:`distillation_loss` (section 5, L_distill).
 * ``dual``: :class:`DualAscent`, the dual variable beta and its update (section 5).
+
+The composer's own terms (the margin Delta(phi), the latent anchor, the composer objective) are in
+:mod:`lopd_lightning.composer.objective`.
 """
 
 from __future__ import annotations
 
-from lopd_lightning.losses.composer import anchor_loss, composer_objective, privileged_margin
 from lopd_lightning.losses.divergences import (
     DIVERGENCES,
     DivergenceName,
@@ -47,7 +47,7 @@ from lopd_lightning.losses.divergences import (
 )
 from lopd_lightning.losses.policy import GRPOLoss, grpo_loss, k3_kl, ppo_clip_fraction, ppo_clip_loss
 from lopd_lightning.losses.dual import DualAscent
-from lopd_lightning.losses.lm_head import LMHead, chunked_topk_tail_reverse_kl, distillation_loss, margin_delta
+from lopd_lightning.losses.lm_head import LMHead, chunked_topk_tail_reverse_kl, distillation_loss
 from lopd_lightning.losses.tokens import masked_mean, shifted_token_logps, token_logps
 
 __all__ = [
@@ -56,11 +56,8 @@ __all__ = [
     "LMHead",
     "chunked_topk_tail_reverse_kl",
     "distillation_loss",
-    "margin_delta",
     "DivergenceName",
     "GRPOLoss",
-    "anchor_loss",
-    "composer_objective",
     "divergence",
     "generalized_jsd",
     "grpo_loss",
@@ -68,7 +65,6 @@ __all__ = [
     "masked_mean",
     "ppo_clip_fraction",
     "ppo_clip_loss",
-    "privileged_margin",
     "shifted_token_logps",
     "token_logps",
     "topk_tail_logprobs",

@@ -17,8 +17,8 @@ Map to the method (docs/METHOD.md):
 
 * :meth:`LMHead.reverse_kl`, :func:`distillation_loss`: section 5, L_distill, the top-M + tail reverse KL
   KL(p~_S || p~_T) as a global token mean (:func:`lopd_lightning.losses.topk_tail_reverse_kl` on logits).
-* :meth:`LMHead.token_logps`, :func:`margin_delta`: section 5, delta = log pi_T(a) - sg[log pi_S(a)] on the
-  sampled tokens and the margin Delta(phi) (:func:`lopd_lightning.losses.privileged_margin`).
+* :meth:`LMHead.token_logps`: section 5, log pi_T(a) and log pi_S(a) of the sampled tokens, from which
+  :func:`lopd_lightning.composer.objective.margin_delta` makes the margin Delta(phi).
 * :func:`chunked_topk_tail_reverse_kl`, :func:`chunked_head_kl`, :func:`chunked_token_logps`: the chunked
   computations themselves (one head, two heads, sampled-token log-probabilities).
 """
@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lopd_lightning.lm import base_model, unpack
-from lopd_lightning.losses.composer import privileged_margin
+from lopd_lightning.lm import base_model
 from lopd_lightning.losses.divergences import topk_tail_reverse_kl
 from lopd_lightning.losses.tokens import token_logps
 from lopd_lightning.losses._common import _check_temperature, _compute_dtype
@@ -48,7 +47,6 @@ __all__ = [
     "constant_head",
     "distillation_loss",
     "lm_head_parameters",
-    "margin_delta",
 ]
 
 #: (weight (V, d), bias (V,) or None) of an output head.
@@ -425,43 +423,3 @@ def distillation_loss(
     Source: LOPD paper, docs/METHOD.md section 5: L_distill = sum omega KL(p~_S || p~_T) / sum omega (Eq. 10).
     """
     return head.reverse_kl(student, teacher, top_k=top_k, temperature=temperature).sum() / num_tokens
-
-
-def margin_delta(
-    head: LMHead,
-    student: Tensor,
-    teacher: Tensor,
-    tokens: Tensor,
-    positions: Tensor,
-    rewards: Tensor,
-    *,
-    rows: Tensor | None = None,
-    weighting: str = "paper",
-) -> Tensor:
-    """The privileged margin Delta(phi) of the sampled tokens, differentiable in the teacher's values only.
-
-    ``delta = log pi_T(a | s, c_phi) - sg[log pi_S(a | s)]`` per token, weighted by ``2 r - 1`` and
-    averaged per rollout, then over rollouts (:func:`lopd_lightning.losses.privileged_margin`).
-
-    Args:
-        head: the :class:`LMHead`.
-        student, teacher: (N, V) logits or (N, d) hidden states at the N loss tokens (the student's side
-            is detached here).
-        tokens: (N,) the sampled tokens those rows score.
-        positions: (B, T) bool, where the N rows sit (row-major), the loss tokens omega.
-        rewards: (B,) trajectory rewards in [0, 1].
-        rows: (B,) bool, the rollouts that count (LOPD: those whose teacher saw latents; without them
-            delta is 0 by construction in ``live`` mode), or None for all.
-        weighting: ``"paper"`` (mean over rollouts) or ``"balanced"`` (successes and failures weighed equally).
-
-    Returns:
-        () float32, Delta(phi) (0 when no rollout counts).
-
-    Source: LOPD paper, docs/METHOD.md section 5: delta, A(tau) = 2 r(tau) - 1, Delta(phi).
-    """
-    teacher_logps = head.token_logps(teacher, tokens, side="teacher")
-    with torch.no_grad():
-        student_logps = head.token_logps(student.detach(), tokens, side="student")
-    mask = positions if rows is None else positions & rows[:, None]
-    return privileged_margin(unpack(teacher_logps, positions), unpack(student_logps, positions), rewards, mask,
-                             weighting=weighting)

@@ -37,10 +37,9 @@ from typing_extensions import override
 from lopd_lightning.adapters import add_composer_adapter, copy_adapter
 from lopd_lightning.checkpointing import recorded_forwards
 from lopd_lightning.losses.dual import DualAscent
-from lopd_lightning.losses.lm_head import LMHead, distillation_loss, margin_delta
-from lopd_lightning.losses import anchor_loss, composer_objective
-from lopd_lightning.losses.composer import has_both_outcomes
+from lopd_lightning.losses.lm_head import LMHead, distillation_loss
 from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_composer_grads, load_composer
+from lopd_lightning.composer.objective import anchor_loss, composer_objective, has_both_outcomes, margin_delta
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
 from lopd_lightning.memory.experience import Experience

@@ -8,7 +8,7 @@ from typing import Any
 
 from lopd_lightning.adapters import as_lora_config, check_lora_config
 from lopd_lightning.composer.model import check_composer_options
-from lopd_lightning.losses.composer import MARGIN_WEIGHTINGS
+from lopd_lightning.composer.objective import MARGIN_WEIGHTINGS
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.memory.module_bank import check_bank_options
 

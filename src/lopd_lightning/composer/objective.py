@@ -1,10 +1,16 @@
-"""The terms of LOPD's composer objective: the privileged margin Delta, the latent anchor, their sum.
+"""The composer's objective during LOPD training: the privileged margin Delta, the latent anchor, their sum.
 
 Map to the method (docs/METHOD.md):
 
-* :func:`privileged_margin`: section 5, the margin Delta(phi) of the composer objective.
+* :func:`privileged_margin`: section 5, the margin Delta(phi) of the composer objective, on (B, T) log-probs.
+* :func:`margin_delta`: the same Delta read through the LM head (:class:`~lopd_lightning.losses.lm_head.LMHead`)
+  from the teacher's and the student's logits or hidden states at the loss tokens (what LOPDModule calls).
+* :func:`has_both_outcomes`: whether a batch's balanced Delta is informative.
 * :func:`anchor_loss`: section 5, the latent anchor mean((c_phi - sg[c_phi0])^2).
 * :func:`composer_objective`: section 5, L_distill + beta (m - Delta) + lambda anchor.
+
+The composer's pretraining losses are :mod:`lopd_lightning.composer.losses`; L_distill itself is
+:func:`lopd_lightning.losses.lm_head.distillation_loss` (the student's loss too).
 """
 
 from __future__ import annotations
@@ -12,6 +18,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lopd_lightning.lm import unpack
+from lopd_lightning.losses.lm_head import LMHead
+
+__all__ = ["MARGIN_WEIGHTINGS", "anchor_loss", "composer_objective", "has_both_outcomes", "margin_delta",
+           "privileged_margin"]
 
 #: how :func:`privileged_margin` weighs the rollouts: ``paper`` (the default, the paper's mean) or ``balanced``
 MARGIN_WEIGHTINGS = ("paper", "balanced")
@@ -84,6 +95,50 @@ def has_both_outcomes(rewards: Tensor, rows: Tensor) -> bool:
     whose balanced Delta (:func:`privileged_margin` ``weighting="balanced"``) is informative."""
     outcome = 2.0 * rewards.detach() - 1.0
     return bool((rows & (outcome > 0)).any()) and bool((rows & (outcome < 0)).any())
+
+
+def margin_delta(
+    head: LMHead,
+    student: Tensor,
+    teacher: Tensor,
+    tokens: Tensor,
+    positions: Tensor,
+    rewards: Tensor,
+    *,
+    rows: Tensor | None = None,
+    weighting: str = "paper",
+) -> Tensor:
+    """The privileged margin Delta(phi) of the sampled tokens, differentiable in the teacher's values only.
+
+    ``delta = log pi_T(a | s, c_phi) - sg[log pi_S(a | s)]`` per token, weighted by ``2 r - 1`` and
+    averaged per rollout, then over rollouts (:func:`privileged_margin`).
+
+    Args:
+        head: the :class:`~lopd_lightning.losses.lm_head.LMHead` (full or chunked).
+        student, teacher: (N, V) logits or (N, d) hidden states at the N loss tokens (the student's side
+            is detached here).
+        tokens: (N,) long, the sampled tokens those rows score.
+        positions: (B, T) bool, where the N rows sit (row-major), the loss tokens omega.
+        rewards: (B,) float, trajectory rewards in [0, 1].
+        rows: (B,) bool, the rollouts that count (LOPD: those whose teacher saw latents; without them
+            delta is 0 by construction in ``live`` mode), or None for all.
+        weighting: ``"paper"`` (mean over rollouts) or ``"balanced"`` (successes and failures weighed equally;
+            :data:`MARGIN_WEIGHTINGS`).
+
+    Returns:
+        () float32, Delta(phi) (0 when no rollout counts).
+
+    Raises:
+        ValueError: an unknown ``weighting`` (:func:`privileged_margin`).
+
+    Source: LOPD paper, docs/METHOD.md section 5: delta, A(tau) = 2 r(tau) - 1, Delta(phi).
+    """
+    teacher_logps = head.token_logps(teacher, tokens, side="teacher")
+    with torch.no_grad():
+        student_logps = head.token_logps(student.detach(), tokens, side="student")
+    mask = positions if rows is None else positions & rows[:, None]
+    return privileged_margin(unpack(teacher_logps, positions), unpack(student_logps, positions), rewards, mask,
+                             weighting=weighting)
 
 
 def anchor_loss(latents: Tensor, anchor_latents: Tensor, latent_mask: Tensor) -> Tensor:
