@@ -33,17 +33,19 @@ folder, e.g. ``rollout/kv_reuse.py``) are counted:
   file -> callee file) pairs with the most calls, the caller being the file of the innermost project frame
   below the callee on the stack (project files only, caller != callee); ``entries_from_outside``: calls of
   a project frame with no project frame below it (hooks Lightning calls, the data loader's iterator).
-- ``adapters_calls``: ``calls_per_file["adapters.py"]``.
+- ``cross_file_calls``: the calls whose caller is another project file (the sum over every pair);
+  ``adapters_calls``: ``calls_per_file["adapters.py"]``, and ``adapters_calls_from_other_files`` those
+  of them made from another project file.
 
 Run::
 
     python benchmarks/step_trace.py [--methods lopd,grpo] [--step 2] [--top 10]
-                                    [--before benchmarks/results/step_trace.json]
+                                    [--before EARLIER.json [--before-note TEXT]]
                                     [--out benchmarks/results/step_trace.json]
 
 The JSON is ``{"benchmark": "step_trace", "settings", "methods": {"lopd", "grpo"}}`` plus
-:func:`common.run_metadata`; ``--before FILE`` keeps that earlier result's per-method counts (and its git
-sha) under ``"before"`` (read before ``--out`` is written, so it may be the same file).
+:func:`common.run_metadata`; ``--before FILE`` keeps that earlier result's per-method counts, its git sha
+and ``--before-note`` under ``"before"`` (read before ``--out`` is written, so it may be the same file).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ TINY_BANK = ROOT / "configs" / "tiny_bank"
 #: code objects that are expressions of their function, not calls (their own frames in Python <= 3.11)
 EXPRESSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 #: the per-method counts ``--before`` keeps
-SUMMARY_KEYS = ("n_files", "n_packages", "calls", "transitions", "returns_to_a_file_already_left", "adapters_calls")
+SUMMARY_KEYS = ("n_files", "n_packages", "calls", "cross_file_calls", "transitions", "returns_to_a_file_already_left",
+                "of_which_by_a_call", "adapters_calls", "adapters_calls_from_other_files")
 
 
 class StepTrace:
@@ -172,7 +175,9 @@ class StepTrace:
             "transitions": self.transitions,
             "returns_to_a_file_already_left": self.returns,
             "of_which_by_a_call": self.returns_by_call,
+            "cross_file_calls": sum(self.pairs.values()),
             "adapters_calls": self.calls_per_file.get("adapters.py", 0),
+            "adapters_calls_from_other_files": sum(n for (_, b), n in self.pairs.items() if b == "adapters.py"),
             "entries_from_outside": self.entries_from_outside,
             "files_entered": list(self.files_entered),
             "packages_entered": packages,
@@ -261,6 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=10, help="how many (caller, callee) file pairs to keep")
     p.add_argument("--before", type=Path, default=None,
                    help="an earlier result of this script whose counts are kept under 'before'")
+    p.add_argument("--before-note", default=None, help="what the earlier result measured (kept as before.note)")
     return p.parse_args(argv)
 
 
@@ -270,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.before is not None:
         earlier = json.loads(args.before.read_text())
         before = {"git_sha": earlier.get("git_sha"), "timestamp": earlier.get("timestamp"),
+                  "note": args.before_note,
                   "methods": {m: {k: r[k] for k in SUMMARY_KEYS if k in r} for m, r in earlier["methods"].items()}}
     logging.getLogger("lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for m, r in methods.items():
         print(f"{m}: {r['n_files']} files, {r['calls']} calls, {r['transitions']} transitions, "
               f"{r['returns_to_a_file_already_left']} returns to a file already left, "
-              f"adapters.py {r['adapters_calls']} calls")
+              f"adapters.py {r['adapters_calls']} calls ({r['adapters_calls_from_other_files']} from other files)")
     return report
 
 

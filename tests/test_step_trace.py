@@ -42,7 +42,8 @@ def test_the_counts_follow_the_definitions(step_trace, two_files):
     assert got["transitions"] == 4
     assert got["returns_to_a_file_already_left"] == 3 and got["of_which_by_a_call"] == 1
     assert got["top_pairs"] == [{"caller": "a_mod.py", "callee": "b_mod.py", "calls": 2}]
-    assert got["entries_from_outside"] == 1 and got["adapters_calls"] == 0
+    assert got["cross_file_calls"] == 2 and got["entries_from_outside"] == 1
+    assert got["adapters_calls"] == got["adapters_calls_from_other_files"] == 0
 
 
 def test_a_step_before_the_second_is_refused(step_trace):
