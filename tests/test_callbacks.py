@@ -57,11 +57,13 @@ class BatchLog(Callback):
 
 # ------------------------------------------------------------------ MemoryRefresh, hand-built inputs
 class FakeModule:
-    """What MemoryRefresh uses of a module: ``bank``, ``experience_from_trajectory`` and ``log``."""
+    """What MemoryRefresh uses of a module: ``bank``, ``experience_from_trajectory``, ``log`` (callback_metrics),
+    ``log_step_scalars`` and ``log_by_rollouts`` (the loggers)."""
 
     def __init__(self):
         self.bank = ExperienceBank(get_embedder("hashing"))
         self.logged = {}
+        self.written = {}
         self.hook_calls = []
 
     def experience_from_trajectory(self, task, example, messages, reward):
@@ -69,7 +71,14 @@ class FakeModule:
         return Experience(task_id=example.id, task_text=example.text, trace=messages[-1]["content"], reward=reward)
 
     def log(self, name, value, **kwargs):
+        assert kwargs.get("logger") is False, "the loggers get it from log_step_scalars, at x = the step"
         self.logged[name] = value
+
+    def log_step_scalars(self, values):
+        self.written.update(values)
+
+    def log_by_rollouts(self, values):
+        self.written.update({f"by_rollouts/{name}": value for name, value in values.items()})
 
 
 def fake_trainer(global_step: int):
@@ -96,6 +105,7 @@ def test_memory_refresh_adds_only_successful_rollouts():
     assert [(r.task_id, r.trace) for r in module.bank.records] == [("toy/0", "a"), ("toy/3", "d")]
     assert cb.added_total == 2 and cb.pending == []
     assert module.logged["train/bank_added"] == 2.0
+    assert module.written == {"train/bank_added": 2.0, "by_rollouts/bank_added": 2.0}
 
 
 def test_memory_refresh_waits_for_its_period_and_keeps_pending_in_its_state():

@@ -134,7 +134,12 @@ class MemoryRefresh(LOPDOnlyCallback):
                 experiences.append(exp)
         added = pl_module.bank.add(experiences) if experiences else 0
         self.added_total += added
-        pl_module.log("train/bank_added", float(self.added_total), on_step=True, on_epoch=False)
+        total = float(self.added_total)
+        # as the module's own train/ tags (after its step's log_rollout_metrics): callback_metrics, the loggers at
+        # x = this step and by_rollouts/ (Lightning's logger would file it at x = step - 1, with an `epoch` scalar)
+        pl_module.log("train/bank_added", total, on_step=True, on_epoch=False, logger=False)
+        pl_module.log_step_scalars({"train/bank_added": total})
+        pl_module.log_by_rollouts({"bank_added": total})
         log.info("memory refresh at step %d: %d candidates, %d added, bank size %d",
                  trainer.global_step, len(candidates), added, len(pl_module.bank))
         return added
