@@ -8,14 +8,19 @@ pin, float32 on CPU with one torch thread:
   through the method's own public functions (``tests/scripts/pin_steps.py``, ``teacher_forced_values``): GRPO's
   loss, pg_loss, KL and clip fraction at ratio 1 and at shifted old log-probs; Skill-SD's the same plus its SDL;
   SDPO's and OPSD's distillation loss, kept rows and tokens; SFT's NLL; LOPD's ``LOPDModule.losses`` (student
-  distillation loss, composer loss, distill_c, Delta, anchor, rows with latents), at rtol 1e-5 / atol 1e-8.
+  distillation loss, composer loss, distill_c, Delta, anchor, rows with latents), at rtol 1e-5 / atol 1e-6.
 * ``tests/pinned/fit_values.json``: per method, the logged values after each of 2 steps of a seeded tiny-model
   ``fit`` (``fit_method``): LOPD's train/loss, reward_mean, beta, margin_delta and composer_loss (configs/tiny.yaml's
   module and its shipped bank configs/tiny_bank/), the others' train/loss and train/reward_mean (GRPO: and the clip
-  fraction; Skill-SD: and the SDL), at rtol 1e-4 / atol 1e-7.
+  fraction; Skill-SD: and the SDL), at rtol 1e-4 / atol 1e-6.
 
-Run to run on CPU both sets are bitwise identical (measured: two runs of the script, ``cmp`` of their output); the
-tolerances leave room only for float32 reassociation between builds of torch / BLAS, not for a changed computation.
+Run to run on one CPU both sets are bitwise identical (measured: two runs of the script, ``cmp`` of their output).
+Across CPUs they are not: the kernels torch dispatches to differ (AVX2 / AVX-512), and the values pinned on an Intel
+Xeon came out up to 8e-8 away on an AMD EPYC (absolute; on distillation losses of 1e-5 to 2e-4, up to 1.2% relative:
+a KL of two nearly equal distributions is a small difference of float32 log-probs near -10, whose rounding is about
+1e-7). The absolute tolerance, 1e-6, is that rounding with room; the relative one checks the values above 0.1
+(GRPO's losses, Delta's terms, beta, rewards) as tightly as before. The price: on the smallest pinned values (the
+distillation losses, 6e-6 to 2e-4) a change smaller than 1e-6 passes (up to 15% of the SDPO fit loss).
 
 Regenerate with ``python tests/scripts/pin_steps.py`` (``--check`` prints the largest differences and writes
 nothing). Regenerating is legitimate only after a deliberate change to what a step computes: a loss, the tiny
@@ -41,8 +46,8 @@ pin_steps = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = pin_steps
 _spec.loader.exec_module(pin_steps)
 
-STEP_RTOL, STEP_ATOL = 1e-5, 1e-8  # teacher-forced: bitwise identical run to run
-FIT_RTOL, FIT_ATOL = 1e-4, 1e-7  # two optimiser steps and sampling: bitwise identical run to run as well
+STEP_RTOL, STEP_ATOL = 1e-5, 1e-6  # teacher-forced: bitwise identical run to run on one CPU; see the docstring
+FIT_RTOL, FIT_ATOL = 1e-4, 1e-6  # two optimiser steps and sampling: the same
 
 REGENERATE = ("a deliberate change? regenerate with `python tests/scripts/pin_steps.py` and say why in the commit "
               "message and CHANGELOG (see this module's docstring); otherwise this is a regression")
