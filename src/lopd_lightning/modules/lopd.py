@@ -13,9 +13,9 @@ One training step (manual optimisation, two optimisers):
 4. student loss: L_distill = global token mean of KL(p~_S || p~_T) on the teacher's top-M + tail
    support, the teacher constant (:func:`~lopd_lightning.losses.lm_head.distillation_loss`);
 5. composer loss: L_distill(student detached) + beta (m - Delta(phi)) + lambda * anchor
-   (:func:`~lopd_lightning.losses.composer_objective`), where Delta is the privileged margin
-   (:func:`~lopd_lightning.losses.lm_head.margin_delta`) and the anchor ties c_phi to the warm-started
-   composer's latents (:func:`~lopd_lightning.losses.anchor_loss`);
+   (:func:`~lopd_lightning.composer.objective.composer_objective`), where Delta is the privileged margin
+   (:func:`~lopd_lightning.composer.objective.margin_delta`) and the anchor ties c_phi to the warm-started
+   composer's latents (:func:`~lopd_lightning.composer.objective.anchor_loss`);
 6. one backward pass of the sum (disjoint parameters), then the student step and the composer step;
 7. dual ascent: beta <- max(0, beta + eta_beta (m - Delta)), Delta averaged over ranks
    (:class:`~lopd_lightning.losses.dual.DualAscent`).
@@ -127,7 +127,7 @@ class LOPDModule(OnPolicyModule):
         anchor_weight: lambda, weight of the latent anchor to the warm-started composer (paper: 0.2).
         margin_weighting: how Delta weighs the rollouts: ``"paper"`` (the default: the mean of A D over
             rollouts) or ``"balanced"`` (successes and failures weighed equally; not in the paper, see
-            :func:`lopd_lightning.losses.privileged_margin`).
+            :func:`lopd_lightning.composer.objective.privileged_margin`).
         dual_lr: eta_beta, step size of the dual ascent on beta (paper: 0.5).
         beta_init: beta_0 (paper: 0).
         teacher_mode: "live" (current student weights: the design card's weight sharing), "base"
