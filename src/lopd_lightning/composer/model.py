@@ -458,13 +458,11 @@ def check_composer_options(architecture: str, output_gain: float | str, path: st
             or a batch size below 1.
         FileNotFoundError: ``path`` holds no ``composer.pt``.
     """
-    import difflib
+    from lopd_lightning.hints import choose_one_of
 
     if architecture not in ARCHITECTURES:
-        close = difflib.get_close_matches(str(architecture), ARCHITECTURES, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"model.init_args.composer_architecture {architecture!r} is not a composer; "
-                         f"{hint}choose one of {', '.join(ARCHITECTURES)}")
+                         f"{choose_one_of(architecture, ARCHITECTURES)}")
     if output_gain != "embedding" and not (_is_number(output_gain) and 0 < float(output_gain) < math.inf):
         raise ValueError(f"model.init_args.composer_output_gain must be \"embedding\" or a finite number > 0, got "
                          f"{output_gain!r}")

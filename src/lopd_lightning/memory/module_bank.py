@@ -8,9 +8,9 @@ model is there (``embedder: backbone`` needs it).
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
+from lopd_lightning.hints import choose_one_of
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.memory.persistence import check_bank
@@ -28,9 +28,8 @@ def check_embedder(embedder: str) -> None:
         ValueError: naming ``model.init_args.embedder``.
     """
     if str(embedder).lower().strip() not in EMBEDDERS:
-        close = difflib.get_close_matches(str(embedder).lower(), EMBEDDERS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"model.init_args.embedder {embedder!r} is not an embedder; {hint}choose one of {', '.join(EMBEDDERS)}")
+        raise ValueError(f"model.init_args.embedder {embedder!r} is not an embedder; "
+                         f"{choose_one_of(str(embedder).lower(), EMBEDDERS)}")
 
 
 def check_bank_options(embedder: str, bank_path: str | None, num_experiences: int, *, capacity: int | None = None) -> None:

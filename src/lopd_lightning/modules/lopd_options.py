@@ -3,12 +3,12 @@ constructor before the student's weights load, and name the config key (``model.
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from lopd_lightning.adapters import as_lora_config, check_lora_config
 from lopd_lightning.composer.model import check_composer_options
 from lopd_lightning.composer.objective import MARGIN_WEIGHTINGS
+from lopd_lightning.hints import choose_one_of
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.memory.module_bank import check_bank_options
 
@@ -33,10 +33,8 @@ def check_lopd_options(
         FileNotFoundError: ``bank_path`` holds no bank, or ``composer_path`` no composer.
     """
     if margin_weighting not in MARGIN_WEIGHTINGS:
-        close = difflib.get_close_matches(str(margin_weighting), MARGIN_WEIGHTINGS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; {hint}"
-                         f"choose one of {', '.join(MARGIN_WEIGHTINGS)}")
+        raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; "
+                         f"{choose_one_of(margin_weighting, MARGIN_WEIGHTINGS)}")
     check_composer_options(composer_architecture, composer_output_gain, composer_path, warm_start_weights,
                            warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size)
     if latent_probe_every_n_steps < 0:

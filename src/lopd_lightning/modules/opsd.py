@@ -25,7 +25,6 @@ context (:meth:`OPSDModule.teacher_contexts`) and no token weights.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lopd_lightning.hints import choose_one_of
 from lopd_lightning.memory.experience import Experience
 from lopd_lightning.memory.module_bank import build_bank, check_embedder
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
@@ -237,10 +237,8 @@ def check_privileged_context(privileged_context: str, bank_path: str | None, emb
         ValueError: as above. FileNotFoundError: ``bank_path`` holds no bank.
     """
     if privileged_context not in PRIVILEGED_CONTEXTS:
-        close = difflib.get_close_matches(str(privileged_context), PRIVILEGED_CONTEXTS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"model.init_args.privileged_context {privileged_context!r} is not a context; {hint}"
-                         f"choose one of {', '.join(PRIVILEGED_CONTEXTS)}")
+        raise ValueError(f"model.init_args.privileged_context {privileged_context!r} is not a context; "
+                         f"{choose_one_of(privileged_context, PRIVILEGED_CONTEXTS)}")
     if privileged_context != "retrieved":
         return
     build = "build one with `lopd build-memory -c CONFIG --from-references` and set model.init_args.bank_path to its folder"
