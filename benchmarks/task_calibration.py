@@ -15,9 +15,10 @@ requests for ``hidden_rules``; ``--limit N`` takes the first N):
    It is then read back with ``ExperienceBank.load``, as an LOPD run reads its ``bank_path``.
    For ``hidden_rules`` the references must be ``"rules"`` (the default): the successes that show the
    hidden rules.
-2. **Retrieval**: top-1 per held-out task by exact cosine over the embedded task texts (the bank's search,
-   what ``LOPDModule.retrieve`` calls, with J = 1). Held-out tasks are not in the bank, so no task can
-   retrieve its own solution. ``same_tool_rate``: how often the retrieved experience is of the same tool.
+2. **Retrieval**: top-1 per held-out task by exact cosine over the embedded task texts
+   (``memory.module_bank.retrieve_from``, LOPD's and OPSD's retrieval, with k = 1). Held-out tasks are not in
+   the bank, so no task can retrieve its own solution. ``same_tool_rate``: how often the retrieved experience
+   is of the same tool.
 3. **Two greedy answers per held-out task**, by the same weights (the ``--student`` folder that
    ``benchmarks/start_student.py`` wrote, loaded as :class:`~lopd_lightning.modules.LOPDModule` loads a
    student, LoRA on it as in the evidence runs and ``teacher_mode: live``):
@@ -162,15 +163,13 @@ def train_bank(module, task, work_dir: Path) -> dict[str, Any]:
 
 
 def retrieve_top1(module, examples: list, *, batch_size: int = 64) -> list[tuple[Any, float | None]]:
-    """Each example's top-1 experience and its cosine score (None, None when the bank is empty): the bank's
-    search with k = 1, as ``LOPDModule.retrieve`` runs it with J = 1."""
+    """Each example's top-1 experience and its cosine score ((None, None) when none was found):
+    ``memory.module_bank.retrieve_from`` with k = 1, what ``LOPDModule.retrieve`` runs with J = 1."""
+    from lopd_lightning.memory.module_bank import retrieve_from
+
     out: list[tuple[Any, float | None]] = []
     for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        if len(module.bank) == 0:
-            out.extend((None, None) for _ in chunk)
-            continue
-        result = module.bank.search([e.id for e in chunk], [e.text for e in chunk], 1)
+        result = retrieve_from(module.bank, examples[i : i + batch_size], 1)
         for row, found in enumerate(result.experiences):
             out.append((found[0], float(result.scores[row, 0])) if found else (None, None))
     return out

@@ -129,6 +129,35 @@ def test_empty_bank_and_bank_smaller_than_k(caplog):
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
 
+
+def test_retrieve_from_searches_the_examples_texts_under_their_ids_and_nothing_when_it_cannot_find_any(caplog):
+    """memory.module_bank.retrieve_from, LOPD's and OPSD's retrieval (and task_calibration's): the bank's search
+    of the examples' texts under their ids (their own task excluded); with k = 0 or an empty bank no search
+    (no embedding, no warning), every row empty; k < 0 refused."""
+    from types import SimpleNamespace
+
+    from lopd_lightning.memory import retrieve_from
+
+    emb = DictEmbedder(seed=5)
+    bank = ExperienceBank(emb)
+    examples = [SimpleNamespace(id="t0", text="task 0"), SimpleNamespace(id="zz", text="task 9")]
+    with caplog.at_level(logging.WARNING, logger="lopd_lightning.memory.bank"):
+        for k in (0, 2):
+            empty = retrieve_from(bank, examples, k)
+            assert empty.indices.shape == empty.ids.shape == empty.scores.shape == (2, k)
+            assert empty.indices.dtype == empty.ids.dtype == np.int64 and empty.scores.dtype == np.float32
+            assert (empty.indices == -1).all() and (empty.scores == -1.0).all()
+            assert empty.experiences == [[], []] and empty.num_found.tolist() == [0, 0]
+    assert emb.calls == 0 and not caplog.records
+    bank.add(make(3))  # embeds the records: one call
+    assert retrieve_from(bank, examples, 0).experiences == [[], []] and emb.calls == 1
+    found, searched = retrieve_from(bank, examples, 2), bank.search(["t0", "zz"], ["task 0", "task 9"], 2)
+    assert found.indices.tolist() == searched.indices.tolist() and found.scores.tolist() == searched.scores.tolist()
+    assert [[e.task_id for e in row] for row in found.experiences] == [[e.task_id for e in row] for row in searched.experiences]
+    assert "t0" not in [e.task_id for e in found.experiences[0]]
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        retrieve_from(bank, examples, -1)
+
 def test_warning_is_rate_limited(caplog):
     bank = ExperienceBank(DictEmbedder(seed=4))
     with caplog.at_level(logging.WARNING, logger="lopd_lightning.memory.bank"):

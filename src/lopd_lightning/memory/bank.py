@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from lopd_lightning.memory.embed import TextEmbedder, embed_texts
-from lopd_lightning.memory.experience import MISSING_SCORE, Experience, SearchResult
+from lopd_lightning.memory.experience import Experience, SearchResult
 from lopd_lightning.memory.faiss_index import (
     AUTO_APPROXIMATE_ABOVE,
     AUTO_APPROXIMATE_KIND,
@@ -364,13 +364,10 @@ class ExperienceBank:
         if len(task_ids) != len(queries):
             raise ValueError(f"{len(task_ids)} task_ids but {len(queries)} queries")
         batch = len(queries)
-        indices = np.full((batch, k), -1, dtype=np.int64)
-        ids = np.full((batch, k), -1, dtype=np.int64)
-        scores = np.full((batch, k), MISSING_SCORE, dtype=np.float32)
-        found: list[list[Experience]] = [[] for _ in range(batch)]
-        num_found = np.zeros(batch, dtype=np.int64)
+        result = SearchResult.empty(batch, k)  # filled in place below
+        indices, ids, scores, found, num_found = result.indices, result.ids, result.scores, result.experiences, result.num_found
         if batch == 0:
-            return SearchResult(indices, ids, scores, found, num_found)
+            return result
         n = len(self._records)
         if n > 0:
             vectors = self._embed(list(queries))  # [B, dim]
@@ -396,7 +393,7 @@ class ExperienceBank:
         short = int((num_found < k).sum())
         if short:
             self._warn_missing(short, batch, k)
-        return SearchResult(indices, ids, scores, found, num_found)
+        return result
 
     # ------------------------------------------------------------------ state
     def settings(self) -> dict[str, Any]:

@@ -78,3 +78,15 @@ class SearchResult:
     scores: np.ndarray
     experiences: list[list[Experience]] = field(default_factory=list)
     num_found: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def empty(cls, batch: int, k: int) -> SearchResult:
+        """``batch`` rows of ``k`` missing slots: indices and ids -1 (int64), scores :data:`MISSING_SCORE`
+        (float32), no experiences, ``num_found`` 0."""
+        return cls(
+            indices=np.full((batch, k), -1, dtype=np.int64),
+            ids=np.full((batch, k), -1, dtype=np.int64),
+            scores=np.full((batch, k), MISSING_SCORE, dtype=np.float32),
+            experiences=[[] for _ in range(batch)],
+            num_found=np.zeros(batch, dtype=np.int64),
+        )

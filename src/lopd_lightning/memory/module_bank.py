@@ -1,21 +1,24 @@
 """The experience bank a training module builds from its config keys (``bank_path``, ``embedder``, ...).
 
 LOPD's bank (its teacher's latents) and OPSD's with ``privileged_context: retrieved`` (its teacher's text)
-are built here, so that the two read the same bank the same way: :func:`check_bank_options` refuses the
-options before the weights load, :func:`build_bank` loads the bank (or starts an empty one) once the
-model is there (``embedder: backbone`` needs it).
+are built and read here, so that the two read the same bank the same way: :func:`check_bank_options` refuses
+the options before the weights load, :func:`build_bank` loads the bank (or starts an empty one) once the
+model is there (``embedder: backbone`` needs it), and :func:`retrieve_from` is their retrieval (and
+benchmarks/task_calibration.py's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lopd_lightning.hints import choose_one_of
 from lopd_lightning.memory.bank import ExperienceBank
 from lopd_lightning.memory.embed import get_embedder
+from lopd_lightning.memory.experience import SearchResult
 from lopd_lightning.memory.persistence import check_bank
 
-__all__ = ["EMBEDDERS", "build_bank", "check_bank_options", "check_embedder"]
+__all__ = ["EMBEDDERS", "build_bank", "check_bank_options", "check_embedder", "retrieve_from"]
 
 #: the embedders a config may name (:func:`lopd_lightning.memory.embed.get_embedder`).
 EMBEDDERS = ("minilm", "backbone", "hashing")
@@ -64,3 +67,29 @@ def build_bank(
     bank = ExperienceBank.load(bank_path, embed, **options)
     check_bank(bank_path, num_experiences, size=len(bank))
     return bank
+
+
+def retrieve_from(bank: ExperienceBank, examples: Sequence[Any], k: int) -> SearchResult:
+    """The top-``k`` experiences of ``bank`` per example: the bank's search with each example's text as the query
+    under its id, so that an example retrieves no record of its own task unless the bank allows self-retrieval
+    (``allow_self_retrieval``; the embedder is the bank's too).
+
+    Args:
+        bank: the experience bank (:func:`build_bank`'s).
+        examples: B examples (:class:`~lopd_lightning.tasks.Example`: ``id`` and ``text`` are read).
+        k: J, the experiences per example (>= 0; 0 retrieves nothing).
+
+    Returns:
+        :class:`~lopd_lightning.memory.experience.SearchResult`: (B, k) ``indices`` / ``ids`` int64 and ``scores``
+        float32, B lists of ``experiences`` best first (fewer than k when the bank holds fewer of other tasks),
+        (B,) ``num_found``. With ``k = 0`` or an empty bank nothing is searched (no embedding, no warning about
+        missing results): every row is empty (:meth:`SearchResult.empty`).
+
+    Raises:
+        ValueError: ``k < 0``. EmbedderError: the embedder failed on the texts.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if k == 0 or len(bank) == 0:
+        return SearchResult.empty(len(examples), k)
+    return bank.search([e.id for e in examples], [e.text for e in examples], k)

@@ -43,7 +43,7 @@ from lopd_lightning.composer.objective import anchor_loss, composer_objective, h
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
 from lopd_lightning.memory.experience import Experience
-from lopd_lightning.memory.module_bank import build_bank
+from lopd_lightning.memory.module_bank import build_bank, retrieve_from
 from lopd_lightning.memory.persistence import check_bank_fills
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.modules.lopd_options import check_lopd_options
@@ -299,11 +299,9 @@ class LOPDModule(OnPolicyModule):
     # ------------------------------------------------------------------ retrieval
     @override
     def retrieve(self, task: Task, examples: list[Example]) -> list[list[Experience]]:
-        """Top-J experiences per example from the bank (fewer when the bank is small or empty)."""
-        if self.hparams.num_experiences == 0 or len(self.bank) == 0:
-            return [[] for _ in examples]
-        result = self.bank.search([e.id for e in examples], [e.text for e in examples], self.hparams.num_experiences)
-        return result.experiences
+        """Top-J experiences per example from the bank (fewer when the bank is small or empty; none with J = 0):
+        :func:`~lopd_lightning.memory.module_bank.retrieve_from`."""
+        return retrieve_from(self.bank, examples, self.hparams.num_experiences).experiences
 
     def batch_latents(self, batch: RolloutBatch, composer: LatentComposer | None = None) -> ComposerOutput:
         """c_phi of the batch: row b's retrieved experiences (``batch.experiences[b]``), each read by the encoder

@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lopd_lightning.hints import choose_one_of
 from lopd_lightning.memory.experience import Experience
-from lopd_lightning.memory.module_bank import build_bank, check_embedder
+from lopd_lightning.memory.module_bank import build_bank, check_embedder, retrieve_from
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
@@ -149,12 +149,11 @@ class OPSDModule(SelfDistillationModule):
     @override
     def retrieve(self, task: Task, examples: list[Example]) -> list[list[Experience]] | None:
         """With a bank (``privileged_context: retrieved``), the nearest experience per example (none when no
-        record of another task is there); None without one (the batch gets no experiences)."""
+        record of another task is there): :func:`~lopd_lightning.memory.module_bank.retrieve_from` with k = 1, as
+        LOPD retrieves with J = 1; None without one (the batch gets no experiences)."""
         if self.bank is None:
             return None
-        if len(self.bank) == 0:
-            return [[] for _ in examples]
-        return self.bank.search([e.id for e in examples], [e.text for e in examples], 1).experiences
+        return retrieve_from(self.bank, examples, 1).experiences
 
     def retrieved_texts(self, batch: RolloutBatch) -> list[str | None]:
         """Per row, the trace of its nearest retrieved experience (``batch.experiences``; None: none)."""
