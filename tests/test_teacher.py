@@ -213,6 +213,19 @@ def test_left_and_right_padding_agree(context):
         torch.testing.assert_close(left, right, atol=1e-5, rtol=0)
 
 
+
+def test_a_text_context_is_the_framing_prefix_the_text_and_the_framing_suffix_tokenised_together():
+    """The framing of every text context (LOPD's encode_text_context, OPSD's retrieved trace, the benchmarks'
+    text_nearest): DEFAULT_FRAMING_PREFIX + text + DEFAULT_FRAMING_SUFFIX, one string, tokenised as data."""
+    from lopd_lightning.text import encode_data
+
+    teacher = SelfTeacher(backbone_for("lora"), TOKENIZER)
+    framed = teacher.frame_text_context(["x = 1", None, ""])
+    assert framed == ["Here is a reference example of a different, already solved task:\nx = 1\nNow complete your task.\n\n",
+                      None, None]
+    assert teacher.encode_text_context(["x = 1", None, ""]) == [encode_data(TOKENIZER, framed[0]), [], []]
+    assert teacher.frame_text_context(["x", ""], prefix="ref: ", suffix="") == ["ref: x", None]
+
 def test_text_context_equals_manual_concatenation():
     backbone = backbone_for("lora")
     teacher = SelfTeacher(backbone, TOKENIZER)

@@ -13,8 +13,9 @@ One training step (manual optimisation, one optimiser):
    instead :meth:`OPSDModule.retrieved_texts`: the trace of the nearest experience of a bank (retrieved like
    LOPD's, top-1, when the rollouts are made);
 3. the frozen teacher scores the student's assistant tokens with ``OPSD_REFERENCE_TEMPLATE`` (a retrieved
-   trace: the framing of LOPD's latents, ``DEFAULT_FRAMING_PREFIX`` + trace + ``DEFAULT_FRAMING_SUFFIX``) at
-   the start of the first user message;
+   trace: framed as every text context, ``DEFAULT_FRAMING_PREFIX`` + trace + ``DEFAULT_FRAMING_SUFFIX``,
+   :meth:`~lopd_lightning.teacher.SelfTeacher.frame_text_context`; the strings LOPD's latents sit between)
+   at the start of the first user message;
 4. student step: global token mean of D(teacher, student) over the rows that have a context (rows
    without a reference, or that retrieved nothing, get no context and are dropped from the loss).
 
@@ -89,9 +90,10 @@ class OPSDModule(SelfDistillationModule):
             solution, OPSD's) or ``"retrieved"`` (this project's switch for the experience-evidence
             comparison: the trace of the single nearest experience of the bank at ``bank_path``, retrieved as
             LOPD retrieves (top-1, same embedder, other tasks only unless ``allow_self_retrieval``), framed
-            as LOPD frames experiences for its latents and as benchmarks/privileged_margin.py frames
-            ``text_nearest``: ``DEFAULT_FRAMING_PREFIX`` + trace + ``DEFAULT_FRAMING_SUFFIX`` of
-            :mod:`lopd_lightning.teacher.splice`; not truncated). A row that retrieves nothing gets no context.
+            as every text context (:meth:`~lopd_lightning.teacher.SelfTeacher.frame_text_context`, as
+            benchmarks/privileged_margin.py frames ``text_nearest``; the strings LOPD's latents sit between):
+            ``DEFAULT_FRAMING_PREFIX`` + trace + ``DEFAULT_FRAMING_SUFFIX`` of :mod:`lopd_lightning.teacher.splice`,
+            tokenised together; not truncated). A row that retrieves nothing gets no context.
         bank_path: folder of a saved ExperienceBank (``lopd build-memory``), read with ``privileged_context:
             retrieved`` (which needs it; ignored otherwise).
         embedder: the retrieval's embedder, as LOPD's: "minilm" (all-MiniLM-L6-v2, default), "backbone" or
@@ -205,13 +207,12 @@ class OPSDModule(SelfDistillationModule):
     def teacher_contexts(self, batch: RolloutBatch) -> OPSDContexts:
         """Per row, :meth:`reference_texts` (``references``) and them framed in ``OPSD_REFERENCE_TEMPLATE``
         (``texts``); with ``privileged_context: retrieved``, :meth:`retrieved_texts` in the teacher's framing
-        (``texts``; ``references`` None). The rows with a context are kept (the others get none)."""
+        (``texts``: :meth:`~lopd_lightning.teacher.SelfTeacher.frame_text_context`; ``references`` None). The rows with a context are kept (the others get none)."""
         retrieved = self.hparams.privileged_context == "retrieved"
         texts = self.retrieved_texts(batch) if retrieved else self.reference_texts(batch)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=batch.input_ids.device)
         if retrieved:
-            prefix, suffix = self.teacher.framing_prefix, self.teacher.framing_suffix
-            return OPSDContexts(texts=[None if t is None else prefix + t + suffix for t in texts], kept=kept)
+            return OPSDContexts(texts=self.teacher.frame_text_context(texts), kept=kept)
         return OPSDContexts(texts=self.framed(texts), kept=kept, references=texts)
 
     @override

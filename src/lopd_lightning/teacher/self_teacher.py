@@ -104,11 +104,31 @@ class SelfTeacher(TeacherWeights):
         """The latent contexts' framing ids and placeholder (:class:`~lopd_lightning.teacher.splice.Framing`)."""
         return Framing(self.prefix_ids, self.suffix_ids, self.placeholder_id)
 
+    def frame_text_context(
+        self, texts: Sequence[str | None], *, prefix: str | None = None, suffix: str | None = None
+    ) -> list[str | None]:
+        """The framed text contexts: ``prefix + text + suffix`` per row, the framing of every text context
+        (LOPD's ``framing_prefix`` / ``framing_suffix`` by default: "Here is a reference example of a different,
+        already solved task:\n" + text + "\nNow complete your task.\n\n").
+
+        Args:
+            texts: one per row; None or "" gives None (no context).
+            prefix: text before (the teacher's ``framing_prefix`` when None; "" for none).
+            suffix: text after (``framing_suffix`` when None).
+
+        Returns:
+            B framed texts (None where ``texts`` has None or "").
+        """
+        prefix = self.framing_prefix if prefix is None else prefix
+        suffix = self.framing_suffix if suffix is None else suffix
+        return [prefix + text + suffix if text else None for text in texts]
+
     def encode_text_context(
         self, texts: Sequence[str | None], *, prefix: str | None = None, suffix: str | None = None
     ) -> list[list[int]]:
-        """Token ids of framed text contexts: ``prefix + text + suffix`` tokenised together as data (no special
-        tokens added; special-token strings in them stay text: they go inside the user message).
+        """Token ids of framed text contexts: :meth:`frame_text_context`'s ``prefix + text + suffix`` tokenised
+        together as data (no special tokens added; special-token strings in them stay text: they go inside the
+        user message).
 
         Args:
             texts: one per row; None or "" gives an empty context (nothing inserted).
@@ -118,9 +138,8 @@ class SelfTeacher(TeacherWeights):
         Returns:
             B lists of ids for :meth:`insert_context` (``context_ids``).
         """
-        prefix = self.framing_prefix if prefix is None else prefix
-        suffix = self.framing_suffix if suffix is None else suffix
-        return [self._tokenize(prefix + text + suffix) if text else [] for text in texts]
+        framed = self.frame_text_context(texts, prefix=prefix, suffix=suffix)
+        return [self._tokenize(text) if text is not None else [] for text in framed]
 
     def insert_context(
         self,
