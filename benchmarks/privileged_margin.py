@@ -327,12 +327,14 @@ def random_record(module, seed: int, example_id: str):
     return records[random.Random(f"{seed}:{example_id}").randrange(len(records))]  # solution is not "random"
 
 
-def reply_reward(task, example, reply: str) -> float:
+def reply_outcome(task, example, reply: str) -> tuple[float, str | None]:
+    """The checked reward of a single-turn reply (one episode step) and the checker's error (None when it passed
+    or gave none)."""
     from lopd_lightning.tasks import episode_reward
 
     episode = task.start(example)
-    episode.step(reply)
-    return episode_reward(task, example, episode)
+    result = episode.step(reply)
+    return episode_reward(task, example, episode), (result.info or {}).get("error")
 
 
 def latent_rms(module, composer, batch) -> float:
@@ -870,7 +872,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else:
                 reply = teacher_greedy_reply(module, task, example, composer=composers[name],
                                              max_new_tokens=args.max_new_tokens)
-            journal.append({"kind": "greedy", "who": name, "id": example.id, "reward": reply_reward(task, example, reply)})
+            reward, _ = reply_outcome(task, example, reply)
+            journal.append({"kind": "greedy", "who": name, "id": example.id, "reward": reward})
         answers = journal.greedy()
         solved = sum(answers[(name, example.id)] >= 1.0 for example in heldout)
         teacher_success[name] = solved / len(heldout)

@@ -93,17 +93,24 @@ def dev_split_task(task, dev: int, seed: int):
     return DevSplit()
 
 
-def greedy_success(module, task, examples, *, batch_size: int) -> tuple[list[float], float]:
-    """Greedy rewards of ``examples`` (one episode each, batched) and the wall seconds."""
+def greedy_batches(module, task, examples, *, batch_size: int):
+    """The greedy episodes of ``examples``, ``batch_size`` at a time, without gradients
+    (``module.evaluate_examples``: the rollout code): yields (the examples, their RolloutBatch) per chunk."""
     import torch
 
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        with torch.no_grad():
+            batch = module.evaluate_examples(task, chunk)
+        yield chunk, batch
+
+
+def greedy_success(module, task, examples, *, batch_size: int) -> tuple[list[float], float]:
+    """Greedy rewards of ``examples`` (one episode each, batched: :func:`greedy_batches`, in eval mode) and the
+    wall seconds."""
     start = time.perf_counter()
-    rewards: list[float] = []
     module.eval()
-    with torch.no_grad():
-        for i in range(0, len(examples), batch_size):
-            batch = module.evaluate_examples(task, examples[i : i + batch_size])
-            rewards.extend(float(r) for r in batch.rewards)
+    rewards = [float(r) for _, batch in greedy_batches(module, task, examples, batch_size=batch_size) for r in batch.rewards]
     module.train()
     return rewards, time.perf_counter() - start
 

@@ -65,9 +65,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
-from privileged_margin import Journal, file_stamp, teacher_greedy_reply  # noqa: E402
+from privileged_margin import Journal, file_stamp, reply_outcome, teacher_greedy_reply  # noqa: E402
 from compare_stats import paired_differences  # noqa: E402
-from start_student import LORA, task_options  # noqa: E402
+from start_student import LORA, greedy_batches, task_options  # noqa: E402
 
 #: the issue's bar, fixed before calibrating: the start student's greedy success, and the least difference
 TARGETS = {"student_success": [0.10, 0.25], "difference_min": 0.20}
@@ -187,31 +187,20 @@ def build_module(student: str, args: argparse.Namespace):
     return module
 
 
-def reply_outcome(task, example, reply: str) -> tuple[float, str | None]:
-    """The reward of a single-turn reply and the checker's error (None when it passed or gave none)."""
-    from lopd_lightning.tasks import episode_reward
-
-    episode = task.start(example)
-    result = episode.step(reply)
-    return episode_reward(task, example, episode), (result.info or {}).get("error")
-
-
 def answer_student(module, task, examples: list, journal: Journal, *, batch_size: int) -> None:
-    """Greedy answers of the student as is (the rollout code, batched), journalled."""
-    import torch
-
+    """Greedy answers of the student as is (the rollout code, batched: ``start_student.greedy_batches``),
+    journalled with each reply and the checker's error."""
     done = {line["id"] for line in journal.lines if line.get("who") == "student"}
     todo = [example for example in examples if example.id not in done]
-    start = time.perf_counter()
-    for i in range(0, len(todo), batch_size):
-        with torch.no_grad():
-            batch = module.evaluate_examples(task, todo[i : i + batch_size])
-        for example, reward, messages, meta in zip(todo[i : i + batch_size], batch.rewards.tolist(), batch.messages,
-                                                   batch.metadata, strict=True):
+    start, answered = time.perf_counter(), 0
+    for chunk, batch in greedy_batches(module, task, todo, batch_size=batch_size):
+        for example, reward, messages, meta in zip(chunk, batch.rewards.tolist(), batch.messages, batch.metadata,
+                                                   strict=True):
             reply = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
             journal.append({"kind": "greedy", "who": "student", "id": example.id, "reward": float(reward),
                             "reply": reply, "error": (meta.get("info") or {}).get("error")})
-        print(f"student: {min(i + batch_size, len(todo))}/{len(todo)} ({time.perf_counter() - start:.0f} s)", flush=True)
+        answered += len(chunk)
+        print(f"student: {answered}/{len(todo)} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def answer_with_context(module, task, examples: list, retrieved: list, journal: Journal, *, max_new_tokens: int) -> None:
