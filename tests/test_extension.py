@@ -172,6 +172,31 @@ def test_module_hooked_task_routes_messages_and_rewards_through_the_hooks(custom
         broken.reward()
 
 
+def test_a_drawing_build_messages_runs_once_per_episode_and_scores_what_the_student_saw(custom_task):
+    """A hook that draws its messages (here: a counter standing in for random few-shot examples) is called once
+    per rollout, and score_trajectory receives the conversation whose prompt the student was given."""
+    calls, scored = [], []
+
+    class Drawing(custom_task.ReverseWordLOPD):
+        def build_messages(self, task, example):
+            calls.append(example.id)
+            return [{"role": "system", "content": f"draw {len(calls)}"}, *task.initial_messages(example)]
+
+        def score_trajectory(self, task, example, messages, reward):
+            scored.append(messages[0]["content"])
+            return reward
+
+    torch.manual_seed(0)
+    module, _ = custom_task.build(max_new_tokens=2, group_size=2)
+    module.__class__ = Drawing
+    task = custom_task.ReverseWordTask()
+    batch = module.make_batch(task, task.examples("train")[:2])
+    prompts = [m[0]["content"] for m in batch.messages]
+    assert len(calls) == 4 and prompts == [f"draw {i}" for i in range(1, 5)]  # once per rollout, in order
+    assert sorted(scored) == sorted(prompts)  # each scored conversation is the one the student was prompted with
+    assert all(module.tokenizer.decode(batch.input_ids[i]).count(p) == 1 for i, p in enumerate(prompts))
+
+
 # ------------------------------------------------------------------ subclasses of a method module
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 

@@ -10,7 +10,10 @@ adapt it to a task through two public hooks of
 
 :class:`ModuleHookedTask` is the one place where those hooks enter the rollout loop: its
 ``initial_messages`` is ``hooks.build_messages`` and its episodes' ``reward`` is ``hooks.score_trajectory``
-of the task's own (checked) reward. Everything else is the wrapped task's. Training rollouts and
+of the task's own (checked) reward. ``build_messages`` runs once per episode: the messages ``start`` builds are
+the ones the next ``initial_messages`` of that example returns (the rollout loop asks for them right after
+``start``), so a hook that draws (say, few-shot examples at random) prompts the student with the conversation
+that ``score_trajectory`` later receives. Everything else is the wrapped task's. Training rollouts and
 validation episodes both run on it (:meth:`OnPolicyModule.make_batch`,
 :meth:`OnPolicyModule.evaluate_examples`).
 """
@@ -41,18 +44,19 @@ class ModuleHookedEpisode(Episode):
     """An episode of the wrapped task whose reward goes through ``hooks.score_trajectory``.
 
     Args:
-        hooks: the module (its ``build_messages`` gives the first messages of the recorded conversation).
+        hooks: the module (``score_trajectory`` scores the recorded conversation).
         task, example: the wrapped task and the episode's example.
         inner: the wrapped task's own episode (``task.start(example)``), which answers every reply.
+        messages: the first messages of the recorded conversation (``hooks.build_messages``' for it).
 
     Attributes:
         messages: the whole conversation so far (first messages, replies, observations), what
             ``score_trajectory`` receives.
     """
 
-    def __init__(self, hooks: TrajectoryHooks, task: Task, example: Example, inner: Episode):
+    def __init__(self, hooks: TrajectoryHooks, task: Task, example: Example, inner: Episode, messages: list[Message]):
         self.hooks, self.task, self.example, self.inner = hooks, task, example, inner
-        self.messages: list[Message] = list(hooks.build_messages(task, example))
+        self.messages: list[Message] = [dict(m) for m in messages]
 
     def step(self, reply: str) -> StepResult:
         """The wrapped episode's answer to ``reply``; the reply and the answer's messages are recorded."""
@@ -82,6 +86,7 @@ class ModuleHookedTask(Task):
         self.name, self.multi_turn = task.name, task.multi_turn
         # a task's own turn limit, read by generate_rollouts when the method sets none
         self.max_turns = getattr(task, "max_turns", None)
+        self._started: tuple[str, list[Message]] | None = None  # the last start's (example id, first messages)
 
     def all_examples(self) -> list[Example]:
         return self.task.all_examples()
@@ -90,7 +95,11 @@ class ModuleHookedTask(Task):
         return self.task.examples(split)
 
     def initial_messages(self, example: Example) -> list[Message]:
-        """``hooks.build_messages(task, example)``."""
+        """``hooks.build_messages(task, example)``: the messages the last :meth:`start` of this example built (a
+        copy, handed out once), else a new call."""
+        started, self._started = self._started, None
+        if started is not None and started[0] == example.id:
+            return [dict(m) for m in started[1]]
         return self.hooks.build_messages(self.task, example)
 
     def tools(self, example: Example) -> list[dict[str, Any]] | None:
@@ -103,8 +112,11 @@ class ModuleHookedTask(Task):
         return self.task.reference_replies(example)
 
     def start(self, example: Example) -> ModuleHookedEpisode:
-        """A :class:`ModuleHookedEpisode` around ``task.start(example)``."""
-        return ModuleHookedEpisode(self.hooks, self.task, example, self.task.start(example))
+        """A :class:`ModuleHookedEpisode` around ``task.start(example)``, its conversation starting with
+        ``hooks.build_messages(task, example)`` (kept for the next :meth:`initial_messages` of this example)."""
+        messages = list(self.hooks.build_messages(self.task, example))
+        self._started = (example.id, messages)
+        return ModuleHookedEpisode(self.hooks, self.task, example, self.task.start(example), messages)
 
     def experience_text(self, example: Example, messages: list[Message]) -> str:
         return self.task.experience_text(example, messages)
