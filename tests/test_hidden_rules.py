@@ -30,6 +30,8 @@ from lopd_lightning.tasks.hidden_rules.tools import (
     draw_rules,
     expected_calls,
     format_only_calls,
+    offsets_changing,
+    tool_by_name,
 )
 from lopd_lightning.tasks.verify import verify_task
 
@@ -351,3 +353,69 @@ def test_a_config_selects_format_only_references_for_the_sft_warm_start():
         assert messages[-1] == {"role": "assistant", "content": dm.task.format_only_reply(example)}
         if not is_plain(example):
             assert rule_fragment(example) not in "".join(m["content"] for m in messages)
+
+
+# ----------------------------------------------------------------------- rule_offset: other rules, same requests
+def test_rule_offset_moves_every_rule_tool_by_its_variant_count_and_keeps_the_requests(task):
+    """rule_offset k gives each rule tool variant (seed's index + k) mod n; requests, ids, docs, prompts and
+    the format-only replies are the seed's; plain tools are unaffected."""
+    for offset in (1, 2, 3, 4, 5, 7):
+        other = HiddenRulesTask(rule_offset=offset)
+        assert other.rule_offset == offset
+        for spec in TOOLS:
+            seed_index = spec.variants.index(task.rules[spec.name])
+            assert other.rules[spec.name] == spec.variants[(seed_index + offset) % len(spec.variants)]
+        for split in ("train", "val"):
+            for a, b in zip(task.examples(split), other.examples(split), strict=True):
+                assert (a.id, a.text, a.data["tool"], a.data["args"], a.data["functions"]) == \
+                       (b.id, b.text, b.data["tool"], b.data["args"], b.data["functions"])
+                assert task.initial_messages(a) == other.initial_messages(b)
+                assert task.format_only_reply(a) == other.format_only_reply(b)
+                changed = offset % len(tool_by_name(a.data["tool"]).variants) != 0
+                assert (a.data["rule"] != b.data["rule"]) == changed, (offset, a.id)
+                if is_plain(a) or not changed:
+                    assert a.data == b.data and not (is_plain(a) and changed)
+                elif a.data["expected"] == b.data["expected"]:  # two rules that agree on this request: only
+                    labels = {a.data["rule"]["variant"], b.data["rule"]["variant"]}  # DD/MM and MM/DD on day == month
+                    assert labels == {"DD/MM/YYYY", "MM/DD/YYYY"}, (offset, a.id, labels)
+                    day = a.data["args"][a.data["rule"]["argument"]]
+                    assert day[5:7] == day[8:10], (offset, a.id, day)
+                else:  # the seed's rule reply breaks the offset environment's rule, and the other way round
+                    assert other.score(b, task.rule_reply(a)) == 0.0 == task.score(a, other.rule_reply(b))
+    assert draw_rules(0, 0) == draw_rules(0) == task.rules
+    assert HiddenRulesTask(rule_offset=12).rules == task.rules  # 12 = lcm(2, 3, 4): every tool back to the seed's
+    assert HiddenRulesTask(rule_offset=13).rules == HiddenRulesTask(rule_offset=1).rules
+
+
+def test_which_offsets_change_every_rule_tool_as_the_docstring_says():
+    """Computed from the variant counts: offsets coprime to 6 change every rule tool (1, 5, 7, 11 below 12);
+    offsets_changing gives a tool each of its other variants once."""
+    import lopd_lightning.tasks.hidden_rules.task as module
+
+    counts = {spec.name: len(spec.variants) for spec in RULE_TOOLS}
+    assert sorted(set(counts.values())) == [2, 3, 4]
+    every = [k for k in range(12) if all(k % n for n in counts.values())]
+    assert every == [1, 5, 7, 11]
+    assert "coprime to 6 (1, 5, 7,\n11, ...: not a multiple of 2, 3 or 4)" in module.__doc__
+    seed_rules = draw_rules(0)
+    for spec in RULE_TOOLS:
+        offsets = offsets_changing(spec)
+        assert offsets == tuple(range(1, counts[spec.name]))
+        variants = [draw_rules(0, k)[spec.name] for k in offsets]
+        assert len(set(variants)) == len(variants) and seed_rules[spec.name] not in variants
+        assert set(variants) | {seed_rules[spec.name]} == set(spec.variants)
+    for spec in PLAIN_TOOLS:
+        assert offsets_changing(spec) == () and draw_rules(0, 1)[spec.name] == PLAIN_VARIANT
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3, 4, 5])
+def test_verify_gives_full_marks_for_any_rule_offset(offset):
+    assert verify_task(HiddenRulesTask(rule_offset=offset, n_train=60, n_heldout=30)).ok
+    multi = HiddenRulesMultiTurnTask(rule_offset=offset, n_train=30, n_heldout=15)
+    assert multi.rule_offset == offset and verify_task(multi).ok
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, "1", True, None])
+def test_a_bad_rule_offset_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"^rule_offset must be an int >= 0 .*got"):
+        get_task("hidden_rules", rule_offset=bad)

@@ -23,6 +23,7 @@ from lopd_lightning.tasks.hidden_rules.tools import (
     ToolSpec,
     Variant,
     draw_rules,
+    offsets_changing,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "Verdict",
     "check_calls",
     "draw_rules",
+    "offsets_changing",
 ]

@@ -40,7 +40,7 @@ class HiddenRulesMultiTurnTask(HiddenRulesTask):
             reads). The task's ``max_turns`` is set to it.
         system_prompt: default :data:`DEFAULT_RETRY_SYSTEM_PROMPT`.
         **options: :class:`HiddenRulesTask`'s (``seed``, ``n_train``, ``n_heldout``, ``references``,
-            ``show_tools``).
+            ``show_tools``, ``rule_offset``).
 
     Raises:
         ValueError: ``max_attempts < 1``, or an option :class:`HiddenRulesTask` refuses.

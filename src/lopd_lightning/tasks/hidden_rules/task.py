@@ -56,6 +56,22 @@ what failed (``"hidden rule of book_flight (date_format): date must be written D
 a plain tool). The system prompt is the BFCL tasks'
 (:mod:`lopd_lightning.tasks.bfcl.prompt`), so their SFT recipe carries over.
 
+Other rules on the same requests: ``rule_offset`` (default 0) moves every rule tool to another of its
+variants: the variant is the seed's variant index + ``rule_offset``, modulo the tool's number of variants
+(:func:`~lopd_lightning.tasks.hidden_rules.tools.draw_rules`); plain tools have one variant and are
+unaffected. Requests, splits, ids, docs and prompts are the same for every offset; only the expected calls
+(so the rewards, ``rule_table`` and the ``references="rules"`` replies) change. A tool's rule differs from the
+seed's exactly when the offset is not a multiple of its number of variants: 4 for the ``date_format`` tools
+(``book_flight``, ``rent_car``), 2 for ``create_invoice``, ``schedule_meeting`` and ``send_sms``, 3 for the
+other six rule tools. So the offsets that change every rule tool's rule are those coprime to 6 (1, 5, 7,
+11, ...: not a multiple of 2, 3 or 4); offset 2 keeps the 2-variant tools' rules, 3 the 3-variant tools', 4
+the 2- and 4-variant tools'; offsets 1 to n - 1 give a tool with n variants each of its other rules once
+(:func:`~lopd_lightning.tasks.hidden_rules.tools.offsets_changing`). A changed rule changes the expected
+call of every request but one case: DD/MM/YYYY and MM/DD/YYYY agree on a day whose day and month are equal
+(03/03/2025), so between those two rules such a request's call stays the same. Use: environments whose rules all differ
+from seed 0's on seed 0's own requests (a meta-training set that never shows seed 0's rules:
+``benchmarks/start_student.py --in-context-fraction``).
+
 References: ``references="rules"`` (default) gives the replies that keep the rules (``lopd tasks verify``,
 ``lopd build-memory --from-references``, OPSD's privileged context); ``references="format_only"`` gives
 replies in the call format with the documented forms (no ``authenticate``, the "optional" argument left
@@ -145,10 +161,14 @@ class HiddenRulesTask(Task):
         show_tools: "task" (the request's tool and ``authenticate``) or "all" (the 15 tools and
             ``authenticate``, every task).
         system_prompt: the system text with ``{tools}``; default the BFCL tasks' (SmolLM2's tool-use text).
+        rule_offset: an int >= 0 added to each rule tool's variant index, modulo its number of variants (0:
+            the seed's rules; 1 changes every rule tool's rule; see the module docstring). Requests, ids,
+            splits and prompts do not depend on it.
 
     Raises:
         ValueError: a size below 1, an unknown ``references`` or ``show_tools``, a system prompt without
-            ``{tools}``, or more requests asked than the tools have distinct argument values.
+            ``{tools}``, a ``rule_offset`` that is not an int >= 0, or more requests asked than the tools
+            have distinct argument values.
     """
 
     name = "hidden_rules"
@@ -156,7 +176,10 @@ class HiddenRulesTask(Task):
 
     def __init__(self, *, seed: int = 0, n_train: int = DEFAULT_N_TRAIN, n_heldout: int = DEFAULT_N_HELDOUT,
                  references: References = "rules", show_tools: Literal["task", "all"] = "task",
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, rule_offset: int = 0):
+        if isinstance(rule_offset, bool) or not isinstance(rule_offset, int) or rule_offset < 0:
+            raise ValueError(f"rule_offset must be an int >= 0 (0: the seed's rules; 1 changes every rule tool's "
+                             f"rule), got {rule_offset!r}")
         if n_train < 1 or n_heldout < 1:
             raise ValueError(f"n_train and n_heldout must be >= 1, got {n_train} and {n_heldout}")
         if references not in ("rules", "format_only"):
@@ -168,7 +191,8 @@ class HiddenRulesTask(Task):
         self.references: References = references
         self.show_tools = show_tools
         self.system_prompt = check_system_prompt(DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt)
-        self.rules = draw_rules(seed)
+        self.rule_offset = rule_offset
+        self.rules = draw_rules(seed, rule_offset)
         taken: set[str] = set()
         self._splits = {split: [self._example(split, i, spec, request.text, request.args)
                                 for i, (spec, request) in enumerate(draw_requests(seed, split, n, taken))]
@@ -242,8 +266,8 @@ class HiddenRulesTask(Task):
         return 0.0, info
 
     def rule_table(self) -> dict[str, dict[str, str]]:
-        """Tool -> ``{"kind", "argument", "variant", "description"}`` of its hidden rule under this seed (a
-        plain tool: kind and variant ``"none"``, argument None)."""
+        """Tool -> ``{"kind", "argument", "variant", "description"}`` of its hidden rule under this seed and
+        ``rule_offset`` (a plain tool: kind and variant ``"none"``, argument None)."""
         return {spec.name: {"kind": spec.kind, "argument": spec.argument, "variant": self.rules[spec.name].label,
                             "description": self.rules[spec.name].rule} for spec in TOOLS}
 

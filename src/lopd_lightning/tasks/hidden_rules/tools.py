@@ -30,7 +30,7 @@ from lopd_lightning.tasks.bfcl.calls import ToolCall
 
 __all__ = ["AUTHENTICATE", "PLAIN", "PLAIN_TOOLS", "PLAIN_VARIANT", "RULE_KINDS", "RULE_TOOLS", "TOOLS",
            "TOOL_KINDS", "Request", "ToolSpec", "Variant", "all_docs", "draw_rules", "expected_calls",
-           "format_only_calls", "tool_by_name"]
+           "format_only_calls", "offsets_changing", "tool_by_name"]
 
 #: The kinds of hidden rule (each of :data:`RULE_TOOLS` has one).
 RULE_KINDS: tuple[str, ...] = ("date_format", "unit", "id_prefix", "enum_spelling", "required_argument", "call_first")
@@ -429,11 +429,33 @@ def all_docs() -> list[dict[str, Any]]:
     return [spec.doc for spec in TOOLS] + [AUTHENTICATE_DOC]
 
 
-def draw_rules(seed: int) -> dict[str, Variant]:
+def draw_rules(seed: int, offset: int = 0) -> dict[str, Variant]:
     """Tool name -> its hidden rule's variant, drawn from ``random.Random(f"hidden_rules/{seed}/rules")``;
-    a plain tool gets :data:`PLAIN_VARIANT` without a draw (so the rule tools' draws do not depend on them)."""
+    a plain tool gets :data:`PLAIN_VARIANT` without a draw (so the rule tools' draws do not depend on them).
+
+    Args:
+        seed: the draw's seed.
+        offset: each rule tool's variant is the drawn one's index + ``offset``, modulo the tool's number of
+            variants (0: the drawn rules). The draws are the same for every offset, so ``offset`` moves each
+            tool to another of its variants exactly when it is not a multiple of that tool's count
+            (:func:`offsets_changing`).
+    """
     rng = random.Random(f"hidden_rules/{seed}/rules")
-    return {spec.name: PLAIN_VARIANT if spec.plain else rng.choice(spec.variants) for spec in TOOLS}
+    rules: dict[str, Variant] = {}
+    for spec in TOOLS:
+        if spec.plain:
+            rules[spec.name] = PLAIN_VARIANT
+            continue
+        drawn = spec.variants.index(rng.choice(spec.variants))
+        rules[spec.name] = spec.variants[(drawn + offset) % len(spec.variants)]
+    return rules
+
+
+def offsets_changing(spec: ToolSpec) -> tuple[int, ...]:
+    """The offsets in ``[1, n)`` of :func:`draw_rules` that give ``spec`` each of its other ``n - 1`` variants
+    once (n = its number of variants); ``()`` for a plain tool (one variant, nothing to change). Any offset
+    congruent to one of them modulo n changes the tool's rule too; a multiple of n keeps it."""
+    return tuple(range(1, len(spec.variants)))
 
 
 def expected_calls(spec: ToolSpec, variant: Variant, args: dict[str, Any]) -> list[ToolCall]:
