@@ -22,7 +22,7 @@ from lopd_lightning.lm import position_ids_from_mask
 from lopd_lightning.losses import shifted_token_logps
 from lopd_lightning.composer import ComposerOutput, LatentComposer, latent_nll
 from lopd_lightning.models import tiny_model, tiny_tokenizer
-from lopd_lightning.teacher import SelfTeacher
+from lopd_lightning.teacher import SelfTeacher, frame_text
 
 STUDENT_LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 D = 64
@@ -225,6 +225,7 @@ def test_a_text_context_is_the_framing_prefix_the_text_and_the_framing_suffix_to
                       None, None]
     assert teacher.encode_text_context(["x = 1", None, ""]) == [encode_data(TOKENIZER, framed[0]), [], []]
     assert teacher.frame_text_context(["x", ""], prefix="ref: ", suffix="") == ["ref: x", None]
+    assert frame_text("x = 1") == framed[0] and frame_text("") is None and frame_text("x", "ref: ", "") == "ref: x"
 
 def test_text_context_equals_manual_concatenation():
     backbone = backbone_for("lora")

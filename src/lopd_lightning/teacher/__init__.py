@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from lopd_lightning.teacher.prefix_cache import TeacherPrefix, has_dropout, prefix_length, supports_prefix_cache
 from lopd_lightning.teacher.self_teacher import SelfTeacher
-from lopd_lightning.teacher.splice import DEFAULT_FRAMING_PREFIX, DEFAULT_FRAMING_SUFFIX, TeacherInputs
+from lopd_lightning.teacher.splice import DEFAULT_FRAMING_PREFIX, DEFAULT_FRAMING_SUFFIX, TeacherInputs, frame_text
 from lopd_lightning.teacher.weights import TeacherMode, TeacherWeights
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "TeacherMode",
     "TeacherPrefix",
     "TeacherWeights",
+    "frame_text",
     "has_dropout",
     "prefix_length",
     "supports_prefix_cache",

@@ -26,6 +26,7 @@ from lopd_lightning.teacher.splice import (
     TeacherInputs,
     check_splice_inputs,
     fit_contexts,
+    frame_text,
     latent_contexts,
     place_latents,
     splice,
@@ -121,7 +122,7 @@ class SelfTeacher(TeacherWeights):
         """
         prefix = self.framing_prefix if prefix is None else prefix
         suffix = self.framing_suffix if suffix is None else suffix
-        return [prefix + text + suffix if text else None for text in texts]
+        return [frame_text(text, prefix, suffix) for text in texts]
 
     def encode_text_context(
         self, texts: Sequence[str | None], *, prefix: str | None = None, suffix: str | None = None

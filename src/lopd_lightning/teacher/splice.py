@@ -34,6 +34,13 @@ DEFAULT_FRAMING_PREFIX = "Here is a reference example of a different, already so
 DEFAULT_FRAMING_SUFFIX = "\nNow complete your task.\n\n"
 
 
+def frame_text(text: str | None, prefix: str = DEFAULT_FRAMING_PREFIX, suffix: str = DEFAULT_FRAMING_SUFFIX) -> str | None:
+    """One text context framed: ``prefix + text + suffix``, or None for None or "" (no context). The one framing
+    of text contexts (:meth:`SelfTeacher.frame_text_context` applies it per row; ``benchmarks/start_student.py``
+    puts it before an SFT row's request, where the teacher inserts its contexts)."""
+    return prefix + text + suffix if text else None
+
+
 class TeacherInputs(NamedTuple):
     """The teacher's batch, the student's sequence with the context inserted. T' = T + max_b C_b.
 
