@@ -210,6 +210,37 @@ def test_a_task_implements_one_of_score_and_score_with_info_and_the_base_derives
     assert explained.start(example).step(answer).info == {"error": "never right"}
 
 
+def test_an_override_that_calls_super_reaches_its_parents_computation():
+    """A subclass of a score_with_info task that overrides score and calls super().score, and a subclass of a
+    score task that overrides score_with_info and calls super().score_with_info: each gets its parent's value
+    (no NotImplementedError, no recursion), and the rollout (score_with_info) reads the override."""
+    from lopd_lightning.tasks.toy import ToyTask
+
+    class Explaining(ToyTask):  # the parent: a score_with_info task
+        def score_with_info(self, example, completion):
+            return float(completion.strip() == example.data["answer"]), {"why": "parent"}
+
+    class Bonus(Explaining):  # overrides score on top of it
+        def score(self, example, completion):
+            return min(1.0, super().score(example, completion) + 0.25)
+
+    class Noted(ToyTask):  # overrides score_with_info on top of a score task
+        def score_with_info(self, example, completion):
+            reward, info = super().score_with_info(example, completion)
+            return reward, {**info, "note": "checked"}
+
+    example = ToyTask(num_examples=2).examples()[0]
+    answer = example.data["answer"]
+    bonus, noted = Bonus(num_examples=2), Noted(num_examples=2)
+    assert bonus.score(example, "wrong") == 0.25 and bonus.score(example, answer) == 1.0
+    assert bonus.score_with_info(example, "wrong") == (0.25, {})  # the rollout's reward is the override's
+    episode = bonus.start(example)
+    episode.step("wrong")
+    assert episode.reward() == 0.25
+    assert noted.score_with_info(example, answer) == (1.0, {"note": "checked"})
+    assert noted.score(example, "wrong") == 0.0
+
+
 def test_a_task_that_defines_both_is_refused():
     with pytest.raises(TypeError, match="Both defines both score and score_with_info: a task implements one of them"):
         class Both(Undeclared):

@@ -6,8 +6,9 @@ reward) and :meth:`Task.score_with_info` (the reward and why), and the base deri
 tasks set ``multi_turn = True`` (and ``max_turns``), override :meth:`Task.start` and return their own
 :class:`Episode`.
 
-The rollout loop, per example: ``messages = task.initial_messages(example)``, ``episode =
-task.start(example)``; then, until the episode is done or ``max_turns`` replies were made, the student
+The rollout loop, per example: ``episode = task.start(example)``, then ``messages =
+task.initial_messages(example)`` (in this order: a method's hooked task hands the messages its ``start`` built
+to that ``initial_messages``); then, until the episode is done or ``max_turns`` replies were made, the student
 replies to ``messages`` and ``result = episode.step(reply)`` answers with a :class:`StepResult` whose
 ``messages`` (tool results, the next user turn) are appended; at the end ``episode.reward()``, read
 through :func:`episode_reward` (which checks it and names the task and example when it is not in
@@ -157,6 +158,18 @@ class SingleTurnEpisode(Episode):
         return 0.0 if self._reward is None else self._reward
 
 
+def _implementation(cls: type, name: str) -> Any:
+    """The function ``name`` ("score" or "score_with_info") of the nearest class in ``cls``'s MRO that implements
+    it itself (neither :class:`Task`'s default nor the derived copy :meth:`Task.__init_subclass__` puts on a
+    class), or None when no class does."""
+    default = vars(Task)[name]
+    for klass in cls.__mro__:
+        function = vars(klass).get(name)
+        if function is not None and function is not default:
+            return function
+    return None
+
+
 class Task(abc.ABC):
     """Base class of every task. Subclass it and implement the abstract methods.
 
@@ -224,7 +237,9 @@ class Task(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Keep :meth:`score` and :meth:`score_with_info` one computation: the one a class defines is the source,
         and the other is the base's, derived from it (a subclass of a ``score`` task that defines
-        ``score_with_info`` gets a ``score`` that reads it, and the other way round).
+        ``score_with_info`` gets a ``score`` that reads it, and the other way round). A derived method reads the
+        nearest class of the MRO that implements the other one (:func:`_implementation`), so an override that
+        calls ``super().score(...)`` or ``super().score_with_info(...)`` reaches its parent's computation.
 
         Raises:
             TypeError: the class defines both (the message says to keep one).
@@ -256,8 +271,9 @@ class Task(abc.ABC):
             NotImplementedError: the task implements neither (the message names the class, and says a
                 multi-turn task uses ``start(example).step(...)`` instead).
         """
-        if type(self).score_with_info is not Task.score_with_info:
-            return self.score_with_info(example, completion)[0]
+        source = _implementation(type(self), "score_with_info")
+        if source is not None:
+            return source(self, example, completion)[0]
         if self.multi_turn:
             raise NotImplementedError(f"{type(self).__name__} is multi-turn: use start(example).step(...)")
         raise NotImplementedError(
@@ -276,7 +292,10 @@ class Task(abc.ABC):
         Raises:
             NotImplementedError: the task implements neither (:meth:`score`'s message).
         """
-        return self.score(example, completion), {}
+        source = _implementation(type(self), "score")
+        if source is None:
+            return Task.score(self, example, completion), {}  # raises: neither is implemented
+        return source(self, example, completion), {}
 
     def start(self, example: Example) -> Episode:
         """A fresh environment for ``example``. Single-turn tasks get a :class:`SingleTurnEpisode`."""
