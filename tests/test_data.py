@@ -51,6 +51,14 @@ def test_a_step_across_the_epoch_boundary_takes_from_both_epochs():
     assert ids(four.examples_at(n - 2)) == expected
 
 
+@pytest.mark.parametrize("key", ["train_limit", "val_limit"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, True])
+def test_a_limit_below_one_is_refused_not_read_as_all_or_a_cut_from_the_end(key, value):
+    # 0 read as "all" and -1 as examples[:-1] before: a silent wrong split
+    with pytest.raises(ValueError, match=f"data.init_args.{key} must be an int >= 1, or null"):
+        OnPolicyDataModule("toy", **{key: value})
+
+
 def test_train_limit_restricts_the_pool():
     dm = OnPolicyDataModule("toy", examples_per_step=3, train_limit=3)
     first3 = ids(ToyTask().examples("train")[:3])
