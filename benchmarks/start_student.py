@@ -116,16 +116,10 @@ def _replayed(task, example) -> list[dict[str, Any]]:
     Raises:
         ValueError: the replayed references do not score 1 (the bank would not keep them).
     """
-    from lopd_lightning.tasks import episode_reward
+    from lopd_lightning.tasks import replay_references
 
-    messages, episode = [dict(m) for m in task.initial_messages(example)], task.start(example)
-    for reply in task.reference_replies(example):
-        result = episode.step(reply)
-        messages.append({"role": "assistant", "content": reply})
-        messages.extend(result.messages)
-        if result.done:
-            break
-    if episode_reward(task, example, episode) < 1.0:
+    messages, reward = replay_references(task, example, task.initial_messages(example))
+    if reward < 1.0:
         raise ValueError(f"the reference of {example.id} scores below 1 in its environment")
     return messages
 

@@ -47,7 +47,7 @@ from lopd_lightning.modules.optimization import OptimizationMixin
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
 from lopd_lightning.rollout.backends import GenerationBackend
 from lopd_lightning.rollout.registry import BACKENDS, check_vllm_options, make_backend
-from lopd_lightning.tasks import Example, Message, Task, episode_reward
+from lopd_lightning.tasks import Example, Message, Task, replay_references
 
 log = logging.getLogger(__name__)
 
@@ -366,15 +366,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         The conversation holds the initial messages, the reference replies and the environment's
         observations; the reward goes through :meth:`score_trajectory` like a rollout's.
         """
-        messages = list(self.build_messages(task, example))
-        episode = task.start(example)
-        for reply in task.reference_replies(example):
-            result = episode.step(reply)
-            messages.append({"role": "assistant", "content": reply})
-            messages.extend(result.messages)
-            if result.done:
-                break
-        return messages, self.score_trajectory(task, example, messages, episode_reward(task, example, episode))
+        messages, reward = replay_references(task, example, list(self.build_messages(task, example)))
+        return messages, self.score_trajectory(task, example, messages, reward)
 
     def reference_batch(self, task: Task, examples: list[Example]) -> RolloutBatch:
         """A teacher-forced batch of the examples' reference solutions, the conversations of

@@ -20,6 +20,7 @@ from lopd_lightning.tasks.base import (
     Task,
     check_reward,
     episode_reward,
+    replay_references,
     split_examples,
 )
 
@@ -71,5 +72,6 @@ __all__ = [
     "check_reward",
     "episode_reward",
     "get_task",
+    "replay_references",
     "split_examples",
 ]

@@ -111,6 +111,21 @@ def episode_reward(task: Any, example: Any, episode: Any) -> float:
     return check_reward(episode.reward(), task=name, example_id=str(getattr(example, "id", "<unknown example>")))
 
 
+def replay_references(task: Any, example: Any, messages: list[Message]) -> tuple[list[Message], float]:
+    """``task.reference_replies(example)`` replayed through a fresh episode (``task.start(example)``) after the
+    first ``messages``, until the episode is done: (the whole conversation: ``messages``, each reply and the
+    observations it got; the episode's reward through :func:`episode_reward`). ``messages`` is not changed."""
+    conversation = [dict(m) for m in messages]
+    episode = task.start(example)
+    for reply in task.reference_replies(example):
+        result = episode.step(reply)
+        conversation.append({"role": "assistant", "content": reply})
+        conversation.extend(result.messages)
+        if result.done:
+            break
+    return conversation, episode_reward(task, example, episode)
+
+
 class Episode(abc.ABC):
     """A live environment for one example. Created by :meth:`Task.start`.
 
