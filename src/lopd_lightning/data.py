@@ -27,7 +27,43 @@ from typing_extensions import override
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task, get_task
 
-__all__ = ["OnPolicyDataModule", "RolloutSource", "dev_slice_indices"]
+__all__ = ["ExampleBatch", "OnPolicyDataModule", "RolloutSource", "dev_slice_indices"]
+
+
+class ExampleBatch:
+    """One loader item: the examples of a training step or a validation batch, as an object Lightning does
+    not look into.
+
+    Under FSDP and DeepSpeed, Lightning's precision plugin converts every loader item before
+    :meth:`OnPolicyDataModule.on_before_batch_transfer` with ``apply_to_collection``, which copies a list
+    of frozen :class:`~lopd_lightning.tasks.Example` dataclasses field by field and fails (``A frozen
+    dataclass was passed to `apply_to_collection` but this is not allowed``). This class is neither a
+    sequence nor a dataclass, so the plugin passes it through; ``on_before_batch_transfer`` turns it back
+    into a list. It iterates, indexes and compares like the list it holds.
+    """
+
+    __slots__ = ("examples",)
+
+    def __init__(self, examples):
+        self.examples: list[Example] = list(examples)
+
+    def __iter__(self) -> Iterator[Example]:
+        return iter(self.examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index):
+        return self.examples[index]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self.examples) == list(other.examples if isinstance(other, ExampleBatch) else other) \
+            if isinstance(other, (ExampleBatch, list, tuple)) else NotImplemented
+
+    __hash__ = None  # a list's equality: unhashable
+
+    def __repr__(self) -> str:
+        return f"ExampleBatch({self.examples!r})"
 
 
 def dev_slice_indices(n_train: int, size: int, seed: int = 0) -> list[int]:
@@ -71,7 +107,7 @@ class _ExampleStream(IterableDataset):
         rank, world = dm.rank_and_world()
         position = dm.position + rank * dm.examples_per_step  # ranks read disjoint slices of one stream
         while True:
-            yield dm.examples_at(position)
+            yield ExampleBatch(dm.examples_at(position))
             position += world * dm.examples_per_step
 
 
@@ -239,6 +275,8 @@ class OnPolicyDataModule(LightningDataModule):
         Raises:
             RuntimeError: a training batch before :meth:`setup` bound a rollout source.
         """
+        if isinstance(batch, ExampleBatch):  # this module's loaders' items (the precision plugin passed them by)
+            batch = list(batch)
         trainer = self.trainer
         if trainer is None or not trainer.training:
             return batch
@@ -257,7 +295,7 @@ class OnPolicyDataModule(LightningDataModule):
         val = self.val_examples
         if not val:
             return []
-        return DataLoader(val, batch_size=self.val_batch_size, shuffle=False, num_workers=0, collate_fn=list)
+        return DataLoader(val, batch_size=self.val_batch_size, shuffle=False, num_workers=0, collate_fn=ExampleBatch)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

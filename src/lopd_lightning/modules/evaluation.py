@@ -116,7 +116,7 @@ class EvaluationMixin(ObservabilityMixin):
             dm = self.trainer.datamodule
             loader = dm.val_dataloader()
             for i, examples in enumerate(loader):
-                self.validation_step(examples, i)
+                self.validation_step(list(examples), i)
             values = self.log_evaluation("val", direct_step=0)
             if values is not None:
                 self.last_val = values
