@@ -9,7 +9,11 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
   :class:`~lopd_lightning.modules.lopd_callbacks.LOPDOnlyCallback`) with another method, e.g. an LOPD config
   whose ``model.class_path`` was switched to ``GRPOModule``;
 - LOPD with no bank (``model.init_args.bank_path`` null, J > 0) and no ``MemoryRefresh`` to fill it: every step
-  would train nothing (:func:`~lopd_lightning.memory.persistence.check_bank_fills`, which ``fit`` runs too).
+  would train nothing (:func:`~lopd_lightning.memory.persistence.check_bank_fills`, which ``fit`` runs too);
+- a sharded ``trainer.strategy`` where it cannot run: DeepSpeed with LOPD (two optimisers), or without the
+  ``deepspeed`` package; FSDP or DeepSpeed on a machine without CUDA (Lightning refuses FSDP on CPU: ``The
+  strategy `fsdp` requires a GPU accelerator``; torch's FSDP without a device: ``FSDP needs a non-CPU
+  accelerator device``; with ``accelerator: gpu``: ``No supported gpu backend found!``; docs/scaling.md).
 
 Each raises :class:`~lopd_lightning.cli.errors.CLIError` (status 1) with one line naming the key and the fix.
 """
@@ -70,7 +74,50 @@ def check_fit_config(config: Any) -> None:
     callbacks = [(import_class(str(_get(c, "class_path") or "")), dict(_items(_get(c, "init_args"))))
                  for c in callbacks or []]
     _check_method_callbacks(method, [cls for cls, _ in callbacks])
+    check_strategy(method, _get(trainer, "strategy"))
     _check_bank_fills(method, dict(_items(_get(model, "init_args"))), callbacks)
+
+
+def _sharded_kind(strategy: Any) -> str | None:
+    """"FSDP", "DeepSpeed" or None for ``trainer.strategy`` (a registered name, a class_path node or an instance)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if isinstance(strategy, str):
+        name = strategy.lower()
+        return "FSDP" if name.startswith("fsdp") else "DeepSpeed" if name.startswith("deepspeed") else None
+    cls = strategy if isinstance(strategy, type) else type(strategy)
+    if _get(strategy, "class_path"):
+        cls = import_class(str(_get(strategy, "class_path")))
+    if isinstance(cls, type) and issubclass(cls, FSDPStrategy):
+        return "FSDP"
+    if isinstance(cls, type) and issubclass(cls, DeepSpeedStrategy):
+        return "DeepSpeed"
+    return None
+
+
+def check_strategy(method: type, strategy: Any, *, cuda: bool | None = None) -> None:
+    """Refuse, in one line naming ``trainer.strategy``, a sharded strategy that cannot run here: DeepSpeed with
+    LOPD (two optimisers), DeepSpeed without the ``deepspeed`` package, FSDP or DeepSpeed without CUDA
+    (``cuda``: whether CUDA is available; None: ask torch). DDP and single-device runs pass."""
+    import importlib.util
+
+    import torch
+
+    from lopd_lightning.modules import LOPDModule
+
+    kind = _sharded_kind(strategy)
+    if kind is None:
+        return
+    if kind == "DeepSpeed" and isinstance(method, type) and issubclass(method, LOPDModule):
+        raise CLIError("trainer.strategy: DeepSpeed supports one optimiser and LOPDModule trains two (student and "
+                       "composer); use -c configs/trainer/fsdp.yaml (CUDA) or trainer.strategy=ddp for LOPD", 1)
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        raise CLIError(f"trainer.strategy: {kind} needs CUDA GPUs and this machine has none (Lightning and torch "
+                       "refuse it on CPU); set trainer.strategy=ddp with --trainer.accelerator=cpu (gloo) or run on a "
+                       "machine with CUDA", 1)
+    if kind == "DeepSpeed" and importlib.util.find_spec("deepspeed") is None:
+        raise CLIError("trainer.strategy: DeepSpeed is not installed; pip install deepspeed, or set "
+                       "trainer.strategy=ddp (or -c configs/trainer/fsdp.yaml)", 1)
 
 
 def _check_method_callbacks(method: type, classes: list[Any]) -> None:
