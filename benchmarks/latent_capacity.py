@@ -21,13 +21,20 @@ end-of-turn token (nats, mean over facts), with each context:
   fact's text (the next fact of the same split, cyclically);
 - ``latent``: the latents of the fact's own experience; ``latent_wrong``: those of the next fact's.
 
+The same five, format-free (``sentence``): the reply teacher-forced is the fact's sentence, and only the
+code's tokens after ``"The access code of project X is"`` are scored (:func:`code_nll`). The bare-code
+score charges a teacher that answers in sentences (the text teacher) for the missing prefix, and a
+composer pretrained on bare codes (L_init's reference) does not pay it; the sentence score has no such
+format term.
+
 Reported (keys of the JSON): ``heldout`` and ``train`` with the five NLLs; ``info_ratio_heldout`` =
 (latent_wrong - latent) / (text_wrong - text), the share of the text's experience-specific information that
 the latents carry; ``closing_ratio_heldout`` = (none - latent) / (none - text), the share of the text's whole
 gain; ``spread`` and ``spread_untrained`` (:func:`~lopd_lightning.composer.losses.latent_spread` of the
 held-out facts' latents, after and before pretraining: 0 is one constant prompt);
 ``teacher_contains_heldout`` (none / text / latent: the fraction of held-out facts whose code the teacher's
-own greedy reply contains, within 32 tokens; ``teacher_replies_heldout``: those replies); ``curve``:
+own greedy reply contains, within 32 tokens; ``teacher_replies_heldout``: those replies); ``sentence``: the
+five NLLs on both splits and the two held-out ratios, format-free; ``curve``:
 ``info_ratio_heldout`` and ``closing_ratio_heldout`` every ``--curve-every`` steps; ``pretrain_steps``, ``pretrain_s`` (the stage's wall time), and the run's metadata
 (``src_hash``, ``src_tree``: the code it ran).
 """
@@ -104,6 +111,45 @@ def answer_nll(module, batch, **context) -> list[float]:
     return out
 
 
+def sentence_batches(module, task, examples):
+    """Two teacher-forced batches of the examples whose reply is the fact's sentence, with and without its
+    code: ``"The access code of project X is wckyt"`` and ``"The access code of project X is"`` (the prompt
+    as :meth:`reference_batch` builds it). The difference of their :func:`answer_nll` is the code's NLL
+    after the sentence's own prefix: a score free of the reply's format (a teacher that answers with a
+    sentence does not pay for the bare code's missing prefix).
+
+    Raises:
+        ValueError: the tokenizer splits the prefix differently once the code follows it.
+    """
+    from lopd_lightning.rollout import batch_from_conversations
+
+    batches = []
+    for with_code in (True, False):
+        conversations = []
+        for example in examples:
+            conversation, _ = module.reference_trajectory(task, example)
+            prefix = f"The access code of project {example.data['name']} is"
+            reply = f"{prefix} {example.data['code']}" if with_code else prefix
+            if with_code:
+                ids = module.tokenizer(reply, add_special_tokens=False)["input_ids"]
+                head = module.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+                if ids[: len(head)] != head:
+                    raise ValueError(f"the tokenizer splits {prefix!r} differently before the code {example.data['code']!r}")
+            last = max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+            conversations.append([*conversation[:last], {"role": "assistant", "content": reply}])
+        batches.append(batch_from_conversations(module.tokenizer, conversations, rewards=[1.0] * len(examples),
+                                                group_ids=list(range(len(examples))),
+                                                example_ids=[ex.id for ex in examples]))
+    return batches
+
+
+def code_nll(module, sentence, **context) -> list[float]:
+    """Per row, the NLL of the code's tokens after ``"The access code of project X is"`` (nats):
+    :func:`answer_nll` of the sentence with the code minus that of the prefix alone (both teacher-forced)."""
+    full, prefix = (answer_nll(module, batch, **context) for batch in sentence)
+    return [a - b for a, b in zip(full, prefix, strict=True)]
+
+
 def latents_for(module, examples, experiences):
     """The composer's latents for each example with the given experience (one per row)."""
     return module.composer.compose([[(ex.text, e.trace)] for ex, e in zip(examples, experiences, strict=True)])
@@ -120,19 +166,25 @@ def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None 
     own = [record_of(module, ex.id) for ex in examples]
     wrong = own[1:] + own[:1]
     mean = lambda values: sum(values) / len(values)  # noqa: E731
-    result: dict[str, Any] = dict(text or {})
+    sentence = sentence_batches(module, task, examples)
+    result: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (text or {}).items()}
     if text is None:
         result["none"] = mean(answer_nll(module, batch))
+        result["sentence"] = {"none": mean(code_nll(module, sentence))}
         for name, records in (("text", own), ("text_wrong", wrong)):
             ids = module.teacher.encode_text_context([r.trace for r in records])
             result[name] = mean(answer_nll(module, batch, context_ids=ids))
+            result["sentence"][name] = mean(code_nll(module, sentence, context_ids=ids))
     with torch.no_grad():
         mine, other = latents_for(module, examples, own), latents_for(module, examples, wrong)
-    result["latent"] = mean(answer_nll(module, batch, latents=mine.latents, latent_mask=mine.latent_mask))
-    result["latent_wrong"] = mean(answer_nll(module, batch, latents=other.latents, latent_mask=other.latent_mask))
+    for name, composed in (("latent", mine), ("latent_wrong", other)):
+        context = {"latents": composed.latents, "latent_mask": composed.latent_mask}
+        result[name] = mean(answer_nll(module, batch, **context))
+        result["sentence"][name] = mean(code_nll(module, sentence, **context))
     result["spread"] = float(latent_spread(mine.latents))
-    result["info_ratio"] = (result["latent_wrong"] - result["latent"]) / (result["text_wrong"] - result["text"])
-    result["closing_ratio"] = (result["none"] - result["latent"]) / (result["none"] - result["text"])
+    for scores, into in ((result, result), (result["sentence"], result["sentence"])):
+        into["info_ratio"] = (scores["latent_wrong"] - scores["latent"]) / (scores["text_wrong"] - scores["text"])
+        into["closing_ratio"] = (scores["none"] - scores["latent"]) / (scores["none"] - scores["text"])
     if greedy:
         from privileged_margin import teacher_greedy_reply
 
@@ -152,6 +204,13 @@ def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None 
                     result["replies"][name].append({"code": example.data["code"], "reply": reply})
         result["contains"] = {name: count / len(examples) for name, count in contains.items()}
     return result
+
+
+def curve_point(step: int, point: dict[str, Any]) -> dict[str, Any]:
+    """One point of ``curve``: the held-out ratios (bare code and sentence-prefixed) and the spread."""
+    return {"step": step, "info_ratio_heldout": point["info_ratio"], "closing_ratio_heldout": point["closing_ratio"],
+            "sentence_info_ratio_heldout": point["sentence"]["info_ratio"],
+            "sentence_closing_ratio_heldout": point["sentence"]["closing_ratio"], "spread": point["spread"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -191,19 +250,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train, heldout = task.examples("train"), task.examples("val")
     started = time.perf_counter()
     before = {"heldout": evaluate(module, task, heldout, greedy=True), "train": evaluate(module, task, train)}
-    text = {split: {k: before[split][k] for k in ("none", "text", "text_wrong")} for split in before}
+    text = {split: {**{k: before[split][k] for k in ("none", "text", "text_wrong")},
+                    "sentence": {k: before[split]["sentence"][k] for k in ("none", "text", "text_wrong")}}
+            for split in before}
     print(f"untrained: held-out latent {before['heldout']['latent']:.2f}, wrong {before['heldout']['latent_wrong']:.2f}, "
           f"text {text['heldout']['text']:.2f}, none {text['heldout']['none']:.2f}", flush=True)
-    curve = [{"step": 0, "info_ratio_heldout": before["heldout"]["info_ratio"],
-              "closing_ratio_heldout": before["heldout"]["closing_ratio"], "spread": before["heldout"]["spread"]}]
+    curve = [curve_point(0, before["heldout"])]
 
     class Curve(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step
             if step % args.curve_every == 0 and step < args.steps:
                 point = evaluate(module, task, heldout, text=text["heldout"])
-                curve.append({"step": step, "info_ratio_heldout": point["info_ratio"],
-                              "closing_ratio_heldout": point["closing_ratio"], "spread": point["spread"]})
+                curve.append(curve_point(step, point))
                 print(f"step {step}: info {point['info_ratio']:.3f}, closing {point['closing_ratio']:.3f}, "
                       f"spread {point['spread']:.3f}", flush=True)
 
@@ -214,8 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  trainer_options={"enable_progress_bar": False, "logger": False})
     after = {"heldout": evaluate(module, task, heldout, greedy=True, text=text["heldout"]),
              "train": evaluate(module, task, train, text=text["train"])}
-    curve.append({"step": info["steps"], "info_ratio_heldout": after["heldout"]["info_ratio"],
-                  "closing_ratio_heldout": after["heldout"]["closing_ratio"], "spread": after["heldout"]["spread"]})
+    curve.append(curve_point(info["steps"], after["heldout"]))
     names = ("none", "text", "text_wrong", "latent", "latent_wrong")
     hp = module.hparams
     result = {
@@ -239,6 +297,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "info_ratio_heldout": after["heldout"]["info_ratio"],
         "closing_ratio_heldout": after["heldout"]["closing_ratio"],
         "info_ratio_train": after["train"]["info_ratio"],
+        "sentence": {"heldout": {k: after["heldout"]["sentence"][k] for k in names},
+                     "train": {k: after["train"]["sentence"][k] for k in names},
+                     "untrained_heldout": {k: before["heldout"]["sentence"][k] for k in names},
+                     "info_ratio_heldout": after["heldout"]["sentence"]["info_ratio"],
+                     "closing_ratio_heldout": after["heldout"]["sentence"]["closing_ratio"]},
         "spread": after["heldout"]["spread"],
         "spread_untrained": before["heldout"]["spread"],
         "teacher_contains_heldout": after["heldout"]["contains"],
