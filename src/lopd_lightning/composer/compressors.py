@@ -149,6 +149,9 @@ class MemoryTokens(nn.Module):
         ValueError: ``d_model`` or ``num_latents`` is not positive, or ``init_embeddings`` is not (V, d_model).
     """
 
+    #: methods besides ``forward`` that read its weights: FSDP2 gathers them there too (lopd_lightning.sharding)
+    fsdp_forward_methods = ("append_to",)
+
     def __init__(self, d_model: int, *, num_latents: int, init_embeddings: Tensor, output_gain: float = 1.0) -> None:
         super().__init__()
         if min(d_model, num_latents) <= 0:

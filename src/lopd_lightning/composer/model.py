@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from lopd_lightning.adapters import COMPOSER, composer_lora_parameters, use_adapter
 from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler
+from lopd_lightning.sharding import plain
 from lopd_lightning.text import encode_data
 
 __all__ = [
@@ -342,7 +343,8 @@ class LatentComposer(nn.Module):
         flat_ids = input_ids.reshape(batch * num_exp, width).to(device)
         flat_mask = attention_mask.reshape(batch * num_exp, width).to(device)
         present_flat = present_flat & flat_mask.bool().any(dim=-1)
-        latents = anchor.new_zeros(batch * num_exp, k, d)  # [B*J, K, d]
+        # [B*J, K, d]; torch.zeros, not anchor.new_zeros: under FSDP2 the anchor is a DTensor shard
+        latents = torch.zeros(batch * num_exp, k, d, dtype=anchor.dtype, device=device)
         rows = present_flat.nonzero().squeeze(-1)
         if rows.numel() > 0:
             ids, mask = flat_ids[rows], flat_mask[rows]
@@ -428,7 +430,7 @@ def clip_composer_grads(
     zero = next(composer.compressor.parameters()).new_zeros(())
     chi_norm = torch.nn.utils.clip_grad_norm_(chi, compressor_clip) if chi else zero
     psi_norm = torch.nn.utils.clip_grad_norm_(psi, lora_clip) if psi else zero.clone()
-    return ClipNorms(chi_norm, psi_norm)
+    return ClipNorms(plain(chi_norm), plain(psi_norm))  # FSDP2: DTensor gradients give the whole norm, a DTensor
 
 
 

@@ -47,6 +47,7 @@ from lopd_lightning.modules.optimization import OptimizationMixin
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
 from lopd_lightning.rollout.backends import GenerationBackend
 from lopd_lightning.rollout.registry import BACKENDS, check_vllm_options, make_backend
+from lopd_lightning.sharding import gathered, is_fsdp2, shard_model
 from lopd_lightning.tasks import Example, Message, Task, replay_references
 
 log = logging.getLogger(__name__)
@@ -336,7 +337,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         self.step_timings = {}
         backend = self.generation_backend()  # syncs an engine's weights first (timed apart: ``weight_sync``)
         start = time.perf_counter()
-        with self.student_context():
+        with self.student_context(), self.whole_weights():
             batch = generate_rollouts(
                 self.backbone,
                 self.tokenizer,
@@ -497,13 +498,40 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
 
     @property
     def sharded(self) -> bool:
-        """True under a sharded strategy (FSDP, DeepSpeed), where every rank must run every forward of
-        the backbone (each layer's all-gather is a collective): no rank may skip a teacher pass."""
+        """True under a sharded strategy (FSDP, FSDP2 with ModelParallelStrategy, DeepSpeed), where every rank
+        must run every forward of the backbone (each layer's all-gather is a collective): no rank may skip a
+        teacher pass."""
         if self._trainer is None:
             return False
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-        return isinstance(self.trainer.strategy, (FSDPStrategy, DeepSpeedStrategy))
+        return isinstance(self.trainer.strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy))
+
+    @override
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` only: shard the student's backbone, and every other causal
+        LM the module holds (a full-parameter teacher's frozen copy), with FSDP2 over the data-parallel mesh
+        (:func:`lopd_lightning.sharding.shard_model`). Under every other strategy it does nothing."""
+        if self._trainer is None or not is_fsdp2(self.trainer.strategy):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for model in self.sharded_models():
+            shard_model(model, mesh)
+
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The causal LMs :meth:`configure_model` shards under FSDP2: the backbone and, where a teacher keeps
+        one, its frozen copy of a full-parameter student. A method holding another one extends the list."""
+        models = [self.backbone]
+        shadow = getattr(getattr(self, "teacher", None), "shadow", None)
+        if shadow is not None:
+            models.append(shadow)
+        return models
+
+    def whole_weights(self):
+        """Context manager for generation: under FSDP2 the student's weights are gathered whole for its
+        duration (ranks generate different numbers of tokens; :func:`lopd_lightning.sharding.gathered`);
+        nothing otherwise."""
+        return gathered(self.backbone)
 
     def vocab_size(self) -> int:
         """Rows of the student's input embedding (the vocabulary the logits range over)."""

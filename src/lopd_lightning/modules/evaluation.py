@@ -62,7 +62,7 @@ class EvaluationMixin(ObservabilityMixin):
     # ------------------------------------------------------------------ episodes
     def evaluate_examples(self, task: Task, examples: list[Example]) -> RolloutBatch:
         """Greedy episodes of the current student on ``examples`` (one trajectory each)."""
-        with self.student_context():
+        with self.student_context(), self.whole_weights():
             return generate_rollouts(
                 self.backbone,
                 self.tokenizer,

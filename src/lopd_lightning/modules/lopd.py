@@ -48,6 +48,7 @@ from lopd_lightning.memory.persistence import check_bank_fills
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.modules.lopd_options import check_lopd_options
 from lopd_lightning.rollout import RolloutBatch
+from lopd_lightning.sharding import local
 from lopd_lightning.tasks import Example, Task
 from lopd_lightning.teacher import SelfTeacher, TeacherPrefix, prefix_length, supports_prefix_cache
 
@@ -365,7 +366,8 @@ class LOPDModule(OnPolicyModule):
                                                    anchor_weight=self.hparams.anchor_weight)
         # every composer parameter joins the graph (a zero term when no row has latents, or a frozen composer), so
         # DDP's gradient all-reduce sees the same parameters on every rank and every step
-        loss_composer = loss_composer + 0.0 * sum(p.sum() for p in self.composer.trainable_parameters())
+        # (under FSDP2 each rank's own shard: plain() of a DTensor parameter would gather it)
+        loss_composer = loss_composer + 0.0 * sum(local(p).sum() for p in self.composer.trainable_parameters())
         return LOPDLosses(loss_student, loss_composer, distill_c, delta, anchor, has_latents)
 
     def _student_pass(self, batch: RolloutBatch, mask: Tensor, n_prefix: int) -> tuple[Tensor, TeacherPrefix | None]:
@@ -511,6 +513,13 @@ class LOPDModule(OnPolicyModule):
         self.warm_started = True
 
     # ------------------------------------------------------------------ optimisers and state
+    @override
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The backbone (its decoder layers hold the composer's LoRA and the anchor's) and, under FSDP2, the
+        composer's compressor chi as one more unit (its gradients are then reduced like the backbone's); the
+        anchor's frozen compressor stays whole on every rank."""
+        return [*super().sharded_models(), self.composer.compressor]
+
     @override
     def configure_optimizers(self):
         student = torch.optim.AdamW(

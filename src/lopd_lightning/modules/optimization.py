@@ -25,6 +25,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from typing_extensions import override
 
+from lopd_lightning.sharding import plain
+
 log = logging.getLogger(__name__)
 
 __all__ = ["OptimizationMixin"]
@@ -39,7 +41,8 @@ def clip_grads(params, max_norm: float) -> Tensor:
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return torch.zeros(())
-    return torch.nn.utils.clip_grad_norm_(with_grad, max_norm if max_norm > 0 else float("inf"))
+    # under FSDP2 the gradients are DTensors and the norm is the whole gradient's (all shards), a DTensor
+    return plain(torch.nn.utils.clip_grad_norm_(with_grad, max_norm if max_norm > 0 else float("inf")))
 
 
 class OptimizationMixin(LightningModule):

@@ -54,6 +54,7 @@ from lopd_lightning.losses import k3_kl, masked_mean, token_logps
 from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs
 from lopd_lightning.rollout import RolloutBatch, encode_prompt
 from lopd_lightning.rollout.chat import eos_token_ids
+from lopd_lightning.sharding import generate_options
 from lopd_lightning.tasks import Example, Task
 from lopd_lightning.teacher import SelfTeacher
 
@@ -423,7 +424,7 @@ class SkillSDModule(GRPOModule):
         was_training = model.training
         model.eval()
         try:
-            with self.student_context():
+            with self.student_context(), self.whole_weights():
                 out = model.generate(
                     input_ids=input_ids,
                     attention_mask=attention,
@@ -431,6 +432,7 @@ class SkillSDModule(GRPOModule):
                     max_new_tokens=int(self.hparams.skill_max_new_tokens),
                     pad_token_id=pad,
                     eos_token_id=eos_token_ids(model, tok),  # every EOS id of the generation config ends it
+                    **generate_options(model),  # FSDP2: gathered above, no per-token sync between ranks
                 )
         finally:
             model.train(was_training)

@@ -79,6 +79,7 @@ from lopd_lightning.rollout.kv_reuse import (
     weights_stamp,
 )
 from lopd_lightning.rollout.sampling import _SeededSampler
+from lopd_lightning.sharding import generate_options
 
 log = logging.getLogger(__package__)  # "lopd_lightning.rollout": one logger name for the whole package
 
@@ -463,6 +464,7 @@ class HFGenerateBackend(GenerationBackend):
         sampler = _SeededSampler(list(seeds), device=device, temperature=settings.temperature, top_k=settings.top_k,
                                  top_p=settings.top_p, greedy=settings.greedy)
         extra: dict[str, Any] = {"tokenizer": self.tokenizer} if settings.stop_strings else {}  # stop strings need it
+        extra.update(generate_options(self.model))  # FSDP2: the caller gathered the weights; no per-token sync
         if cache is not None:
             extra[cache_keyword(self.model)] = cache
         with self._evaluating():
