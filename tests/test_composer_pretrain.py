@@ -7,14 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lopd_lightning.cli import main
 from lopd_lightning.composer import latent_spread, load_composer, pretraining_objective
 from lopd_lightning.composer.pretrain import (
     RECONSTRUCTION_INSTRUCTION,
+    lr_factor,
+    noised_traces,
     pretrain_composer,
     pretraining_draws,
+    pretraining_losses,
+    pretraining_records,
     reconstruction_batch,
+    token_pool,
     with_own_record,
 )
 from lopd_lightning.data import OnPolicyDataModule
@@ -82,6 +88,59 @@ def test_reconstruction_batch_asks_for_the_trace_and_predicts_it(bank_dir):
     assert module.tokenizer.decode(ids[start:]).startswith(RECONSTRUCTION_INSTRUCTION)
 
 
+def test_lr_factor_by_hand():
+    import math
+
+    assert [lr_factor(s, 100, "cosine") for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # warm-up: 10 steps
+    assert lr_factor(10, 100, "cosine") == pytest.approx(1.0)
+    assert lr_factor(55, 100, "cosine") == pytest.approx(0.5)  # half-way through the 90 decay steps
+    assert lr_factor(99, 100, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 89 / 90)))
+    assert [lr_factor(s, 2, "cosine") for s in (0, 1)] == [1.0, 1.0]  # a 2-step run: both at the full rate
+    assert lr_factor(7, 100, "constant") == 1.0
+    with pytest.raises(ValueError, match="warm_start_lr_schedule 'linear'"):
+        lr_factor(0, 10, "linear")
+
+
+def test_noised_traces_replace_the_share_asked_from_the_pool_seeded_by_step(bank_dir):
+    module = make_module(bank_dir)
+    tok = module.tokenizer
+    words = " ".join(f"word{i}" for i in range(200))
+    original = Experience(task_id="t/0", task_text="a task", trace=words, reward=1.0)
+    pool = tok("@", add_special_tokens=False)["input_ids"]
+    assert len(pool) == 1 and tok.decode(pool) == "@"
+    assert noised_traces(tok, [original], pool, 0.0, seed=0, step=0) == [original]
+    [noised] = noised_traces(tok, [original], pool, 0.5, seed=0, step=3)
+    assert (noised.task_id, noised.task_text, noised.reward) == (original.task_id, original.task_text, original.reward)
+    n = len(tok(words, add_special_tokens=False)["input_ids"])
+    assert 0.45 < noised.trace.count("@") / n < 0.55  # each replaced token is one "@" (none in the original)
+    assert noised_traces(tok, [original], pool, 0.5, seed=0, step=3) == [noised]  # the same step: the same copy
+    assert noised_traces(tok, [original], pool, 0.5, seed=0, step=4) != [noised]
+    with pytest.raises(ValueError, match="warm_start_reconstruction_noise must be in"):
+        noised_traces(tok, [original], pool, 1.0, seed=0, step=0)
+
+
+def test_a_noised_reconstruction_reads_and_repeats_the_noised_copy(bank_dir):
+    """L_rec with noise: the teacher repeats the noised copy from the noised copy's own latents, by hand."""
+    from lopd_lightning.composer import latent_nll
+
+    module = make_module(bank_dir, warm_start_reconstruction_noise=0.3, warm_start_task_weight=0.0, seed=5)
+    module.eval()
+    dm = make_dm()
+    records = pretraining_records(module, dm.train_examples)[:3]
+    examples = [dm.example(r.task_id) for r in records]
+    pool = token_pool(module.tokenizer, pretraining_records(module, dm.train_examples))
+    with torch.no_grad():
+        losses = pretraining_losses(module, dm.task, examples, records, step=7, pool=pool)
+        copies = noised_traces(module.tokenizer, records, pool, 0.3, seed=5, step=7)
+        assert all(c.trace != r.trace for c, r in zip(copies, records, strict=True))
+        rec = reconstruction_batch(module, copies)
+        read = module.composer.compose([[(c.task_text, c.trace)] for c in copies])
+        want = latent_nll(module.teacher, read, rec.input_ids, rec.attention_mask, rec.context_position,
+                          rec.assistant_mask)
+    torch.testing.assert_close(losses.reconstruction_nll, want)
+    assert float(losses.loss) == pytest.approx(float(want))  # L_init's weight is 0
+
+
 # ------------------------------------------------------------------ the stage under Lightning
 def pretraining_module(bank_dir, steps: int, init_seed: int = 0) -> LOPDModule:
     torch.manual_seed(init_seed)  # the composer's initialisation draws from torch's generator
@@ -92,12 +151,37 @@ def composer_weights(module: LOPDModule) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.composer.trainable_parameters()]
 
 
+class StopAt(Callback):
+    """Stop a fit after ``step`` optimiser steps (a run cut short, e.g. by a session's end)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class LearningRates(Callback):
+    """The first parameter group's learning rate at each step."""
+
+    def __init__(self):
+        self.seen: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
 def test_pretrain_composer_saves_phi_and_resumes_exactly(tmp_path, bank_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     straight = pretraining_module(bank_dir, 4)
     start = composer_weights(straight)
-    info = pretrain_composer(straight, make_dm(), tmp_path / "straight", trainer_options={"enable_progress_bar": False})
+    rates = LearningRates()
+    info = pretrain_composer(straight, make_dm(), tmp_path / "straight", trainer_options={"enable_progress_bar": False},
+                             callbacks=[rates])
+    # the default schedule (cosine): 4 steps warm up in one, then 1, 0.5 * (1 + cos(pi / 3)), 0.5 * (1 + cos(2 pi / 3))
+    assert rates.seen == pytest.approx([1e-2, 1e-2, 0.75e-2, 0.25e-2])
     assert info["steps"] == 4 and info["records"] == 24
     assert set(info["metrics"]) >= {"pretrain/loss", "pretrain/task_nll", "pretrain/reconstruction_nll",
                                     "pretrain/latent_spread"}
@@ -110,10 +194,13 @@ def test_pretrain_composer_saves_phi_and_resumes_exactly(tmp_path, bank_dir):
     acc.Reload()
     assert len(acc.Scalars("pretrain/reconstruction_nll")) == 4
 
-    # 2 steps, then the run extended to 4 from its last checkpoint, in a module built afresh with another
-    # initialisation (so phi and the optimiser's state come from the checkpoint): the composer of 4 straight
-    first = pretraining_module(bank_dir, 2)
-    pretrain_composer(first, make_dm(), tmp_path / "resumed", trainer_options={"enable_progress_bar": False})
+    # a 4-step run stopped after 2, then resumed from its last checkpoint in a module built afresh with another
+    # initialisation (so phi, the optimiser's and the cosine schedule's state come from the checkpoint): the
+    # composer of 4 straight
+    first = pretraining_module(bank_dir, 4)
+    pretrain_composer(first, make_dm(), tmp_path / "resumed", trainer_options={"enable_progress_bar": False},
+                      callbacks=[StopAt(2)])
+    assert torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
     resumed = pretraining_module(bank_dir, 4, init_seed=1)
     pretrain_composer(resumed, make_dm(), tmp_path / "resumed", resume=True, trainer_options={"enable_progress_bar": False})
     for a, b in zip(composer_weights(straight), composer_weights(resumed), strict=True):
@@ -139,6 +226,9 @@ def test_pretrain_composer_saves_phi_and_resumes_exactly(tmp_path, bank_dir):
     ("warm_start_reconstruction_weight", float("nan"), "must be finite, >= 0 and not both 0"),
     ("warm_start_task_weight", -1.0, "must be finite, >= 0 and not both 0"),
     ("composer_architecture", "memory_token", "did you mean 'memory_tokens'"),
+    ("warm_start_reconstruction_noise", 1.0, "warm_start_reconstruction_noise must be in \\[0, 1\\)"),
+    ("warm_start_reconstruction_noise", -0.1, "warm_start_reconstruction_noise must be in \\[0, 1\\)"),
+    ("warm_start_lr_schedule", "cosin", "did you mean 'cosine'"),
 ])
 def test_bad_composer_options_name_their_key(key, value, message):
     with pytest.raises(ValueError, match=message):
@@ -251,14 +341,15 @@ def own_and_other(module: LOPDModule, task: FactsTask) -> tuple[float, float, fl
 def test_pretraining_makes_the_latents_carry_their_own_experience(readable_tiny):
     """The code is only in the experience (every fact is asked the same question), so the own experience
     can only beat another fact's if the latents carry it. Measured on this setup: 6.27 / 6.38 nats (own /
-    another's) untrained; 1.24 / 7.02 after 60 steps; spread 0.27 -> 0.21."""
+    another's) untrained; after 60 steps 3.74 / 6.56 with the defaults (noised reconstruction, cosine
+    schedule), 1.24 / 7.02 with a constant rate and the trace itself to repeat; spread 0.27 -> 0.21."""
     module, datamodule, task = facts_module(readable_tiny)
     own, other, spread = own_and_other(module, task)
     assert other - own < 0.5  # untrained: nothing specific
     module.train()
     module.warm_start_composer(datamodule)
     own, other, spread = own_and_other(module, task)
-    assert other - own > 3.0, (own, other)
+    assert other - own > 2.0, (own, other)
     assert spread > 0.1  # the experiences' latents differ
 
 

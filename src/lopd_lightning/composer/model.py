@@ -51,6 +51,7 @@ __all__ = [
     "ClipNorms",
     "ComposerOutput",
     "ExperienceBatch",
+    "LR_SCHEDULES",
     "LatentComposer",
     "check_composer_options",
     "clip_composer_grads",
@@ -444,20 +445,28 @@ def composer_settings(composer: LatentComposer) -> dict:
             "lora_target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else str(targets)}
 
 
+#: ``warm_start_lr_schedule`` values: the pretraining learning rate's shape
+#: (:func:`lopd_lightning.composer.pretrain.lr_factor`)
+LR_SCHEDULES = ("constant", "cosine")
+
+
 def check_composer_options(architecture: str, output_gain: float | str, path: str | None,
                            warm_start_weights: tuple[float, float], *, warm_start_lr: float,
-                           warm_start_batch_size: int) -> None:
+                           warm_start_batch_size: int, warm_start_reconstruction_noise: float,
+                           warm_start_lr_schedule: str) -> None:
     """Refuse composer options that are wrong whatever the model, naming the ``model.init_args`` key.
 
     Args:
         architecture, output_gain, path: ``composer_architecture``, ``composer_output_gain``, ``composer_path``.
         warm_start_weights: (``warm_start_task_weight``, ``warm_start_reconstruction_weight``).
         warm_start_lr, warm_start_batch_size: the pretraining's learning rate and batch.
+        warm_start_reconstruction_noise, warm_start_lr_schedule: the reconstruction's noise and the learning
+            rate's schedule (:mod:`lopd_lightning.composer.pretrain`).
 
     Raises:
         ValueError: an unknown architecture, a gain that is neither "embedding" nor a finite number > 0,
             weights that are negative, not finite or both 0, a learning rate that is not a finite number > 0,
-            or a batch size below 1.
+            a batch size below 1, a noise outside [0, 1), or an unknown schedule.
         FileNotFoundError: ``path`` holds no ``composer.pt``.
     """
     from lopd_lightning.hints import choose_one_of
@@ -480,6 +489,12 @@ def check_composer_options(architecture: str, output_gain: float | str, path: st
     batch_size = warm_start_batch_size
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"model.init_args.warm_start_batch_size must be an int >= 1, got {warm_start_batch_size!r}")
+    noise = warm_start_reconstruction_noise
+    if not (_is_number(noise) and 0 <= float(noise) < 1):
+        raise ValueError(f"model.init_args.warm_start_reconstruction_noise must be in [0, 1) (0: no noise), got {noise!r}")
+    if warm_start_lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"model.init_args.warm_start_lr_schedule {warm_start_lr_schedule!r} is not a schedule; "
+                         f"{choose_one_of(warm_start_lr_schedule, LR_SCHEDULES)}")
 
 
 def _is_number(value: object) -> bool:

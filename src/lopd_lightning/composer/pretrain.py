@@ -12,8 +12,14 @@ One step on B successful train records r_1..r_B of the bank (:func:`pretraining_
    (:func:`~lopd_lightning.composer.losses.latent_nll`);
 3. L_rec = the teacher's NLL of the record's own trace m_b, asked to repeat it with only that experience's
    K latents in its context (:data:`RECONSTRUCTION_INSTRUCTION`): an objective that a constant prompt
-   cannot satisfy;
-4. L_pre = w_task L_init + w_rec L_rec; AdamW on phi = (chi, psi) with the two clip norms.
+   cannot satisfy. With ``warm_start_reconstruction_noise`` p > 0 the trace to repeat is a noised copy
+   m~_b (:func:`noised_traces`: each token replaced, with probability p, by a token drawn from the
+   pretraining records' tokens; new every step), and its latents are composed from m~_b: a composer that
+   recalls a train record instead of reading it cannot repeat m~_b, so it learns to copy what it reads,
+   which is what a held-out experience needs;
+4. L_pre = w_task L_init + w_rec L_rec; AdamW on phi = (chi, psi) with the two clip norms, its learning
+   rate ``warm_start_lr`` constant or (``warm_start_lr_schedule: cosine``) warmed up linearly over the first
+   10% of the steps and then decayed to 0 along a cosine (:func:`lr_factor`).
 
 :class:`ComposerPretraining` runs these steps under ``Trainer.fit`` (progress, checkpoints, resume and
 TensorBoard from Lightning; the checkpoints hold phi only); :func:`pretrain_composer` builds the trainer
@@ -25,6 +31,7 @@ and saves the composer with :func:`~lopd_lightning.composer.model.save_composer`
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +44,7 @@ from typing_extensions import override
 
 from lopd_lightning.composer.losses import latent_nll, latent_spread, pretraining_objective
 from lopd_lightning.composer.model import (
+    LR_SCHEDULES,
     ClipNorms,
     ComposerOutput,
     clip_composer_grads,
@@ -56,16 +64,75 @@ __all__ = [
     "ComposerPretraining",
     "PretrainingLosses",
     "pretrain_composer",
+    "lr_factor",
+    "noised_traces",
     "pretraining_draws",
     "pretraining_losses",
     "pretraining_records",
     "reconstruction_batch",
+    "token_pool",
 ]
 
 log = logging.getLogger(__name__)
 
 #: the user message of a reconstruction prompt (the latents go before it; the reply is the experience)
 RECONSTRUCTION_INSTRUCTION = "Repeat the reference example word for word."
+
+
+def lr_factor(step: int, steps: int, schedule: str) -> float:
+    """The multiplier of ``warm_start_lr`` at 0-based ``step`` of ``steps``.
+
+    ``constant``: 1. ``cosine``: a linear warm-up over the first ``w = max(1, steps // 10)`` steps,
+    ``(step + 1) / w``, then ``0.5 * (1 + cos(pi * (step - w) / max(1, steps - w)))``, from 1 towards 0 (the
+    warm-up and cosine decay of language-model training; a run of fewer than 20 steps has a warm-up of one
+    step, and a 2-step run takes two steps at the full rate).
+
+    Raises:
+        ValueError: an unknown ``schedule``.
+    """
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"model.init_args.warm_start_lr_schedule {schedule!r} is not one of {LR_SCHEDULES}")
+    warm = max(1, steps // 10)
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+
+def token_pool(tokenizer: Any, records: Sequence[Experience]) -> list[int]:
+    """Every token id of the records' traces, in order (repeats kept: drawing uniformly from the pool
+    draws by the records' token frequencies): what :func:`noised_traces` draws its replacements from."""
+    return [t for record in records for t in tokenizer(record.trace, add_special_tokens=False)["input_ids"]]
+
+
+def noised_traces(tokenizer: Any, records: Sequence[Experience], pool: Sequence[int], probability: float,
+                  *, seed: int, step: int) -> list[Experience]:
+    """The records with noised traces: each token of a trace (``tokenizer``, no special tokens) replaced, with
+    ``probability``, by a token drawn uniformly from ``pool``, decoded back to text; the rest of each record
+    as it was. Seeded by ``(seed, step)`` through a ``torch.Generator``: the same step gets the same copies
+    (a resumed run replays them), another step other ones.
+
+    Raises:
+        ValueError: ``probability`` outside [0, 1), or an empty ``pool`` with ``probability`` > 0.
+    """
+    import dataclasses
+
+    if not 0.0 <= probability < 1.0:
+        raise ValueError(f"model.init_args.warm_start_reconstruction_noise must be in [0, 1), got {probability}")
+    if probability == 0.0:
+        return list(records)
+    if not pool:
+        raise ValueError("the pretraining records hold no token to draw the reconstruction noise from")
+    generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+    out = []
+    for record in records:
+        ids = tokenizer(record.trace, add_special_tokens=False)["input_ids"]
+        hit = (torch.rand(len(ids), generator=generator) < probability).tolist()
+        draws = torch.randint(len(pool), (len(ids),), generator=generator).tolist()
+        noised = [pool[d] if h else t for t, h, d in zip(ids, hit, draws, strict=True)]
+        out.append(dataclasses.replace(record, trace=tokenizer.decode(noised)))
+    return out
 
 
 class PretrainingLosses(NamedTuple):
@@ -128,10 +195,12 @@ def with_own_record(retrieved: list[list[Experience]], records: Sequence[Experie
 
 
 def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Example], records: Sequence[Experience],
-                       *, step: int) -> PretrainingLosses:
+                       *, step: int, pool: Sequence[int] | None = None) -> PretrainingLosses:
     """L_pre of one step on ``records`` (the bank records of ``examples``, row for row): see the module
     docstring. Reads ``module.hparams``: ``warm_start_self_retrieval``, ``warm_start_task_weight``,
-    ``warm_start_reconstruction_weight``, ``num_experiences``.
+    ``warm_start_reconstruction_weight``, ``warm_start_reconstruction_noise``, ``num_experiences``, ``seed``.
+    ``pool``: the tokens the reconstruction noise draws from (:func:`token_pool` of every pretraining
+    record; None: this step's records').
 
     Raises:
         ValueError: ``num_experiences`` is 0 (no latent to pretrain).
@@ -165,8 +234,16 @@ def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Exampl
     own = ComposerOutput(composed.latents[rows, index], composed.latent_mask[rows, index])  # [B', K, d], [B', K]
     reconstruction = zero
     if hp.warm_start_reconstruction_weight > 0:
-        rec = reconstruction_batch(module, [experiences[b][slots[b]] for b in kept]).to(module.device)
-        reconstruction = latent_nll(module.teacher, own, rec.input_ids, rec.attention_mask, rec.context_position,
+        targets = [experiences[b][slots[b]] for b in kept]
+        read = own
+        noise = float(hp.warm_start_reconstruction_noise)
+        if noise > 0:  # repeat a noised copy, from the noised copy's own latents
+            targets = noised_traces(module.tokenizer, targets,
+                                    token_pool(module.tokenizer, records) if pool is None else pool, noise,
+                                    seed=hp.seed, step=step)
+            read = module.composer.compose([[(e.task_text, e.trace)] for e in targets])
+        rec = reconstruction_batch(module, targets).to(module.device)
+        reconstruction = latent_nll(module.teacher, read, rec.input_ids, rec.attention_mask, rec.context_position,
                                     rec.assistant_mask)
     loss = pretraining_objective(task_nll, reconstruction, task_weight=hp.warm_start_task_weight,
                                  reconstruction_weight=hp.warm_start_reconstruction_weight)
@@ -181,6 +258,14 @@ def pretraining_optimizer(module: LOPDModule) -> torch.optim.AdamW:
     groups = composer_parameter_groups(module.composer, lr=hp.warm_start_lr, weight_decay=0.0,
                                        compressor_clip=hp.composer_clip_compressor, lora_clip=hp.composer_clip_lora)
     return torch.optim.AdamW(groups, lr=hp.warm_start_lr, weight_decay=0.0)
+
+
+def pretraining_scheduler(module: LOPDModule, optimizer: torch.optim.Optimizer,
+                          steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """``warm_start_lr`` times :func:`lr_factor` at each of ``steps`` steps (``warm_start_lr_schedule``), stepped
+    once per optimiser step."""
+    schedule = str(module.hparams.warm_start_lr_schedule)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps, schedule))
 
 
 def clip_pretraining_grads(module: LOPDModule) -> ClipNorms:
@@ -215,12 +300,15 @@ def warm_start(module: LOPDModule, datamodule: Any) -> None:
     if not draws:
         return
     optimizer = pretraining_optimizer(module)
+    scheduler = pretraining_scheduler(module, optimizer, len(draws))
+    pool = token_pool(module.tokenizer, pretraining_records(module, datamodule.train_examples))
     for step, chosen in enumerate(draws):
         examples = [datamodule.example(r.task_id) for r in chosen]
-        losses = pretraining_losses(module, datamodule.task, examples, chosen, step=step)
+        losses = pretraining_losses(module, datamodule.task, examples, chosen, step=step, pool=pool)
         losses.loss.backward()
         clip_pretraining_grads(module)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == len(draws) - 1:
             log.info("composer warm start %d/%d: L_pre %.4f (L_init %.4f, L_rec %.4f, spread %.3f)", step + 1,
@@ -234,7 +322,8 @@ class ComposerPretraining(LightningModule):
     Step s trains on batch s of :func:`pretraining_draws` (``warm_start_steps`` batches of
     ``warm_start_batch_size`` records, seeded with the module's ``seed``), indexed by ``global_step`` so
     that a resumed run continues where it stopped. The optimiser is AdamW at ``warm_start_lr`` (no weight
-    decay) over phi, the compressor and the LoRA each clipped to its own norm
+    decay; shaped by ``warm_start_lr_schedule``, :func:`lr_factor`) over phi, the compressor and the LoRA
+    each clipped to its own norm
     (:func:`~lopd_lightning.composer.model.clip_composer_grads`). Checkpoints hold phi and the optimiser's
     state only (not the backbone). Logs ``pretrain/loss``, ``pretrain/task_nll``,
     ``pretrain/reconstruction_nll`` and ``pretrain/latent_spread``.
@@ -262,6 +351,8 @@ class ComposerPretraining(LightningModule):
         self.examples = examples
         self.draws = pretraining_draws(records, steps=hp.warm_start_steps, batch_size=hp.warm_start_batch_size,
                                        seed=hp.seed)
+        #: the tokens of every record, what the reconstruction noise draws from
+        self.pool = token_pool(module.tokenizer, records) if hp.warm_start_reconstruction_noise > 0 else []
         self.strict_loading = False  # checkpoints hold phi only
 
     def trainable_names(self) -> set[str]:
@@ -279,7 +370,7 @@ class ComposerPretraining(LightningModule):
         records = self.draws[step]
         examples = [self.examples[r.task_id] for r in records]
         self.lopd.train()
-        losses = pretraining_losses(self.lopd, self.task, examples, records, step=step)
+        losses = pretraining_losses(self.lopd, self.task, examples, records, step=step, pool=self.pool)
         self.log_dict({"pretrain/loss": losses.loss.detach(), "pretrain/task_nll": losses.task_nll,
                        "pretrain/reconstruction_nll": losses.reconstruction_nll,
                        "pretrain/latent_spread": losses.spread}, prog_bar=True, batch_size=len(records))
@@ -287,7 +378,9 @@ class ComposerPretraining(LightningModule):
 
     @override
     def configure_optimizers(self):
-        return pretraining_optimizer(self.lopd)
+        optimizer = pretraining_optimizer(self.lopd)
+        scheduler = pretraining_scheduler(self.lopd, optimizer, len(self.draws))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @override
     def on_before_optimizer_step(self, optimizer) -> None:

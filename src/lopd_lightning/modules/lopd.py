@@ -152,6 +152,12 @@ class LOPDModule(OnPolicyModule):
             is asked to repeat it from that experience's latents alone (not in the paper: 0 is its warm start).
         warm_start_self_retrieval: during pretraining, a record's own trajectory is one of its J experiences
             (not in the paper, whose warm start retrieves other tasks only; training's retrieval is unchanged).
+        warm_start_reconstruction_noise: p in [0, 1): L_rec repeats a copy of the experience with each token
+            replaced, with probability p, by a token drawn from the pretraining records (new every step), read
+            from the copy's own latents, so that recalling a train record cannot meet it; 0 repeats the
+            experience itself (not in the paper; docs/METHOD.md section 3, "Deviation").
+        warm_start_lr_schedule: "cosine" (a linear warm-up over the first 10% of the pretraining's steps, then
+            a cosine decay to 0) or "constant" (the paper does not say).
         latent_probe_every_n_steps: every n training steps, log ``train/latent_spread`` and how much the
             teacher changes when each row's experiences are swapped for another task's
             (``train/latent_swap_effect``, ``train/latent_own_minus_other``); costs one composer and two teacher
@@ -228,6 +234,8 @@ class LOPDModule(OnPolicyModule):
         warm_start_task_weight: float = 1.0,
         warm_start_reconstruction_weight: float = 1.0,
         warm_start_self_retrieval: bool = True,
+        warm_start_reconstruction_noise: float = 0.3,
+        warm_start_lr_schedule: str = "cosine",
         latent_probe_every_n_steps: int = 10,
         distill_temperature: float = 1.0,
         distill_chunk_size: int | None = None,
@@ -242,7 +250,8 @@ class LOPDModule(OnPolicyModule):
             composer_architecture=composer_architecture, composer_path=composer_path, composer_output_gain=composer_output_gain,
             warm_start_weights=(warm_start_task_weight, warm_start_reconstruction_weight),
             warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size,
-            latent_probe_every_n_steps=latent_probe_every_n_steps,
+            warm_start_reconstruction_noise=warm_start_reconstruction_noise,
+            warm_start_lr_schedule=warm_start_lr_schedule, latent_probe_every_n_steps=latent_probe_every_n_steps,
         )
         super().__init__(model, **kwargs)
         if self.hparams.gradient_checkpointing and not self.checkpointed_modules:

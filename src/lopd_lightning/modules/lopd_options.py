@@ -20,7 +20,7 @@ def check_lopd_options(
     bank_capacity: int | None, distill_chunk_size: Any, composer_lora: Any, beta_init: float, dual_lr: float,
     margin_weighting: str, composer_architecture: str, composer_path: str | None, composer_output_gain: float | str,
     warm_start_weights: tuple[float, float], warm_start_lr: float, warm_start_batch_size: int,
-    latent_probe_every_n_steps: int,
+    warm_start_reconstruction_noise: float, warm_start_lr_schedule: str, latent_probe_every_n_steps: int,
 ) -> None:
     """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
 
@@ -36,7 +36,9 @@ def check_lopd_options(
         raise ValueError(f"model.init_args.margin_weighting {margin_weighting!r} is not a weighting; "
                          f"{choose_one_of(margin_weighting, MARGIN_WEIGHTINGS)}")
     check_composer_options(composer_architecture, composer_output_gain, composer_path, warm_start_weights,
-                           warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size)
+                           warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size,
+                           warm_start_reconstruction_noise=warm_start_reconstruction_noise,
+                           warm_start_lr_schedule=warm_start_lr_schedule)
     if latent_probe_every_n_steps < 0:
         raise ValueError(f"model.init_args.latent_probe_every_n_steps must be >= 0 (0: never), got "
                          f"{latent_probe_every_n_steps}")
