@@ -56,7 +56,8 @@ LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 #: the paper's composer and warm start, as ``--paper`` sets them
 PAPER = {"composer_architecture": "perceiver", "composer_output_gain": 1.0, "warm_start_reconstruction_weight": 0.0,
-         "warm_start_self_retrieval": False, "warm_start_lr": 1e-4}
+         "warm_start_self_retrieval": False, "warm_start_lr": 1e-4, "warm_start_reconstruction_noise": 0.0,
+         "warm_start_lr_schedule": "constant"}
 
 
 def build(args: argparse.Namespace):
@@ -74,7 +75,9 @@ def build(args: argparse.Namespace):
         options.update(PAPER)
     for key, value in (("composer_architecture", args.architecture), ("warm_start_lr", args.lr),
                        ("warm_start_reconstruction_weight", args.reconstruction_weight),
-                       ("warm_start_self_retrieval", args.self_retrieval)):
+                       ("warm_start_self_retrieval", args.self_retrieval),
+                       ("warm_start_reconstruction_noise", args.reconstruction_noise),
+                       ("warm_start_lr_schedule", args.lr_schedule)):
         if value is not None:
             options[key] = value
     student_options = {"lora": LORA} if args.student != "tiny" else {"lora": {"r": 4, "lora_alpha": 8,
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--facts", type=int, default=64)
     parser.add_argument("--heldout", type=int, default=16)
     parser.add_argument("--num-latents", type=int, default=8, help="K")
-    parser.add_argument("--steps", type=int, default=100, help="pretraining steps")
+    parser.add_argument("--steps", type=int, default=150, help="pretraining steps")
     parser.add_argument("--batch-size", type=int, default=8, help="facts per pretraining step")
     parser.add_argument("--curve-every", type=int, default=25, help="measure the held-out ratios every N steps")
     parser.add_argument("--paper", action="store_true", help="the paper's composer and warm start (see the docstring)")
@@ -227,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lr", type=float, default=None, help="warm_start_lr (default: the module's)")
     parser.add_argument("--reconstruction-weight", type=float, default=None,
                         help="warm_start_reconstruction_weight (default: the module's)")
+    parser.add_argument("--reconstruction-noise", type=float, default=None,
+                        help="warm_start_reconstruction_noise (default: the module's)")
+    parser.add_argument("--lr-schedule", default=None, help="warm_start_lr_schedule (default: the module's)")
     parser.add_argument("--self-retrieval", default=None, type=lambda v: v.lower() in ("1", "true", "yes"),
                         help="warm_start_self_retrieval true|false (default: the module's)")
     parser.add_argument("--save-composer", type=Path, default=None, help="also save the pretrained composer here")
@@ -284,7 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "warm_start_lr": hp.warm_start_lr,
                      "warm_start_task_weight": hp.warm_start_task_weight,
                      "warm_start_reconstruction_weight": hp.warm_start_reconstruction_weight,
-                     "warm_start_self_retrieval": hp.warm_start_self_retrieval, "paper": args.paper,
+                     "warm_start_self_retrieval": hp.warm_start_self_retrieval,
+                     "warm_start_reconstruction_noise": hp.warm_start_reconstruction_noise,
+                     "warm_start_lr_schedule": hp.warm_start_lr_schedule, "paper": args.paper,
                      "composer_lora": dict(hp.composer_lora or {}) or "default"},
         "n_train": len(train), "n_heldout": len(heldout), "num_latents": args.num_latents, "num_experiences": 1,
         "pretrain_steps": info["steps"], "pretrain_batch_size": args.batch_size, "pretrain_s": info["seconds"],

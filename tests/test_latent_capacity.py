@@ -14,7 +14,8 @@ def setup():
     torch.manual_seed(0)
     capacity = load_benchmark("latent_capacity")
     args = argparse.Namespace(student="tiny", facts=6, heldout=2, num_latents=2, steps=1, batch_size=2, seed=0,
-                              paper=False, architecture=None, lr=None, reconstruction_weight=None, self_retrieval=None)
+                              paper=False, architecture=None, lr=None, reconstruction_weight=None, self_retrieval=None,
+                              reconstruction_noise=None, lr_schedule=None)
     module, _, task = capacity.build(args)
     module.eval()
     return capacity, module, task
