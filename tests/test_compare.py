@@ -183,6 +183,20 @@ def test_a_run_config_evaluates_every_held_out_question_at_the_start_between_and
     assert dev["model"]["init_args"]["bank_path"] == str(tmp_path / "bank") and dev["trainer"]["val_check_interval"] == 16
 
 
+def test_lopd_pretrained_is_the_grids_lopd_with_the_projects_pretrained_composer(compare):
+    folder = ROOT / "configs" / "compare"
+    grid, pretrained = (compare.method_config(folder, m) for m in ("lopd", "lopd_pretrained"))
+    papers = {k: grid["model"]["init_args"].pop(k) for k in ("composer_architecture", "composer_output_gain",
+                                                            "warm_start_lr", "warm_start_reconstruction_weight",
+                                                            "warm_start_self_retrieval")}
+    assert papers["composer_architecture"] == "perceiver"  # the grid's: the paper's composer
+    ours = pretrained["model"]["init_args"]
+    assert ours.pop("composer_path") == "runs/compare/composer" and not set(papers) & set(ours)  # the module's defaults
+    for init in (grid["model"]["init_args"], ours):
+        init.pop("warm_start_steps"), init.pop("warm_start_batch_size")
+    assert pretrained == grid
+
+
 @pytest.mark.parametrize("folder", ["compare", "compare_tiny"])
 def test_lopd_m0_is_lopd_with_margin_zero(compare, folder):
     lopd, m0 = (compare.method_config(ROOT / "configs" / folder, m) for m in ("lopd", "lopd_m0"))
