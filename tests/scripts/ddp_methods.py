@@ -123,6 +123,85 @@ class Capture(Callback):
             )
 
 
+STUDENTS = ("lora", "full")
+MAX_NORM = 1e9  #: the clip is on (its norm is compared) but never scales: the gradients are compared raw
+
+
+def build_student_module(method: str, student: str) -> OnPolicyModule:
+    """:func:`build_module` with a LoRA or full-parameter student, the clip on (the FSDP scripts' module)."""
+    return build_module(method, grad_clip=MAX_NORM, **({"lora": None} if student == "full" else {}))
+
+
+class StepCapture(Callback):
+    """Per step (tests/scripts/fsdp_methods.py, fsdp2_methods.py): the batch, the loss, the logged grad norm
+    and the trainable weights after the step, as :meth:`params` reads them (a subclass says how)."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def params(self, trainer, pl_module):
+        raise NotImplementedError
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append({"batch": batch})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps[-1].update(
+            loss=float(trainer.callback_metrics["train/loss"]),
+            grad_norm=float(trainer.callback_metrics["train/grad_norm"]),
+            params=self.params(trainer, pl_module),
+        )
+
+
+def replay_first(combined, steps: int):
+    """The ``--single`` run on one combined batch: ``(make_batch, max_steps)``, one step."""
+    return (lambda task, examples: combined), 1
+
+
+def replay_each(combined, steps: int):
+    """The ``--single`` run on a list of combined batches: step k trains on the k-th, ``steps`` steps."""
+    batches = list(combined)
+    return (lambda task, examples: batches.pop(0)), steps
+
+
+def main_runs(build, capture_class, strategy, replay) -> None:
+    """``main()`` of tests/scripts/fsdp_methods.py and fsdp2_methods.py:
+
+        --out DIR [--runs method:student,...] [--steps 2] [--single]
+
+    Each run (one after another in the same processes) builds ``build(method, student)`` and a
+    ``capture_class()`` callback and trains ``--steps`` steps on 2 processes with ``strategy()``, each rank
+    saving its capture's steps to ``DIR/<method>_<student>_rank_<r>.pt``; with ``--single`` it trains in one
+    process on ``DIR/<method>_<student>_combined.pt``, ``replay(combined, steps)`` giving the module's
+    ``make_batch`` and the ``max_steps``, and saves ``DIR/<method>_<student>_single.pt``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", default=",".join(f"{m}:{s}" for m in METHODS for s in STUDENTS))
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--single", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for run in args.runs.split(","):
+        method, student = run.split(":")
+        module = build(method, student)
+        capture = capture_class()
+        dm = OnPolicyDataModule(task_for(method), examples_per_step=2, val_limit=4, val_batch_size=4)
+        common = dict(accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
+        if args.single:
+            combined = torch.load(args.out / f"{method}_{student}_combined.pt", weights_only=False)
+            module.make_batch, max_steps = replay(combined, args.steps)
+            trainer = L.Trainer(max_steps=max_steps, devices=1, callbacks=[capture], **common)
+            trainer.fit(module, dm)
+            torch.save(capture.steps, args.out / f"{method}_{student}_single.pt")
+            continue
+        parallel = strategy()
+        callbacks = [MemoryRefresh(every_n_steps=1), capture] if method == "lopd" else [capture]
+        trainer = L.Trainer(max_steps=args.steps, devices=2, strategy=parallel, callbacks=callbacks, **common)
+        trainer.fit(module, dm)
+        torch.save(capture.steps, args.out / f"{method}_{student}_rank_{trainer.global_rank}.pt")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--method", choices=METHODS, required=True)

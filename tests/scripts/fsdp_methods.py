@@ -25,28 +25,18 @@ batches), the reference.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from lopd_lightning.modules.lopd_callbacks import MemoryRefresh
-from lopd_lightning.data import OnPolicyDataModule
-from lopd_lightning.modules import LOPDModule
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_methods import METHODS, build_module as ddp_module, task_for  # noqa: E402
-
-STUDENTS = ("lora", "full")
-MAX_NORM = 1e9  #: the clip is on (its norm is compared) but never scales: the gradients are compared raw
+from ddp_methods import StepCapture, build_student_module, main_runs, replay_first  # noqa: E402
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -62,20 +52,15 @@ class CPUFSDPStrategy(FSDPStrategy):
         return super()._setup_model(model)
 
 
-def build_module(method: str, student: str):
-    """The DDP test's module (tests/scripts/ddp_methods.py), LoRA or full-parameter, with the clip on."""
-    return ddp_module(method, grad_clip=MAX_NORM, **({"lora": None} if student == "full" else {}))
+build_module = build_student_module  #: the DDP test's module, LoRA or full-parameter, with the clip on
 
 
 def full_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
-class Capture(Callback):
-    def __init__(self):
-        self.steps: list[dict] = []
-
-    def _gathered(self, trainer, pl_module) -> dict[str, torch.Tensor]:
+class Capture(StepCapture):
+    def params(self, trainer, pl_module) -> dict[str, torch.Tensor]:
         """The trainable weights, whole on every rank (gathered from the shards under FSDP: a collective)."""
         def read():
             return {full_name(n): p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
@@ -84,44 +69,10 @@ class Capture(Callback):
                 return read()
         return read()
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append({"batch": batch})
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps[-1].update(
-            loss=float(trainer.callback_metrics["train/loss"]),
-            grad_norm=float(trainer.callback_metrics["train/grad_norm"]),
-            params=self._gathered(trainer, pl_module),
-        )
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--runs", default=",".join(f"{m}:{s}" for m in METHODS for s in STUDENTS))
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--single", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    for run in args.runs.split(","):
-        method, student = run.split(":")
-        module = build_module(method, student)
-        capture = Capture()
-        dm = OnPolicyDataModule(task_for(method), examples_per_step=2, val_limit=4, val_batch_size=4)
-        common = dict(accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
-        if args.single:
-            combined = torch.load(args.out / f"{method}_{student}_combined.pt", weights_only=False)
-            module.make_batch = lambda task, examples, combined=combined: combined
-            trainer = L.Trainer(max_steps=1, devices=1, callbacks=[capture], **common)
-            trainer.fit(module, dm)
-            torch.save(capture.steps, args.out / f"{method}_{student}_single.pt")
-            continue
-        strategy = CPUFSDPStrategy(auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), process_group_backend="gloo")
-        callbacks = [MemoryRefresh(every_n_steps=1), capture] if method == "lopd" else [capture]
-        trainer = L.Trainer(max_steps=args.steps, devices=2, strategy=strategy, callbacks=callbacks, **common)
-        trainer.fit(module, dm)
-        torch.save(capture.steps, args.out / f"{method}_{student}_rank_{trainer.global_rank}.pt")
+    main_runs(build_module, Capture, replay=replay_first, strategy=lambda: CPUFSDPStrategy(
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), process_group_backend="gloo"))
 
 
 if __name__ == "__main__":
