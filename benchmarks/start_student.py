@@ -57,8 +57,44 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
 
+from lopd_lightning.tasks import Task  # noqa: E402
+
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+class TaskView(Task):
+    """A task that answers every call with ``inner``'s: a subclass overrides what differs (a split, the rows
+    that see another environment's trace)."""
+
+    def __init__(self, inner: Task):
+        self.inner = inner
+        self.name, self.multi_turn = inner.name, inner.multi_turn
+        self.max_turns = getattr(inner, "max_turns", None)
+
+    def all_examples(self):
+        return self.inner.all_examples()
+
+    def examples(self, split: str = "train"):
+        return self.inner.examples(split)
+
+    def initial_messages(self, example):
+        return self.inner.initial_messages(example)
+
+    def tools(self, example):
+        return self.inner.tools(example)
+
+    def reference_solution(self, example):
+        return self.inner.reference_solution(example)
+
+    def reference_replies(self, example):
+        return self.inner.reference_replies(example)
+
+    def start(self, example):
+        return self.inner.start(example)
+
+    def experience_text(self, example, messages):
+        return self.inner.experience_text(example, messages)
 
 
 def dev_split_task(task, dev: int, seed: int):
@@ -66,20 +102,13 @@ def dev_split_task(task, dev: int, seed: int):
     and whose "val" split is those questions (the dev slice); "heldout" is the task's own val split.
     Messages, tools, references, episodes and rewards are the task's own."""
     from lopd_lightning.data import dev_slice_indices
-    from lopd_lightning.tasks import Task
 
     train = task.examples("train")
     if not 0 < dev < len(train):
         raise ValueError(f"--dev must be in [1, {len(train) - 1}] (the train split has {len(train)} questions), got {dev}")
     chosen = set(dev_slice_indices(len(train), dev, seed))  # the slice OnPolicyDataModule(dev_slice=) serves
 
-    class DevSplit(Task):
-        name, multi_turn = task.name, task.multi_turn
-        max_turns = getattr(task, "max_turns", None)
-
-        def all_examples(self):
-            return task.all_examples()
-
+    class DevSplit(TaskView):
         def examples(self, split: str = "train"):
             if split == "train":
                 return [ex for i, ex in enumerate(train) if i not in chosen]
@@ -87,25 +116,7 @@ def dev_split_task(task, dev: int, seed: int):
                 return [ex for i, ex in enumerate(train) if i in chosen]
             return task.examples("val" if split == "heldout" else split)
 
-        def initial_messages(self, example):
-            return task.initial_messages(example)
-
-        def tools(self, example):
-            return task.tools(example)
-
-        def reference_solution(self, example):
-            return task.reference_solution(example)
-
-        def reference_replies(self, example):
-            return task.reference_replies(example)
-
-        def start(self, example):
-            return task.start(example)
-
-        def experience_text(self, example, messages):
-            return task.experience_text(example, messages)
-
-    return DevSplit()
+    return DevSplit(task)
 
 
 def _replayed(task, example) -> list[dict[str, Any]]:
@@ -236,7 +247,6 @@ def in_context_task(task, env, fraction: float, seed: int, *, framing_prefix: st
     Raises:
         ValueError: ``fraction`` outside [0, 1], or examples without hidden-rules data (``tool``, ``plain``).
     """
-    from lopd_lightning.tasks import Task
     from lopd_lightning.teacher import DEFAULT_FRAMING_PREFIX, DEFAULT_FRAMING_SUFFIX, frame_text
 
     if not 0.0 <= fraction <= 1.0:
@@ -250,22 +260,10 @@ def in_context_task(task, env, fraction: float, seed: int, *, framing_prefix: st
     in_context, counts = _in_context_rows(rows, envs, fraction, seed, lambda trace: frame_text(trace, prefix, suffix))
     seed_env = envs.task(0) if rows else None  # the real reward of the rows without context
 
-    class InContext(Task):
-        name, multi_turn = task.name, task.multi_turn
-        max_turns = getattr(task, "max_turns", None)
-
-        def all_examples(self):
-            return task.all_examples()
-
-        def examples(self, split: str = "train"):
-            return task.examples(split)
-
+    class InContext(TaskView):
         def initial_messages(self, example):
             row = in_context.get(example.id)
             return [dict(m) for m in row["messages"]] if row else task.initial_messages(example)
-
-        def tools(self, example):
-            return task.tools(example)
 
         def reference_solution(self, example):
             row = in_context.get(example.id)
@@ -289,7 +287,7 @@ def in_context_task(task, env, fraction: float, seed: int, *, framing_prefix: st
             row = in_context.get(example.id)
             return row["env"].experience_text(row["env_example"], messages) if row else task.experience_text(example, messages)
 
-    view = InContext()
+    view = InContext(task)
     view.in_context = in_context
     return view, counts
 
