@@ -301,7 +301,8 @@ def warm_start(module: LOPDModule, datamodule: Any) -> None:
         return
     optimizer = pretraining_optimizer(module)
     scheduler = pretraining_scheduler(module, optimizer, len(draws))
-    pool = token_pool(module.tokenizer, pretraining_records(module, datamodule.train_examples))
+    pool = token_pool(module.tokenizer, pretraining_records(module, datamodule.train_examples)) \
+        if module.hparams.warm_start_reconstruction_noise > 0 else []
     for step, chosen in enumerate(draws):
         examples = [datamodule.example(r.task_id) for r in chosen]
         losses = pretraining_losses(module, datamodule.task, examples, chosen, step=step, pool=pool)
