@@ -237,6 +237,12 @@ def test_generation_backend_vllm_fails_before_the_weights_load_with_one_line(no_
             GRPOModule("tiny", generation_backend="vllm", vllm_options={"kv_cache": 1})
         with pytest.raises(ValueError, match=r"^model.init_args.vllm_options.dtype: 'bfloat16' cannot hold"):
             GRPOModule("tiny", dtype="bfloat16", lora=LORA, generation_backend="vllm", vllm_options={"dtype": "bfloat16"})
+        with pytest.raises(ValueError, match=r"model.init_args.vllm_options has unknown keys \['local_rank'\]"):
+            GRPOModule("tiny", generation_backend="vllm", vllm_options={"local_rank": 1})  # the module's to give
+        # vLLM's SamplingParams refused it at the first rollouts ("temperature must be in [0, 2]")
+        with pytest.raises(ValueError, match=r"^model.init_args.temperature=3.0: vLLM samples at temperatures up to 2; "
+                                             r"set it <= 2 or use generation_backend: hf$"):
+            GRPOModule("tiny", temperature=3.0, generation_backend="vllm")
     else:
         with pytest.raises(ValueError, match="generation_backend: vllm needs vLLM, which this environment lacks"):
             GRPOModule("tiny", generation_backend="vllm")

@@ -13,7 +13,10 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
 - a sharded ``trainer.strategy`` where it cannot run: DeepSpeed with LOPD (two optimisers), or without the
   ``deepspeed`` package; FSDP or DeepSpeed on a machine without CUDA (Lightning refuses FSDP on CPU: ``The
   strategy `fsdp` requires a GPU accelerator``; torch's FSDP without a device: ``FSDP needs a non-CPU
-  accelerator device``; with ``accelerator: gpu``: ``No supported gpu backend found!``; docs/scaling.md).
+  accelerator device``; with ``accelerator: gpu``: ``No supported gpu backend found!``; docs/scaling.md);
+- ``model.init_args.generation_backend: vllm`` under a sharded ``trainer.strategy`` (FSDP, FSDP2's
+  ``ModelParallelStrategy``, DeepSpeed): each rank's engine syncs from the whole student, which a rank of a
+  sharded strategy does not hold (DDP runs one engine per rank).
 
 Each raises :class:`~lopd_lightning.cli.errors.CLIError` (status 1) with one line naming the key and the fix.
 """
@@ -26,7 +29,7 @@ from typing import Any
 
 from lopd_lightning.cli.errors import CLIError, import_class
 
-__all__ = ["check_fit_config"]
+__all__ = ["check_fit_config", "check_generation_backend", "check_strategy"]
 
 
 def _get(node: Any, key: str) -> Any:
@@ -48,8 +51,9 @@ def check_fit_config(config: Any) -> None:
     Raises:
         CLIError: a negative or non-finite learning rate (``model.init_args.learning_rate``, ``*_lr``);
             ``trainer.accumulate_grad_batches`` other than 1; an LOPD-only callback in ``trainer.callbacks``
-            with a model class that is not an LOPDModule; an LOPD fit with no bank that nothing fills. One line
-            naming the key and the fix, status 1.
+            with a model class that is not an LOPDModule; an LOPD fit with no bank that nothing fills; a sharded
+            strategy where it cannot run (:func:`check_strategy`) or with ``generation_backend: vllm``
+            (:func:`check_generation_backend`). One line naming the key and the fix, status 1.
     """
     model, trainer = _get(config, "model"), _get(config, "trainer")
     for key, value in _items(_get(model, "init_args")):
@@ -74,6 +78,7 @@ def check_fit_config(config: Any) -> None:
     callbacks = [(import_class(str(_get(c, "class_path") or "")), dict(_items(_get(c, "init_args"))))
                  for c in callbacks or []]
     _check_method_callbacks(method, [cls for cls, _ in callbacks])
+    check_generation_backend(_get(_get(model, "init_args"), "generation_backend"), _get(trainer, "strategy"))
     check_strategy(method, _get(trainer, "strategy"))
     _check_bank_fills(method, dict(_items(_get(model, "init_args"))), callbacks)
 
@@ -118,6 +123,25 @@ def check_strategy(method: type, strategy: Any, *, cuda: bool | None = None) -> 
     if kind == "DeepSpeed" and importlib.util.find_spec("deepspeed") is None:
         raise CLIError("trainer.strategy: DeepSpeed is not installed; pip install deepspeed, or set "
                        "trainer.strategy=ddp (or -c configs/trainer/fsdp.yaml)", 1)
+
+
+def check_generation_backend(backend: Any, strategy: Any) -> None:
+    """Refuse ``generation_backend: vllm`` under a sharded ``strategy`` (FSDP, FSDP2's ``ModelParallelStrategy``,
+    DeepSpeed; a registered name, a class_path node or an instance): one line naming
+    ``model.init_args.generation_backend`` and the fix (:data:`~lopd_lightning.modules.base.VLLM_SHARDED_REFUSAL`).
+    Any other backend or strategy passes."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lopd_lightning.modules.base import VLLM_SHARDED_REFUSAL
+
+    if backend != "vllm" or strategy is None:
+        return
+    cls = strategy if isinstance(strategy, type) else type(strategy)
+    if _get(strategy, "class_path"):
+        cls = import_class(str(_get(strategy, "class_path")))
+    model_parallel = isinstance(cls, type) and issubclass(cls, ModelParallelStrategy)
+    if model_parallel or _sharded_kind(strategy) is not None:
+        raise CLIError(VLLM_SHARDED_REFUSAL, 1)
 
 
 def _check_method_callbacks(method: type, classes: list[Any]) -> None:

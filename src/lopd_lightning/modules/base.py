@@ -68,6 +68,14 @@ class StudentForward(NamedTuple):
     cache: Any | None
 
 
+#: the highest sampling temperature vLLM accepts (``SamplingParams``: "temperature must be in [0, 2]")
+VLLM_MAX_TEMPERATURE = 2.0
+
+#: the refusal of ``generation_backend: vllm`` under a sharded strategy (the module's and ``lopd fit``'s check)
+VLLM_SHARDED_REFUSAL = ("model.init_args.generation_backend: vllm syncs each rank's engine from the whole student on "
+                        "that rank, and a sharded trainer.strategy (FSDP, FSDP2, DeepSpeed) holds only a shard of it; "
+                        "use trainer.strategy=ddp (one engine per rank) or generation_backend: hf")
+
 #: what to do with a checkpoint this version cannot restore
 OTHER_CHECKPOINT = ("another version of lopd_lightning, or other settings, wrote it; retrain, or load it with the "
                     "settings and the lopd_lightning commit that wrote it")
@@ -139,15 +147,17 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         progress_every_n_steps: log one INFO line every n training steps (step, trajectories so far,
             reward, success, loss, seconds by phase; 0: none).
         generation_backend: ``"hf"`` (transformers' ``generate`` on the live student; the default and the
-            reference) or ``"vllm"`` (an in-process vLLM engine, the ``vllm`` extra; the student's weights,
-            LoRA merged, are synced into it after every optimiser step). See :mod:`lopd_lightning.rollout`.
+            reference) or ``"vllm"`` (an in-process vLLM engine, the ``vllm`` extra, one per rank under DDP; the
+            student's weights, LoRA merged, are synced into it after every optimiser step; refused under FSDP,
+            FSDP2 and DeepSpeed). See :mod:`lopd_lightning.rollout`.
         vllm_options: keyword options of :class:`~lopd_lightning.rollout.vllm_backend.VLLMBackend`
-            (``max_model_len``, ``kv_cache_gib``, ``enable_prefix_caching``, ``engine_options``).
+            (``dtype``, ``max_model_len``, ``kv_cache_gib``, ``enable_prefix_caching``, ``threads``: cores per rank
+            on CPU under DDP, ``engine_options``).
 
     Raises:
-        ValueError: ``group_size`` < 1, ``temperature`` <= 0, a negative logging option, a bad LoRA setting or
-            a vLLM engine dtype that cannot hold the student's merged weights (before the weights load:
-            :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`).
+        ValueError: ``group_size`` < 1, ``temperature`` <= 0 (with vLLM: above 2, which vLLM refuses), a negative
+            logging option, a bad LoRA setting or a vLLM engine dtype that cannot hold the student's merged weights
+            (before the weights load: :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`).
 
     Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``). The
     k-th training step (the k-th optimiser step, 1-based) and the validation that runs after it are both
@@ -207,6 +217,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
 
             check_vllm_options(vllm_options)
             check_engine_dtype((vllm_options or {}).get("dtype", "float32"), dtype, lora=lora is not None)
+            if temperature > VLLM_MAX_TEMPERATURE:  # vLLM's SamplingParams refuse it at the first rollouts
+                raise ValueError(f"model.init_args.temperature={temperature}: vLLM samples at temperatures up to "
+                                 f"{VLLM_MAX_TEMPERATURE:g}; set it <= {VLLM_MAX_TEMPERATURE:g} or use generation_backend: hf")
         if vllm_options and generation_backend != "vllm":
             raise ValueError("model.init_args.vllm_options is set but generation_backend is "
                              f"{generation_backend!r}; set model.init_args.generation_backend: vllm or drop vllm_options")
@@ -288,19 +301,23 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         moved), after a checkpoint load, or after :meth:`mark_weights_changed`. The HF backend runs the live
         student and needs no sync.
 
+        Under data parallelism (DDP) each rank builds its own engine, all ranks together at their first rollouts
+        or evaluation (vLLM creates its process groups collectively), on the rank's own cores (CPU) or its own
+        training GPU, and syncs it from its own replica of the student (identical on every rank).
+
         Raises:
-            ValueError: ``generation_backend: vllm`` under more than one process (each rank would start its
-                own engine on the same cores or GPU).
+            ValueError: ``generation_backend: vllm`` under a sharded strategy (FSDP, FSDP2, DeepSpeed): a rank
+                holds a shard of the student, not the whole weights an engine loads (one line naming
+                ``model.init_args.generation_backend`` and the fix).
         """
         if self._backend is None:
-            if self.hparams.get("generation_backend", "hf") == "vllm" and self._trainer is not None \
-                    and self.trainer.world_size > 1:
-                raise ValueError("model.init_args.generation_backend: vllm runs one engine in the training process "
-                                 "and is not supported with more than one process; use generation_backend: hf")
+            name = self.hparams.get("generation_backend", "hf")
+            if name == "vllm" and self.sharded:
+                raise ValueError(VLLM_SHARDED_REFUSAL)
             adapter = STUDENT_ADAPTER if self.is_lora_student else None
             with self.student_context():
-                self._backend = make_backend(self.hparams.get("generation_backend", "hf"), self.backbone, self.tokenizer,
-                                             adapter=adapter, options=self.hparams.get("vllm_options"))
+                self._backend = make_backend(name, self.backbone, self.tokenizer, adapter=adapter,
+                                             options=self.hparams.get("vllm_options"), local_rank=self.engine_local_rank())
             self._backend_step = int(self.global_step)
         elif self._backend_step != int(self.global_step):
             start = time.perf_counter()
@@ -309,6 +326,13 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
                 self.step_timings["weight_sync"] = time.perf_counter() - start
             self._backend_step = int(self.global_step)
         return self._backend
+
+    def engine_local_rank(self) -> int:
+        """The local rank a vLLM engine of this process is built for: the index of the training GPU on CUDA (the
+        engine runs on ``cuda:<it>``), else the trainer's local rank (its block of cores on CPU), 0 without one."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            return int(self.device.index)
+        return int(self.local_rank) if self._trainer is not None else 0
 
     def mark_weights_changed(self) -> None:
         """Tell the generation backend that the student's weights changed outside an optimiser step (a

@@ -16,7 +16,7 @@ BACKENDS = ("hf", "vllm")
 
 
 def make_backend(name: str, model: Any, tokenizer: Any, *, adapter: str | None = None,
-                 options: dict[str, Any] | None = None) -> GenerationBackend:
+                 options: dict[str, Any] | None = None, local_rank: int | None = None) -> GenerationBackend:
     """The generation backend ``name`` for ``model`` (the student).
 
     Args:
@@ -24,6 +24,8 @@ def make_backend(name: str, model: Any, tokenizer: Any, *, adapter: str | None =
             (:class:`~lopd_lightning.rollout.vllm_backend.VLLMBackend`, needs the ``vllm`` extra).
         adapter: the student's LoRA adapter, merged into the engine's weights (vLLM; None: full student).
         options: keyword options of the backend's constructor (``model.init_args.vllm_options`` for vLLM).
+        local_rank: vLLM under data parallelism: this process's index on its machine (its cores on CPU, its
+            GPU ``cuda:local_rank``); None: ``LOCAL_RANK``, else 0. The HF backend ignores it.
 
     Raises:
         ValueError: an unknown ``name`` (the message lists the known ones), or an unknown option.
@@ -38,7 +40,7 @@ def make_backend(name: str, model: Any, tokenizer: Any, *, adapter: str | None =
         from lopd_lightning.rollout.vllm_backend import VLLMBackend  # lazy: vLLM is an optional extra
 
         try:
-            return VLLMBackend(model, tokenizer, adapter=adapter, **options)
+            return VLLMBackend(model, tokenizer, adapter=adapter, local_rank=local_rank, **options)
         except TypeError as exc:
             if "unexpected keyword" not in str(exc):
                 raise
@@ -59,7 +61,7 @@ def check_vllm_options(options: dict[str, Any] | None) -> None:
                          "run in the environment `make test-vllm` builds (.venv-vllm/bin/lopd) or use generation_backend: hf")
     from lopd_lightning.rollout.vllm_backend import VLLMBackend  # no vLLM import at module level
 
-    known = [n for n in inspect.signature(VLLMBackend.__init__).parameters if n not in ("self", "model", "tokenizer", "adapter")]
+    known = [n for n in inspect.signature(VLLMBackend.__init__).parameters if n not in ("self", "model", "tokenizer", "adapter", "local_rank")]
     unknown = sorted(set(options or {}) - set(known))
     if unknown:
         raise ValueError(f"model.init_args.vllm_options has unknown keys {unknown}; choose from {known}")

