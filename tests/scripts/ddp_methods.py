@@ -34,14 +34,15 @@ COMMON = dict(lora=LORA, max_new_tokens=8, learning_rate=1e-3, seed=0, grad_clip
 METHODS = ("lopd", "grpo", "sdpo", "opsd", "skill_sd", "sft")
 
 
-def build_module(method: str, **overrides) -> OnPolicyModule:
-    """The method's module on the tiny model with :data:`COMMON` settings (``overrides`` replace some:
-    tests/scripts/fsdp_methods.py trains a full-parameter student with ``lora=None``)."""
+def build_module(method: str, model: str = "tiny", *, eos_bias: bool = True, **overrides) -> OnPolicyModule:
+    """The method's module on ``model`` (the tiny model; tests/scripts/ddp_vllm_methods.py: a folder) with
+    :data:`COMMON` settings (``overrides`` replace some: tests/scripts/fsdp_methods.py trains a full-parameter
+    student with ``lora=None``); ``eos_bias``: the LM head gets a +2 bias on the EOS logit (below)."""
     L.seed_everything(0)
     settings = {**COMMON, **overrides}
     if method == "lopd":
         module = LOPDModule(
-            "tiny", group_size=2, num_latents=4, num_experiences=2, composer_depth=2,
+            model, group_size=2, num_latents=4, num_experiences=2, composer_depth=2,
             max_experience_tokens=64, embedder="hashing", distill_top_k=8, composer_lr=1e-3, margin=0.3,
             composer_clip_compressor=1e9, composer_clip_lora=1e9, **settings,
         )
@@ -52,17 +53,19 @@ def build_module(method: str, **overrides) -> OnPolicyModule:
             records.append(Experience(task_id=ex.id, task_text=ex.text, trace=task.experience_text(ex, messages), reward=1.0))
         module.bank.add(records)
     elif method == "grpo":
-        module = GRPOModule("tiny", group_size=2, **settings)
+        module = GRPOModule(model, group_size=2, **settings)
     elif method == "sdpo":
-        module = SDPOModule("tiny", group_size=2, distill_top_k=8, **settings)
+        module = SDPOModule(model, group_size=2, distill_top_k=8, **settings)
     elif method == "opsd":
-        module = OPSDModule("tiny", **settings)
+        module = OPSDModule(model, **settings)
     elif method == "skill_sd":
-        module = SkillSDModule("tiny", group_size=2, skill_refresh_every=0, skill_max_new_tokens=8, **settings)
+        module = SkillSDModule(model, group_size=2, skill_refresh_every=0, skill_max_new_tokens=8, **settings)
     elif method == "sft":
-        module = SFTModule("tiny", **settings)
+        module = SFTModule(model, **settings)
     else:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    if not eos_bias:
+        return module
     # a +2 bias on the EOS logit: replies end at varied lengths, so the ranks hold different numbers of
     # assistant tokens and the global-token normalisation is actually tested
     inner = base_model(module.backbone)
