@@ -145,7 +145,7 @@ def test_vllm_under_a_sharded_strategy_is_refused_in_one_line_before_the_model_l
 def test_vllm_engine_is_refused_by_the_module_under_a_sharded_strategy(monkeypatch):
     """The module's own check (a Trainer built in Python, without `lopd fit`'s), before any engine is built."""
     from lopd_lightning.modules import GRPOModule
-    from lopd_lightning.modules.base import VLLM_SHARDED_REFUSAL
+    from lopd_lightning.rollout.registry import VLLM_SHARDED_REFUSAL
 
     module = GRPOModule("tiny", group_size=2, max_new_tokens=4)
     module.hparams.generation_backend = "vllm"  # as if built in .venv-vllm: the refusal comes before vLLM is needed

@@ -128,11 +128,11 @@ def check_strategy(method: type, strategy: Any, *, cuda: bool | None = None) -> 
 def check_generation_backend(backend: Any, strategy: Any) -> None:
     """Refuse ``generation_backend: vllm`` under a sharded ``strategy`` (FSDP, FSDP2's ``ModelParallelStrategy``,
     DeepSpeed; a registered name, a class_path node or an instance): one line naming
-    ``model.init_args.generation_backend`` and the fix (:data:`~lopd_lightning.modules.base.VLLM_SHARDED_REFUSAL`).
+    ``model.init_args.generation_backend`` and the fix (:data:`~lopd_lightning.rollout.registry.VLLM_SHARDED_REFUSAL`).
     Any other backend or strategy passes."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lopd_lightning.modules.base import VLLM_SHARDED_REFUSAL
+    from lopd_lightning.rollout.registry import VLLM_SHARDED_REFUSAL
 
     if backend != "vllm" or strategy is None:
         return

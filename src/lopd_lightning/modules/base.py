@@ -46,7 +46,7 @@ from lopd_lightning.modules.observability import ObservabilityMixin
 from lopd_lightning.modules.optimization import OptimizationMixin
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
 from lopd_lightning.rollout.backends import GenerationBackend
-from lopd_lightning.rollout.registry import BACKENDS, check_vllm_options, make_backend
+from lopd_lightning.rollout.registry import BACKENDS, VLLM_SHARDED_REFUSAL, check_vllm_options, make_backend
 from lopd_lightning.sharding import gathered, is_fsdp2, shard_model
 from lopd_lightning.tasks import Example, Message, Task, replay_references
 
@@ -67,14 +67,6 @@ class StudentForward(NamedTuple):
     values: Tensor
     cache: Any | None
 
-
-#: the highest sampling temperature vLLM accepts (``SamplingParams``: "temperature must be in [0, 2]")
-VLLM_MAX_TEMPERATURE = 2.0
-
-#: the refusal of ``generation_backend: vllm`` under a sharded strategy (the module's and ``lopd fit``'s check)
-VLLM_SHARDED_REFUSAL = ("model.init_args.generation_backend: vllm syncs each rank's engine from the whole student on "
-                        "that rank, and a sharded trainer.strategy (FSDP, FSDP2, DeepSpeed) holds only a shard of it; "
-                        "use trainer.strategy=ddp (one engine per rank) or generation_backend: hf")
 
 #: what to do with a checkpoint this version cannot restore
 OTHER_CHECKPOINT = ("another version of lopd_lightning, or other settings, wrote it; retrain, or load it with the "
@@ -213,13 +205,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
             raise ValueError(f"model.init_args.generation_backend must be one of {', '.join(BACKENDS)}, "
                              f"got {generation_backend!r}")
         if generation_backend == "vllm":
-            from lopd_lightning.rollout.vllm_backend import check_engine_dtype  # no vLLM import: it is lazy there
-
-            check_vllm_options(vllm_options)
-            check_engine_dtype((vllm_options or {}).get("dtype", "float32"), dtype, lora=lora is not None)
-            if temperature > VLLM_MAX_TEMPERATURE:  # vLLM's SamplingParams refuse it at the first rollouts
-                raise ValueError(f"model.init_args.temperature={temperature}: vLLM samples at temperatures up to "
-                                 f"{VLLM_MAX_TEMPERATURE:g}; set it <= {VLLM_MAX_TEMPERATURE:g} or use generation_backend: hf")
+            check_vllm_options(vllm_options, temperature=temperature, student_dtype=dtype, lora=lora is not None)
         if vllm_options and generation_backend != "vllm":
             raise ValueError("model.init_args.vllm_options is set but generation_backend is "
                              f"{generation_backend!r}; set model.init_args.generation_backend: vllm or drop vllm_options")
