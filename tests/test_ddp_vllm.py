@@ -20,6 +20,7 @@ memory in docs/scaling.md). The refusals (a sharded strategy, the cores per rank
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,25 @@ def test_vllm_engine_is_refused_by_the_module_under_a_sharded_strategy(monkeypat
     with pytest.raises(ValueError, match="^" + VLLM_SHARDED_REFUSAL.replace("(", r"\(").replace(")", r"\)") + "$"):
         module.generation_backend()
     assert module._backend is None
+
+
+def test_vllm_options_threads_other_than_an_int_of_at_least_one_is_refused_before_the_weights_load(
+        monkeypatch, no_model_loading):
+    """``vllm_options: {threads: 0}`` (or "2", -1, 1.5) was accepted by the module and failed only at a DDP run's
+    first rollouts, after the weights loaded (and was ignored in one process)."""
+    import importlib.util
+
+    from lopd_lightning.modules import GRPOModule
+    from lopd_lightning.rollout.registry import check_vllm_options
+
+    find_spec = importlib.util.find_spec  # as in .venv-vllm: the refusal needs no engine
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: object() if name == "vllm" else find_spec(name, *a, **k))
+    for bad in (0, -1, "2", 1.5, True):
+        message = f"model.init_args.vllm_options.threads must be an int >= 1 (cores per rank), got {bad!r}"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            GRPOModule("tiny", generation_backend="vllm", vllm_options={"threads": bad})
+    for fine in (None, 1, 4):
+        check_vllm_options({"threads": fine})
 
 
 def test_vllm_rank_cores_give_each_local_rank_its_own_block_or_one_line():

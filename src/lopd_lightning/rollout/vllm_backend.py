@@ -56,8 +56,8 @@ from lopd_lightning.rollout.backends import Completion, GenerationBackend, Sampl
 
 log = logging.getLogger(__package__)
 
-__all__ = ["VLLMBackend", "bind_threads", "check_engine_dtype", "check_mergeable", "cpu_environment", "merged_weights",
-           "rank_cores"]
+__all__ = ["VLLMBackend", "bind_threads", "check_engine_dtype", "check_mergeable", "check_threads", "cpu_environment",
+           "merged_weights", "rank_cores"]
 
 
 def cpu_environment(*, kv_cache_gib: int = 2) -> dict[str, str]:
@@ -76,6 +76,16 @@ def cpu_environment(*, kv_cache_gib: int = 2) -> dict[str, str]:
     }
 
 
+def check_threads(threads: Any) -> None:
+    """Refuse ``model.init_args.vllm_options.threads`` other than an int >= 1 (one line naming the key).
+
+    Raises:
+        ValueError: ``threads`` is not an int (a bool, a float, a string) or is below 1.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"model.init_args.vllm_options.threads must be an int >= 1 (cores per rank), got {threads!r}")
+
+
 def rank_cores(local_rank: int, threads: int, allowed: Sequence[int] | None = None) -> list[int]:
     """The cores of local rank ``local_rank`` when each rank of the machine runs ``threads`` threads: the
     ``local_rank``-th block of ``threads`` cores among those this process may run on.
@@ -92,8 +102,7 @@ def rank_cores(local_rank: int, threads: int, allowed: Sequence[int] | None = No
         ValueError: ``threads`` < 1, or the block lies beyond the allowed cores; one line naming
             ``model.init_args.vllm_options.threads`` and the fix.
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"model.init_args.vllm_options.threads must be an int >= 1 (cores per rank), got {threads!r}")
+    check_threads(threads)
     cores = sorted(os.sched_getaffinity(0)) if allowed is None else list(allowed)
     start = local_rank * threads
     if start + threads > len(cores):
