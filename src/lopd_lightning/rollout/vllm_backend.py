@@ -289,7 +289,8 @@ class VLLMBackend(GenerationBackend):
         threads: on CPU under more than one process, the cores each rank's engine (and the rank's training,
             which shares its threads) runs on: local rank r binds its threads to the r-th block of ``threads``
             cores (:func:`rank_cores`; default: ``torch.get_num_threads()``, which Lightning's DDP sets to the
-            cores per process). Ignored in one process and on a GPU.
+            cores per process only when ``OMP_NUM_THREADS`` is unset; else ``OMP_NUM_THREADS``, which may not fit).
+            Ignored in one process and on a GPU (but an int >= 1 there too: :func:`check_threads`).
         engine_options: extra keyword arguments of ``vllm.LLM`` (they win over the defaults here; on CPU
             ``enable_chunked_prefill`` defaults to False: vLLM's CPU runner fails on a seeded, chunked prefill).
         local_rank: this process's index on its machine under data parallelism (default: ``LOCAL_RANK``, else 0):
