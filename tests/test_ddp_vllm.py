@@ -68,9 +68,10 @@ def test_vllm_ddp_each_rank_generates_its_own_share_with_its_own_engine(method, 
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["rollout_seed"] != ranks[1]["rollout_seed"]  # seed + 7919 * rank, as with the HF backend
     assert ranks[0]["rank_env"] is None and ranks[1]["rank_env"] is None  # RANK was set for the engine's start only
-    if len(os.sched_getaffinity(0)) >= 2:  # one core a rank (Lightning's DDP: cores // 2 threads each)
-        assert ranks[0]["cores"] == [0] and ranks[1]["cores"] == [1]
-        assert [r["affinity"] for r in ranks] == [[0], [1]]  # the whole rank (engine and training) on its core
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) >= 2:  # one core a rank (the script's OMP_NUM_THREADS=1), the first two this process may use
+        assert ranks[0]["cores"] == allowed[:1] and ranks[1]["cores"] == allowed[1:2]
+        assert [r["affinity"] for r in ranks] == [allowed[:1], allowed[1:2]]  # the whole rank on its core
     for step in range(2):
         a, b = ranks[0]["steps"][step]["batch"], ranks[1]["steps"][step]["batch"]
         assert not set(a.example_ids) & set(b.example_ids)  # the sampler's share of each rank
@@ -188,3 +189,35 @@ def test_vllm_rank_cores_give_each_local_rank_its_own_block_or_one_line():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"^model.init_args.vllm_options.threads must be an int >= 1"):
             rank_cores(0, bad, [0, 1])
+
+
+def _ready_worker(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from lopd_lightning.rollout.vllm_backend import all_ranks_ready
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    results = []
+    for error in (None, ValueError(f"rank {rank}'s own error") if rank == 1 else None):  # all ready, then rank 1 not
+        try:
+            all_ranks_ready(error)
+            results.append("ready")
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            results.append(f"{type(exc).__name__}: {exc}")
+    Path(out, f"rank_{rank}.txt").write_text("\n".join(results))
+    dist.destroy_process_group()
+
+
+def test_vllm_engine_start_fails_on_every_rank_when_one_rank_cannot_get_ready(tmp_path):
+    """The engine's start is collective: a refusal on rank 1 alone (its cores do not fit) left rank 0 waiting in
+    vLLM's group creation until the process group's timeout (30 min) under srun or mpirun. all_ranks_ready lets
+    every rank pass when all are ready, and else makes every rank raise: rank 1 its own error, rank 0 one line
+    pointing to it (2 gloo processes, no engine)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ready_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    rank_0, rank_1 = ((tmp_path / f"rank_{r}.txt").read_text().split("\n") for r in (0, 1))
+    assert rank_0[0] == rank_1[0] == "ready"
+    assert rank_1[1] == "ValueError: rank 1's own error"
+    assert rank_0[1] == ("RuntimeError: another rank could not start its vLLM engine (its error, above or in its log, "
+                         "names the cause and the fix); rank 0 stops with it")

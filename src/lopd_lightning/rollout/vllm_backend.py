@@ -56,7 +56,7 @@ from lopd_lightning.rollout.backends import Completion, GenerationBackend, Sampl
 
 log = logging.getLogger(__package__)
 
-__all__ = ["VLLMBackend", "bind_threads", "check_engine_dtype", "check_mergeable", "check_threads", "cpu_environment",
+__all__ = ["VLLMBackend", "all_ranks_ready", "bind_threads", "check_engine_dtype", "check_mergeable", "check_threads", "cpu_environment",
            "merged_weights", "rank_cores"]
 
 
@@ -149,6 +149,32 @@ def _distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank()), int(dist.get_world_size())
     return 0, 1
+
+
+def all_ranks_ready(error: BaseException | None) -> None:
+    """Agree across ranks, before a collective step, that every rank got ready for it: raise on every rank when
+    any rank failed (its own ``error`` on that rank). Without it, a refusal on one rank (say local rank 1's cores
+    do not fit) leaves the others waiting in vLLM's collective group creation until the process group's timeout
+    (30 minutes by default) under launchers that do not kill the other ranks (srun, mpirun).
+
+    Args:
+        error: what went wrong on this rank (None: ready).
+
+    Raises:
+        BaseException: ``error`` on the rank it happened on (also in one process).
+        RuntimeError: on the other ranks, when any rank failed (one line: that rank's error names the cause).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        nccl = dist.get_backend() == "nccl"
+        failed = torch.tensor([int(error is not None)], device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is None and int(failed.item()):
+            raise RuntimeError("another rank could not start its vLLM engine (its error, above or in its log, names "
+                               f"the cause and the fix); rank {dist.get_rank()} stops with it")
+    if error is not None:
+        raise error
 
 
 def _on_cpu() -> bool:
@@ -306,6 +332,8 @@ class VLLMBackend(GenerationBackend):
         ValueError: a student LoRA the sync cannot carry (:func:`check_mergeable`); a ``dtype`` that cannot
             hold the student's merged weights (:func:`check_engine_dtype`); ``threads`` that do not fit the
             machine (:func:`rank_cores`).
+        RuntimeError: under more than one process, on every other rank when one rank could not get ready for
+            the engine's collective start (:func:`all_ranks_ready`; that rank raises its own error).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, adapter: str | None = None, dtype: str = "float32",
@@ -327,15 +355,20 @@ class VLLMBackend(GenerationBackend):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0) if local_rank is None else local_rank)
         #: this rank's cores on CPU under data parallelism (None: unbound)
         self.cores: list[int] | None = None
-        if world_size > 1 and _on_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") != "nobind":
-            per_rank = torch.get_num_threads() if threads is None else threads
-            self.cores = rank_cores(self.local_rank, per_rank)
-            bind_threads(self.cores)
-            torch.set_num_threads(per_rank)  # before the engine starts: vLLM's CPU worker disables it
-            log.info("rank %d: vLLM engine and training threads bound to cores %s", rank, self.cores)
         self.tokenizer, self.adapter = tokenizer, adapter
-        self._folder = tempfile.TemporaryDirectory(prefix=f"lopd-vllm-rank{rank}-")
-        self._write_checkpoint(model, Path(self._folder.name))
+        error: Exception | None = None
+        try:  # every rank gets ready, then all agree (the engine's start is collective)
+            if world_size > 1 and _on_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") != "nobind":
+                per_rank = torch.get_num_threads() if threads is None else threads
+                self.cores = rank_cores(self.local_rank, per_rank)
+                bind_threads(self.cores)
+                torch.set_num_threads(per_rank)  # before the engine starts: vLLM's CPU worker disables it
+                log.info("rank %d: vLLM engine and training threads bound to cores %s", rank, self.cores)
+            self._folder = tempfile.TemporaryDirectory(prefix=f"lopd-vllm-rank{rank}-")
+            self._write_checkpoint(model, Path(self._folder.name))
+        except Exception as exc:  # noqa: BLE001 - raised again below, on this rank, after the others know
+            error = exc
+        all_ranks_ready(error)
         options = dict(
             model=self._folder.name, tokenizer=self._folder.name, dtype=dtype, seed=0,
             enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
