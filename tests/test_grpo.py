@@ -184,7 +184,8 @@ def test_group_of_one_fails_before_loading_the_model(no_model_loading):
 @pytest.mark.parametrize(
     "overrides, message",
     [({"ppo_epochs": 0}, "ppo_epochs"), ({"kl_coef": -1.0}, "kl_coef"), ({"clip_eps_low": 1.0}, "clip_eps_low"),
-     ({"logps_temperature": 0.0}, "logps_temperature")],
+     ({"logps_temperature": 0.0}, "logps_temperature"),
+     ({"temperature": float("nan")}, r"model\.init_args\.temperature must be > 0 .*got nan")],
 )
 def test_bad_options_fail_before_loading_the_model(no_model_loading, overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -272,7 +272,8 @@ def test_a_teacher_contexts_override_returning_something_else_is_a_type_error(re
 @pytest.mark.parametrize(
     "options, message",
     [({"topk_support": "both"}, r"topk_support must be 'student' or 'teacher', got 'both'; set model.init_args.topk_support to student"),
-     ({"distill_temperature": 0.0}, r"distill_temperature must be > 0, got 0.0; set model.init_args.distill_temperature to a positive")],
+     ({"distill_temperature": 0.0}, r"distill_temperature must be > 0, got 0.0; set model.init_args.distill_temperature to a positive"),
+     ({"distill_temperature": float("nan")}, r"distill_temperature must be > 0, got nan; set model.init_args.distill_temperature")],
 )
 def test_the_skeletons_checks_name_their_keys_and_the_fix(options, message):
     with pytest.raises(ValueError, match=message):

@@ -193,7 +193,7 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         self.automatic_optimization = False
         if group_size < 1:
             raise ValueError(f"model.init_args.group_size must be >= 1, got {group_size}")
-        if temperature <= 0:
+        if not temperature > 0:  # NaN too
             raise ValueError(f"model.init_args.temperature must be > 0 for training rollouts, got {temperature}")
         for key, value in (("log_samples", log_samples), ("log_samples_every_n_steps", log_samples_every_n_steps),
                            ("sample_prompt_chars", sample_prompt_chars), ("progress_every_n_steps", progress_every_n_steps)):

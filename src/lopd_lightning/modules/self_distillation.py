@@ -109,7 +109,7 @@ class SelfDistillationModule(OnPolicyModule):
                              "model.init_args.topk_support to student (SDPO's implementation) or teacher (LOPD's)")
         if not 0.0 <= jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}; set model.init_args.jsd_beta")
-        if distill_temperature <= 0:
+        if not distill_temperature > 0:  # NaN too
             raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}; set "
                              "model.init_args.distill_temperature to a positive value (1.0: the raw distributions)")
         super().__init__(model, **kwargs)
