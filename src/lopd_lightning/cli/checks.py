@@ -16,7 +16,11 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
   accelerator device``; with ``accelerator: gpu``: ``No supported gpu backend found!``; docs/scaling.md);
 - ``model.init_args.generation_backend: vllm`` under a sharded ``trainer.strategy`` (FSDP, FSDP2's
   ``ModelParallelStrategy``, DeepSpeed): each rank's engine syncs from the whole student, which a rank of a
-  sharded strategy does not hold (DDP runs one engine per rank).
+  sharded strategy does not hold (DDP runs one engine per rank);
+- a launcher whose layout differs from ``trainer.num_nodes`` x ``trainer.devices`` (torchrun's ``--nnodes`` /
+  ``--nproc-per-node``, SLURM's ``--nodes`` / ``--ntasks-per-node``, or SLURM's ``--ntasks`` without
+  ``--ntasks-per-node``): Lightning refuses these only when fit launches, after the student loaded, with a
+  traceback on every rank (:func:`check_launcher`).
 
 Each raises :class:`~lopd_lightning.cli.errors.CLIError` (status 1) with one line naming the key and the fix.
 """
@@ -25,11 +29,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from lopd_lightning.cli.errors import CLIError, import_class
 
-__all__ = ["check_fit_config", "check_generation_backend", "check_strategy"]
+__all__ = ["check_fit_config", "check_generation_backend", "check_launcher", "check_strategy"]
 
 
 def _get(node: Any, key: str) -> Any:
@@ -53,7 +59,8 @@ def check_fit_config(config: Any) -> None:
             ``trainer.accumulate_grad_batches`` other than 1; an LOPD-only callback in ``trainer.callbacks``
             with a model class that is not an LOPDModule; an LOPD fit with no bank that nothing fills; a sharded
             strategy where it cannot run (:func:`check_strategy`) or with ``generation_backend: vllm``
-            (:func:`check_generation_backend`). One line naming the key and the fix, status 1.
+            (:func:`check_generation_backend`); a torchrun or SLURM layout other than the config's
+            (:func:`check_launcher`). One line naming the key and the fix, status 1.
     """
     model, trainer = _get(config, "model"), _get(config, "trainer")
     for key, value in _items(_get(model, "init_args")):
@@ -80,6 +87,7 @@ def check_fit_config(config: Any) -> None:
     _check_method_callbacks(method, [cls for cls, _ in callbacks])
     check_generation_backend(_get(_get(model, "init_args"), "generation_backend"), _get(trainer, "strategy"))
     check_strategy(method, _get(trainer, "strategy"))
+    check_launcher(trainer)
     _check_bank_fills(method, dict(_items(_get(model, "init_args"))), callbacks)
 
 
@@ -178,3 +186,107 @@ def _check_bank_fills(method: type, init: dict[str, Any], callbacks: list[tuple[
                          refresh=False)
     except ValueError as error:
         raise CLIError(str(error), 1) from None
+
+
+def _int(value: Any) -> int | None:
+    """``value`` as an int (an int, or a string of digits), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else None
+
+
+def _devices_per_node(devices: Any) -> int | None:
+    """The processes per node ``trainer.devices`` asks for (an int, "4", a list of device indices), or None
+    where Lightning resolves it from the machine ("auto", -1): then it is not compared."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    count = _int(devices)
+    return count if count is not None and count > 0 else None
+
+
+def _sets_cluster_environment(trainer: Any) -> bool:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+
+    plugins = _get(trainer, "plugins")
+    plugins = plugins if isinstance(plugins, list) else [plugins] if plugins is not None else []
+    for plugin in plugins:
+        cls = import_class(str(_get(plugin, "class_path") or "")) if _get(plugin, "class_path") else type(plugin)
+        if isinstance(cls, type) and issubclass(cls, ClusterEnvironment):
+            return True
+    return False
+
+
+def check_launcher(trainer: Any, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a launcher layout other than ``trainer.num_nodes`` x ``trainer.devices``, in one line naming the key,
+    the launcher's value and the fix, before anything is built (Lightning refuses it only when fit launches,
+    after the student loaded, as a ``ValueError`` or ``RuntimeError`` traceback on every rank).
+
+    ``environ`` (default ``os.environ``) tells the launcher, found as Lightning finds it:
+
+    - torchrun (``RANK``, ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set): ``trainer.devices`` must
+      be ``LOCAL_WORLD_SIZE`` (``--nproc-per-node``) and ``trainer.num_nodes`` ``WORLD_SIZE / LOCAL_WORLD_SIZE``
+      (``--nnodes``);
+    - SLURM (``SLURM_NTASKS`` set, job name not ``bash`` or ``interactive``): more than one task needs
+      ``--ntasks-per-node`` (``SLURM_NTASKS_PER_NODE``); for a config of more than one process,
+      ``trainer.devices`` must be ``SLURM_NTASKS_PER_NODE``, ``trainer.num_nodes`` ``SLURM_NNODES`` and their
+      product ``SLURM_NTASKS`` (a config of one node and one process, or ``devices: auto``, is not compared: a
+      batch script may run it without srun).
+
+    ``trainer.devices`` that Lightning resolves from the machine ("auto", -1) is not compared; nothing is
+    checked without a launcher or when ``trainer.plugins`` gives a cluster environment.
+
+    Raises:
+        CLIError: the mismatch, naming ``trainer.devices`` or ``trainer.num_nodes`` (or the SLURM option) and
+            the fix, status 1.
+    """
+    env = os.environ if environ is None else environ
+    if _sets_cluster_environment(trainer):
+        return
+    nodes = _int(_get(trainer, "num_nodes"))
+    nodes = 1 if nodes is None else nodes
+    devices = _devices_per_node(_get(trainer, "devices"))
+    if all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        _check_torchrun(nodes, devices, _int(env.get("LOCAL_WORLD_SIZE")), _int(env.get("WORLD_SIZE")))
+    elif "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        _check_slurm(nodes, devices, env)
+
+
+def _check_torchrun(nodes: int, devices: int | None, per_node: int | None, world: int | None) -> None:
+    if per_node is None or per_node < 1:
+        return
+    if devices is not None and devices != per_node:
+        raise CLIError(f"trainer.devices={devices} but torchrun starts {per_node} processes per node "
+                       f"(--nproc-per-node {per_node}, LOCAL_WORLD_SIZE): set --trainer.devices={per_node}, or start "
+                       f"torchrun with --nproc-per-node {devices}", 1)
+    if world is None or world == nodes * per_node:
+        return
+    if world % per_node:
+        raise CLIError(f"trainer.num_nodes={nodes} but torchrun runs {world} processes (WORLD_SIZE), not a multiple of "
+                       f"--nproc-per-node {per_node}: start torchrun with --nnodes {nodes} on every node", 1)
+    raise CLIError(f"trainer.num_nodes={nodes} but torchrun runs {world // per_node} nodes of {per_node} processes "
+                   f"(--nnodes {world // per_node}, WORLD_SIZE={world}): set --trainer.num_nodes={world // per_node}, "
+                   f"or start torchrun with --nnodes {nodes}", 1)
+
+
+def _check_slurm(nodes: int, devices: int | None, env: Mapping[str, str]) -> None:
+    tasks, per_node, slurm_nodes = (_int(env.get(k)) for k in ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES"))
+    layout = f"#SBATCH --nodes={nodes} --ntasks-per-node={devices or 'GPUS_PER_NODE'}"
+    if (tasks or 1) > 1 and "SLURM_NTASKS_PER_NODE" not in env:
+        raise CLIError(f"SLURM started {tasks} tasks (--ntasks) without --ntasks-per-node, which Lightning needs: "
+                       f"in the batch script give {layout} (trainer.num_nodes, trainer.devices) instead of --ntasks", 1)
+    if nodes == 1 and devices in (1, None):
+        return  # one process (or one node's "auto"): not compared (a batch script may run it without srun)
+    if devices is not None and per_node is not None and per_node != devices:
+        raise CLIError(f"trainer.devices={devices} but SLURM starts {per_node} tasks per node (--ntasks-per-node="
+                       f"{per_node}): set --trainer.devices={per_node}, or #SBATCH --ntasks-per-node={devices} "
+                       "(one task per GPU)", 1)
+    if slurm_nodes is not None and slurm_nodes != nodes:
+        raise CLIError(f"trainer.num_nodes={nodes} but the SLURM job has {slurm_nodes} nodes (--nodes="
+                       f"{slurm_nodes}): set --trainer.num_nodes={slurm_nodes}, or #SBATCH --nodes={nodes}", 1)
+    if devices is not None and tasks is not None and tasks != nodes * devices:
+        raise CLIError(f"trainer.num_nodes x trainer.devices = {nodes} x {devices} = {nodes * devices} processes but "
+                       f"SLURM started {tasks} tasks (SLURM_NTASKS): give {layout} and no other --ntasks", 1)
