@@ -56,8 +56,8 @@ from lopd_lightning.rollout.backends import Completion, GenerationBackend, Sampl
 
 log = logging.getLogger(__package__)
 
-__all__ = ["VLLMBackend", "all_ranks_ready", "bind_threads", "check_engine_dtype", "check_mergeable", "check_threads", "cpu_environment",
-           "merged_weights", "rank_cores"]
+__all__ = ["VLLMBackend", "all_ranks_ready", "bind_threads", "check_engine_dtype", "check_mergeable", "check_threads",
+           "cpu_environment", "merged_weights", "rank_cores"]
 
 
 def cpu_environment(*, kv_cache_gib: int = 2) -> dict[str, str]:
