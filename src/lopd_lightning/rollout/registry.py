@@ -68,9 +68,9 @@ def check_vllm_options(options: dict[str, Any] | None, *, temperature: float | N
 
     Raises:
         ValueError: vLLM is not installed in this environment, ``options`` has a key
-            :class:`~lopd_lightning.rollout.vllm_backend.VLLMBackend` does not take, ``threads`` is set but not an
-            int >= 1 (:func:`~lopd_lightning.rollout.vllm_backend.check_threads`), so is ``kv_cache_gib``
-            (:func:`~lopd_lightning.rollout.vllm_backend.cpu_environment`), ``temperature`` is above
+            :class:`~lopd_lightning.rollout.vllm_backend.VLLMBackend` does not take, ``threads`` or ``kv_cache_gib``
+            is set but not an int >= 1 (:func:`~lopd_lightning.rollout.vllm_backend.check_option_count`),
+            ``temperature`` is above
             :data:`VLLM_MAX_TEMPERATURE` (vLLM's ``SamplingParams`` would refuse it at the first rollouts), or the
             engine dtype cannot hold the student's merged weights
             (:func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`); one line each, naming the config
@@ -80,16 +80,15 @@ def check_vllm_options(options: dict[str, Any] | None, *, temperature: float | N
         raise ValueError("model.init_args.generation_backend: vllm needs vLLM, which this environment lacks; "
                          "run in the environment `make test-vllm` builds (.venv-vllm/bin/lopd) or use generation_backend: hf")
     from lopd_lightning.rollout.vllm_backend import (  # no vLLM import at module level
-        VLLMBackend, check_engine_dtype, check_threads, cpu_environment)
+        COUNT_OPTIONS, VLLMBackend, check_engine_dtype, check_option_count)
 
     known = [n for n in inspect.signature(VLLMBackend.__init__).parameters if n not in ("self", "model", "tokenizer", "adapter", "local_rank")]
     unknown = sorted(set(options or {}) - set(known))
     if unknown:
         raise ValueError(f"model.init_args.vllm_options has unknown keys {unknown}; choose from {known}")
-    if (options or {}).get("threads") is not None:  # else refused only at a DDP run's first rollouts, or ignored
-        check_threads(options["threads"])
-    if (options or {}).get("kv_cache_gib") is not None:
-        cpu_environment(kv_cache_gib=options["kv_cache_gib"], environ={})  # refuses all but an int >= 1
+    for key in COUNT_OPTIONS:  # else refused only when an engine starts (threads: under DDP only), or ignored
+        if (options or {}).get(key) is not None:
+            check_option_count(key, options[key])
     if temperature is not None and temperature > VLLM_MAX_TEMPERATURE:
         raise ValueError(f"model.init_args.temperature={temperature}: vLLM samples at temperatures up to "
                          f"{VLLM_MAX_TEMPERATURE:g}; set it <= {VLLM_MAX_TEMPERATURE:g} or use generation_backend: hf")

@@ -56,7 +56,7 @@ from lopd_lightning.rollout.backends import Completion, GenerationBackend, Sampl
 
 log = logging.getLogger(__package__)
 
-__all__ = ["VLLMBackend", "all_ranks_ready", "bind_threads", "check_engine_dtype", "check_mergeable", "check_threads",
+__all__ = ["VLLMBackend", "all_ranks_ready", "bind_threads", "check_engine_dtype", "check_mergeable", "check_option_count",
            "cpu_environment", "merged_weights", "rank_cores"]
 
 
@@ -81,23 +81,25 @@ def cpu_environment(*, kv_cache_gib: int | None = None, environ: Mapping[str, st
     if kv_cache_gib is None:
         space = inherited or "2"
     else:
-        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
-            raise ValueError("model.init_args.vllm_options.kv_cache_gib must be an int >= 1 (GiB of key/value cache), "
-                             f"got {kv_cache_gib!r}")
+        check_option_count("kv_cache_gib", kv_cache_gib)
         space = str(kv_cache_gib)
         if inherited is not None and inherited != space:
             log.warning("vllm_options.kv_cache_gib=%s wins over the inherited VLLM_CPU_KVCACHE_SPACE=%s", space, inherited)
     return {"VLLM_CPU_KVCACHE_SPACE": space}
 
 
-def check_threads(threads: Any) -> None:
-    """Refuse ``model.init_args.vllm_options.threads`` other than an int >= 1 (one line naming the key).
+#: the ``vllm_options`` keys that take a count >= 1, and what they count (:func:`check_option_count`)
+COUNT_OPTIONS = {"threads": "cores per rank", "kv_cache_gib": "GiB of key/value cache"}
+
+
+def check_option_count(key: str, value: Any) -> None:
+    """Refuse ``model.init_args.vllm_options.<key>`` (a key of :data:`COUNT_OPTIONS`) other than an int >= 1.
 
     Raises:
-        ValueError: ``threads`` is not an int (a bool, a float, a string) or is below 1.
+        ValueError: ``value`` is not an int (a bool, a float, a string) or is below 1; one line naming the key.
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"model.init_args.vllm_options.threads must be an int >= 1 (cores per rank), got {threads!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.init_args.vllm_options.{key} must be an int >= 1 ({COUNT_OPTIONS[key]}), got {value!r}")
 
 
 def rank_cores(local_rank: int, threads: int, allowed: Sequence[int] | None = None) -> list[int]:
@@ -116,7 +118,7 @@ def rank_cores(local_rank: int, threads: int, allowed: Sequence[int] | None = No
         ValueError: ``threads`` < 1, or the block lies beyond the allowed cores; one line naming
             ``model.init_args.vllm_options.threads`` and the fix.
     """
-    check_threads(threads)
+    check_option_count("threads", threads)
     cores = sorted(os.sched_getaffinity(0)) if allowed is None else list(allowed)
     start = local_rank * threads
     if start + threads > len(cores):
@@ -331,7 +333,7 @@ class VLLMBackend(GenerationBackend):
             which shares its threads) runs on: local rank r binds its threads to the r-th block of ``threads``
             cores (:func:`rank_cores`; default: ``torch.get_num_threads()``, which Lightning's DDP sets to the
             cores per process only when ``OMP_NUM_THREADS`` is unset; else ``OMP_NUM_THREADS``, which may not fit).
-            Ignored in one process and on a GPU (but an int >= 1 there too: :func:`check_threads`).
+            Ignored in one process and on a GPU (but an int >= 1 there too: :func:`check_option_count`).
         engine_options: extra keyword arguments of ``vllm.LLM`` (they win over the defaults here; on CPU
             ``enable_chunked_prefill`` defaults to False: vLLM's CPU runner fails on a seeded, chunked prefill).
         local_rank: this process's index on its machine under data parallelism (default: ``LOCAL_RANK``, else 0):
