@@ -42,6 +42,14 @@ def _get(node: Any, key: str) -> Any:
     return node.get(key) if hasattr(node, "get") else None
 
 
+def _node_class(node: Any) -> Any:
+    """The class a config node names: its ``class_path`` imported, else the node itself if it is a class, else its
+    type (an instance, or a registered name: ``str``)."""
+    if _get(node, "class_path"):
+        return import_class(str(_get(node, "class_path")))
+    return node if isinstance(node, type) else type(node)
+
+
 def _items(node: Any) -> list[tuple[str, Any]]:
     if node is None:
         return []
@@ -98,9 +106,7 @@ def _sharded_kind(strategy: Any) -> str | None:
     if isinstance(strategy, str):
         name = strategy.lower()
         return "FSDP" if name.startswith("fsdp") else "DeepSpeed" if name.startswith("deepspeed") else None
-    cls = strategy if isinstance(strategy, type) else type(strategy)
-    if _get(strategy, "class_path"):
-        cls = import_class(str(_get(strategy, "class_path")))
+    cls = _node_class(strategy)
     if isinstance(cls, type) and issubclass(cls, FSDPStrategy):
         return "FSDP"
     if isinstance(cls, type) and issubclass(cls, DeepSpeedStrategy):
@@ -144,9 +150,7 @@ def check_generation_backend(backend: Any, strategy: Any) -> None:
 
     if backend != "vllm" or strategy is None:
         return
-    cls = strategy if isinstance(strategy, type) else type(strategy)
-    if _get(strategy, "class_path"):
-        cls = import_class(str(_get(strategy, "class_path")))
+    cls = _node_class(strategy)
     model_parallel = isinstance(cls, type) and issubclass(cls, ModelParallelStrategy)
     if model_parallel or _sharded_kind(strategy) is not None:
         raise CLIError(VLLM_SHARDED_REFUSAL, 1)
@@ -214,7 +218,7 @@ def _sets_cluster_environment(trainer: Any) -> bool:
     plugins = _get(trainer, "plugins")
     plugins = plugins if isinstance(plugins, list) else [plugins] if plugins is not None else []
     for plugin in plugins:
-        cls = import_class(str(_get(plugin, "class_path") or "")) if _get(plugin, "class_path") else type(plugin)
+        cls = _node_class(plugin)
         if isinstance(cls, type) and issubclass(cls, ClusterEnvironment):
             return True
     return False
