@@ -88,6 +88,40 @@ def _paired(m: dict[str, Any], key: str = "paired_vs_grpo") -> str:
             f"{p['n_questions']}; {verdict})")
 
 
+def _two_level(m: dict[str, Any]) -> str:
+    p = m.get("paired_vs_grpo_two_level")
+    if not p:
+        return "-"
+    verdict = "excludes 0" if p["excludes_zero"] else "within noise"
+    return f"{p['mean_difference']:+.3f} {_interval(p['ci'])} ({p['method_seeds']} vs {p['reference_seeds']} seeds; {verdict})"
+
+
+def _heldout_efficiency_line(results: dict[str, Any]) -> list[str]:
+    key = "lopd_heldout_budget_fraction_to_grpo_final"
+    if key not in results or results.get(f"{key}_reason") == "LOPD or GRPO has no run":
+        return []
+    if results.get(f"{key}_reason"):
+        return ["", f"LOPD's budget to reach GRPO's final held-out success: undefined ({results[f'{key}_reason']})."]
+    fraction, reason = results[key], results.get(f"{key}_ci_reason")
+    reached = "not reached at any evaluation" if fraction is None else f"{fraction:.0%} of GRPO's budget"
+    return ["", f"LOPD's budget to reach GRPO's final held-out success ({results['grpo_final_heldout_success']:.3f}): "
+            f"{reached}; 95% bootstrap interval over seeds {_interval(results.get(f'{key}_ci'))}"
+            + (f" ({reason})" if reason else "") + "."]
+
+
+def _calibration_line(results: dict[str, Any]) -> list[str]:
+    if "task_calibration" not in results:
+        return []
+    c = results["task_calibration"]
+    if c is None:
+        return ["", f"Task calibration: none ({results.get('task_calibration_reason')})."]
+    return ["", f"Task calibration ({c['n_heldout']} held-out tasks, greedy, {c.get('source')}): the start student alone "
+            f"{c['student_success']:.3f} ({c['student_solved']}), with the retrieved trajectory as text "
+            f"{c['text_nearest_success']:.3f} ({c['text_nearest_solved']}), difference {c['difference']:+.3f} "
+            f"{_interval(c['difference_ci'])}; the retrieved trajectory is of the same tool for "
+            f"{c['same_tool_rate']:.3f} of the tasks."]
+
+
 def _efficiency_line(results: dict[str, Any]) -> list[str]:
     fraction, target = results["lopd_budget_fraction_to_grpo_final"], results.get("grpo_final_reward")
     if target is None:
@@ -106,7 +140,9 @@ def _efficiency_line(results: dict[str, Any]) -> list[str]:
 def table(results: dict[str, Any]) -> str:
     """The Markdown table of the results: per method the seeds, the final training reward, held-out
     success before and after (with its interval over seeds), the paired differences against the method's
-    own start and against GRPO, wall time and peak memory; then the efficiency number."""
+    own start and against GRPO (over questions, and two-level: questions and seeds), wall time and peak memory;
+    then the efficiency numbers (training reward and, where compare.json has it, held-out success) and, for the
+    experience plan, the task calibration."""
     lines = [
         f"Task `{results['task']}`, student `{results['model']}`, budget {results['budget_trajectories']} "
         f"trajectories per run, {results.get('val_examples')} held-out questions (greedy, start "
@@ -114,17 +150,20 @@ def table(results: dict[str, Any]) -> str:
         f"{results.get('generation_backend')}. Mean ± std across seeds; final reward = trailing mean over "
         f"{results['smooth_window']} steps; held-out interval: Student's t over seeds; vs start / vs GRPO: "
         "per-question paired difference of final held-out success against the method's own start evaluation / "
-        "against GRPO's, 95% bootstrap over questions (seed-to-seed variation not included).",
+        "against GRPO's, 95% bootstrap over questions (seed-to-seed variation not included); vs GRPO, two-level: "
+        "the same difference, 95% bootstrap over questions and, within each resample, each method's seeds.",
         "",
         "| method | seeds | trajectories | final train reward | held-out before | held-out after [95% CI] "
-        "| vs start (won / lost) | vs GRPO (won / lost) | wall s / run | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vs start (won / lost) | vs GRPO (won / lost) | vs GRPO, two-level | wall s / run | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in results["methods"].items():
         lines.append(
             f"| {name} | {','.join(map(str, m['seeds']))} | {m['rollouts'][-1] if m['rollouts'] else 0} | "
             f"{_fmt(m['final_reward'], m['final_reward_std'])} | {_fmt(m['val_before'])} | "
             f"{_fmt(m['val_after'], m['val_after_std'])} {_interval(m.get('val_after_ci'))} | {_paired(m, 'paired_vs_start')} | {_paired(m)} | "
+            f"{_two_level(m)} | "
             f"{m['wall_s']:.0f} | {m['peak_mem_mb']:.0f} |"
         )
-    return "\n".join(lines + _efficiency_line(results)) + "\n"
+    return "\n".join(lines + _efficiency_line(results) + _heldout_efficiency_line(results)
+                     + _calibration_line(results)) + "\n"

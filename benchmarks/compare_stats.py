@@ -5,8 +5,11 @@
 - :func:`bootstrap_ci`: a percentile bootstrap interval of a mean (used over questions).
 - :func:`paired_differences`: per-question held-out success of a method minus a reference's (GRPO's, or
   the method's own start) on the same questions, with a paired bootstrap over questions.
+- :func:`two_level_paired`: the same per-question comparison with a two-level bootstrap (questions, and
+  within each resample the seeds of each method independently), so that seed-to-seed variation is counted.
 - :func:`budget_fraction` / :func:`budget_fraction_ci`: the trajectories LOPD needs to reach GRPO's final
-  training reward, as a fraction of GRPO's budget, with a bootstrap over seeds.
+  training reward, as a fraction of GRPO's budget, with a bootstrap over seeds;
+  :func:`heldout_efficiency`: the same on the held-out success curve at the evaluation points.
 - :func:`summarise`: the ``compare.json`` document.
 """
 
@@ -29,6 +32,13 @@ PAIRED_CI = ("paired bootstrap over questions: per question, the method's final 
 PAIRED_START_CI = ("paired bootstrap over questions: per question, the method's final held-out success minus its "
                    "step-0 success (each a mean over its seeds); questions resampled with replacement; 95% "
                    "percentile interval (seed-to-seed variation not included)")
+PAIRED_TWO_LEVEL_CI = ("two-level paired bootstrap: in each resample the questions are drawn with replacement and, "
+                       "independently, each method's seeds are drawn with replacement (once per resample, a seed's "
+                       "whole run); per question, the mean over the drawn seeds of the method's final held-out "
+                       "success minus GRPO's, averaged over the drawn questions; 95% percentile interval")
+HELDOUT_FRACTION_CI = ("bootstrap over seeds: LOPD's and GRPO's seeds resampled with replacement, the held-out fraction "
+                       "recomputed on the resampled seed means of the held-out success curve; 95% percentile "
+                       "interval (a resample where LOPD never reaches the target counts as infinite)")
 FRACTION_CI = ("bootstrap over seeds: LOPD's and GRPO's seeds resampled with replacement, the fraction recomputed "
                "on the resampled seed means; 95% percentile interval (a resample where LOPD never reaches the "
                "target counts as infinite)")
@@ -100,6 +110,55 @@ def paired_differences(method: dict[str, float], reference: dict[str, float], *,
     }
 
 
+def two_level_draws(n_boot: int, n_questions: int, n_method_seeds: int, n_reference_seeds: int,
+                    seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The draws of :func:`two_level_paired`, in this order from ``numpy.random.default_rng(seed)``: question
+    indices ``(n_boot, n_questions)``, the method's seed indices ``(n_boot, n_method_seeds)`` and the
+    reference's ``(n_boot, n_reference_seeds)`` (each row one resample, with replacement)."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, n_questions, size=(n_boot, n_questions)),
+            rng.integers(0, n_method_seeds, size=(n_boot, n_method_seeds)),
+            rng.integers(0, n_reference_seeds, size=(n_boot, n_reference_seeds)))
+
+
+def _seed_weights(picks: np.ndarray, n_seeds: int) -> np.ndarray:
+    """``(n_boot, n_seeds)``: the share of each seed among a resample's drawn seeds."""
+    return (picks[:, :, None] == np.arange(n_seeds)).sum(axis=1) / picks.shape[1]
+
+
+def two_level_paired(method: list[dict[str, Any]], reference: list[dict[str, Any]], *, n_boot: int = 10_000,
+                     seed: int = 0) -> dict[str, Any]:
+    """Per-question paired comparison of final held-out success, method minus reference (GRPO), with a
+    two-level bootstrap (:data:`PAIRED_TWO_LEVEL_CI`): resample the questions and, within each resample, the
+    seeds of each method independently.
+
+    Args:
+        method, reference: one dict per seed, question id -> success (bool or 0/1) at the final evaluation.
+
+    Returns:
+        ``n_questions`` (those every seed of both has), ``method_seeds`` / ``reference_seeds`` (counts),
+        ``mean_difference`` (mean over questions of the seed-mean differences: the point estimate of
+        :func:`paired_differences`), ``ci`` (95% percentile interval, a pair) and ``excludes_zero``.
+
+    Raises:
+        ValueError: a side has no seed, or the seeds share no question.
+    """
+    if not method or not reference:
+        raise ValueError("two_level_paired needs at least one seed of the method and one of the reference")
+    common = sorted(set.intersection(*(set(d) for d in (*method, *reference))))
+    if not common:
+        raise ValueError("two_level_paired: the seeds of the method and the reference share no question")
+    x_m = np.array([[float(d[q]) for q in common] for d in method])  # (seeds, questions)
+    x_r = np.array([[float(d[q]) for q in common] for d in reference])
+    q_idx, s_m, s_r = two_level_draws(n_boot, len(common), len(method), len(reference), seed)
+    diff = _seed_weights(s_m, len(method)) @ x_m - _seed_weights(s_r, len(reference)) @ x_r  # (n_boot, questions)
+    stats = np.take_along_axis(diff, q_idx, axis=1).mean(axis=1)
+    lo, hi = (float(v) for v in np.quantile(stats, [0.025, 0.975]))
+    return {"n_questions": len(common), "method_seeds": len(method), "reference_seeds": len(reference),
+            "mean_difference": float(x_m.mean(axis=0).mean() - x_r.mean(axis=0).mean()), "ci": [lo, hi],
+            "excludes_zero": bool(lo > 0 or hi < 0)}
+
+
 # ---------------------------------------------------------------------- the budget fraction
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing mean over ``window`` points (fewer at the start)."""
@@ -130,11 +189,15 @@ def _seed_mean(curves: list[list[float]]) -> list[float]:
 
 
 def budget_fraction_ci(lopd: dict[str, Any], grpo: dict[str, Any], window: int, *, n_boot: int = 2000,
-                       seed: int = 0, reach_window: int | None = None) -> dict[str, Any]:
+                       seed: int = 0, reach_window: int | None = None,
+                       quantity: str = "smoothed mean training reward", target: str = "final smoothed reward",
+                       ) -> dict[str, Any]:
     """The 95% bootstrap interval over seeds of :func:`budget_fraction` (:data:`FRACTION_CI`).
 
     Args:
         lopd, grpo: ``rollouts`` (x) and ``per_seed`` (one reward curve per seed, over those x).
+        quantity, target: what the curves and GRPO's final value are called in the reasons (the held-out
+            version: ``"mean held-out success"`` and ``"final held-out success"``).
 
     Returns:
         ``{"ci": [lo, hi] or None, "reason": None or why the interval (or its upper end) is null,
@@ -144,10 +207,10 @@ def budget_fraction_ci(lopd: dict[str, Any], grpo: dict[str, Any], window: int, 
                             {"rollouts": grpo["rollouts"], "reward": _seed_mean(grpo["per_seed"])}, window,
                             reach_window)
     if point is None:
-        target = smooth(_seed_mean(grpo["per_seed"]), window)[-1] if grpo["rollouts"] else None
-        reached = "GRPO has no reward curve" if target is None else f"GRPO's final smoothed reward ({target:.3f})"
+        level = smooth(_seed_mean(grpo["per_seed"]), window)[-1] if grpo["rollouts"] else None
+        reached = "GRPO has no curve" if level is None else f"GRPO's {target} ({level:.3f})"
         return {"ci": None, "never_reached_share": 1.0,
-                "reason": f"LOPD's smoothed mean training reward never reaches {reached} within "
+                "reason": f"LOPD's {quantity} never reaches {reached} within "
                           f"{lopd['rollouts'][-1] if lopd['rollouts'] else 0} trajectories"}
     rng = np.random.default_rng(seed)
     fractions = []
@@ -162,7 +225,7 @@ def budget_fraction_ci(lopd: dict[str, Any], grpo: dict[str, Any], window: int, 
     never = sum(math.isinf(f) for f in fractions) / n_boot
     reason = None
     if math.isinf(hi):
-        reason = f"in {never:.0%} of the resamples over seeds LOPD never reaches GRPO's final reward: no upper end"
+        reason = f"in {never:.0%} of the resamples over seeds LOPD never reaches GRPO's {target}: no upper end"
     if math.isinf(lo):
         return {"ci": None, "never_reached_share": never, "reason": reason}
     return {"ci": [lo, None if math.isinf(hi) else hi], "never_reached_share": never, "reason": reason}
@@ -212,6 +275,13 @@ def heldout_summary(seed_runs: list[dict[str, Any]]) -> dict[str, Any]:
                                     for q in questions if all(q in ev["per_question"] for ev in starts)}
                                    if starts and every_start else None,
     }
+
+
+def _final_per_question(seed_runs: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Each seed's per-question success at its last held-out evaluation (None: a seed has no evaluations)."""
+    if not seed_runs or not all(r.get("evaluations") for r in seed_runs):
+        return None
+    return [r["evaluations"][-1]["per_question"] for r in seed_runs]
 
 
 def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_before: float | None) -> dict[str, Any]:
@@ -320,6 +390,50 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
     return out
 
 
+def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int], n_boot: int) -> dict[str, Any]:
+    """``lopd_heldout_budget_fraction_to_grpo_final`` (+ ``_reason``, ``_ci``, ``_ci_reason``, ``_ci_method``),
+    ``lopd_heldout_budget_fraction_never_reached_share`` and ``grpo_final_heldout_success``: the definition of
+    :func:`_efficiency` on the held-out success curve (``val_curve``) at the evaluation points after the start,
+    each point a greedy pass over every held-out question, so no trailing mean: the first evaluation where LOPD's
+    seed-mean held-out success reaches GRPO's final one (its seed mean at its last evaluation), as a fraction of
+    GRPO's trajectories; the interval resamples seeds (:data:`HELDOUT_FRACTION_CI`).
+
+    Args:
+        methods: :func:`method_summary` entries by name.
+        start: ``(the mean step-0 held-out success over every run, the number of runs)``; GRPO's final held-out
+            success must be above it, else the fraction is undefined (null, with the reason).
+    """
+    key = "lopd_heldout_budget_fraction_to_grpo_final"
+    out: dict[str, Any] = {key: None, f"{key}_reason": "LOPD or GRPO has no run", f"{key}_ci": None,
+                           f"{key}_ci_reason": "LOPD or GRPO has no run", f"{key}_ci_method": HELDOUT_FRACTION_CI,
+                           "lopd_heldout_budget_fraction_never_reached_share": None, "grpo_final_heldout_success": None}
+    if "lopd" not in methods or "grpo" not in methods:
+        return out
+    curves = {}
+    for name in ("lopd", "grpo"):
+        curve = methods[name].get("val_curve") or {}
+        after = [i for i, x in enumerate(curve.get("trajectories") or []) if x > 0]
+        curves[name] = {"rollouts": [curve["trajectories"][i] for i in after], "reward": [curve["mean"][i] for i in after],
+                        "per_seed": [[s[i] for i in after] for s in curve.get("per_seed") or []]}
+    if not curves["lopd"]["rollouts"] or not curves["grpo"]["rollouts"]:
+        reason = "LOPD or GRPO has no held-out evaluation after the start"
+        return {**out, f"{key}_reason": reason, f"{key}_ci_reason": reason}
+    final, (level, runs) = curves["grpo"]["reward"][-1], start
+    out["grpo_final_heldout_success"] = final
+    if level is None or final <= level + 1e-9:
+        reason = ("no step-0 held-out evaluation to compare GRPO's final held-out success with" if level is None else
+                  f"GRPO's final held-out success ({final:.3f}) is not above the start student's ({level:.3f}: the mean "
+                  f"step-0 held-out success over {runs} runs of every method, all starting from the same student): "
+                  "GRPO did not improve, so reaching its final held-out success would measure the start student, "
+                  "not LOPD's efficiency")
+        return {**out, f"{key}_reason": reason, f"{key}_ci_reason": reason}
+    ci = budget_fraction_ci(curves["lopd"], curves["grpo"], 1, n_boot=max(1, n_boot // 5), reach_window=1,
+                            quantity="mean held-out success", target="final held-out success")
+    return {**out, key: budget_fraction(curves["lopd"], curves["grpo"], 1, 1), f"{key}_reason": None,
+            f"{key}_ci": ci["ci"], f"{key}_ci_reason": ci["reason"],
+            "lopd_heldout_budget_fraction_never_reached_share": ci["never_reached_share"]}
+
+
 def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, budget: int, smooth_window: int,
               val_before: float | None = None, n_boot: int = 10_000) -> dict[str, Any]:
     """The compare.json document (without the run metadata, which compare.py adds).
@@ -332,8 +446,10 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
     ``per_seed``), ``val_after_per_question``, ``val_before_per_question``, ``paired_vs_grpo``
     (:func:`paired_differences`; not for GRPO itself), ``paired_vs_start`` (the same against the method's
     own step-0 evaluation: did it move held-out success at all), ``wall_s`` (mean over seeds, every attempt), ``peak_mem_mb``, ``seeds``,
-    ``seconds_per_step``. Top level: ``val_examples``, ``start_val_success`` (mean over runs of the
-    step-0 evaluation), the efficiency keys of :func:`_efficiency`, ``task``, ``model``,
+    ``seconds_per_step``, ``paired_vs_grpo_two_level`` (:func:`two_level_paired` against GRPO's seeds,
+    beside ``paired_vs_grpo``; not for GRPO). Top level: ``val_examples``, ``start_val_success`` (mean over
+    runs of the step-0 evaluation), the efficiency keys of :func:`_efficiency` and of
+    :func:`heldout_efficiency`, ``task``, ``model``,
     ``budget_trajectories``, ``smooth_window``, ``intervals`` (how each interval is made) and ``seeds``.
     """
     methods = {name: method_summary(seed_runs, smooth_window, val_before) for name, seed_runs in runs.items()}
@@ -343,6 +459,9 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
                                if name != "grpo" and grpo_q and m["val_after_per_question"] else None)
         m["paired_vs_start"] = (paired_differences(m["val_after_per_question"], m["val_before_per_question"], n_boot=n_boot)
                                 if m["val_after_per_question"] and m["val_before_per_question"] else None)
+        m["paired_vs_grpo_two_level"] = (
+            two_level_paired(*(_final_per_question(runs[k]) for k in (name, "grpo")), n_boot=n_boot)
+            if m["paired_vs_grpo"] and _final_per_question(runs[name]) and _final_per_question(runs["grpo"]) else None)
     all_runs = [r for rs in runs.values() for r in rs]
     starts = [r["evaluations"][0]["success"] for r in all_runs if r.get("evaluations") and r["evaluations"][0]["step"] == 0]
     finals = [r["evaluations"][-1]["questions"] for r in all_runs if r.get("evaluations")]
@@ -352,11 +471,14 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
         "start_val_success": statistics.fmean(starts) if starts else val_before,
         "start_val_success_range": [min(starts), max(starts)] if starts else None,
         **_efficiency(methods, smooth_window, n_boot),
+        **heldout_efficiency(methods, (statistics.fmean(starts) if starts else None, len(starts)), n_boot),
         "task": task,
         "model": model,
         "budget_trajectories": budget,
         "smooth_window": smooth_window,
         "intervals": {"val_after_ci": VAL_AFTER_CI, "paired_vs_grpo.ci": PAIRED_CI, "paired_vs_start.ci": PAIRED_START_CI,
-                      "lopd_budget_fraction_to_grpo_final_ci": FRACTION_CI, "bootstrap_resamples": n_boot},
+                      "paired_vs_grpo_two_level.ci": PAIRED_TWO_LEVEL_CI,
+                      "lopd_budget_fraction_to_grpo_final_ci": FRACTION_CI,
+                      "lopd_heldout_budget_fraction_to_grpo_final_ci": HELDOUT_FRACTION_CI, "bootstrap_resamples": n_boot},
         "seeds": sorted({r["seed"] for r in all_runs}),
     }
