@@ -13,8 +13,9 @@
   ran on the same ``src/``), and the state of every run of a plan.
 - **Run files** (:func:`run_file`, :func:`read_run_files`, :func:`select_runs`): each finished run's
   result, ``<runs-dir>/<method>/seed_<s>.json`` (committed as it is written). The aggregation refuses
-  to mix runs of different ``src/`` trees, generation backends, budgets or held-out sets
-  (:class:`MixedRuns`) unless it is told which ones to use.
+  to mix runs of different ``src/`` trees, generation backends, budgets, held-out sets, start students,
+  banks, pretrained composers or library versions (``provenance``, compare_provenance.py;
+  :class:`MixedRuns`) unless it is told which ones to use.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ REWARD_TAG = "by_rollouts/reward_mean"
 
 
 class MixedRuns(ValueError):
-    """Run files that must not be aggregated together (different code, backend, budget or held-out set)."""
+    """Run files that must not be aggregated together (different code, backend, budget, held-out set, start
+    student, bank, composer or library versions)."""
 
 
 # ---------------------------------------------------------------------- provenance
@@ -243,41 +245,82 @@ def _heldout_set(run: dict[str, Any]) -> str:
     return f"{len(ids)} questions {hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8]}"
 
 
-#: what must agree across aggregated runs: name, how to read it from a run, the flag that chooses one.
+def _provenance(key: str):
+    """How to read ``provenance.<key>`` of a run file (None: the run has none, or predates provenance)."""
+    return lambda r: (r.get("provenance") or {}).get(key)
+
+
+#: what must agree across aggregated runs: name, how to read it from a run, the flag that chooses one, and the
+#: keyword of :func:`select_runs` that filters on it. A provenance value of None (GRPO reads no bank and no
+#: composer; a run file written before provenance was recorded) takes no part in the check.
 UNIFORM = (
-    ("src trees", lambda r: r["src"]["src_hash"], "--src-tree HASH"),
-    ("generation backends", lambda r: r["generation_backend"], "--backend NAME"),
-    ("budgets (trajectories per run)", lambda r: str(r["budget_trajectories"]), "--budget N"),
-    ("held-out sets", _heldout_set, None),
+    ("src trees", lambda r: r["src"]["src_hash"], "--src-tree HASH", "src_tree"),
+    ("generation backends", lambda r: r["generation_backend"], "--backend NAME", "backend"),
+    ("budgets (trajectories per run)", lambda r: str(r["budget_trajectories"]), "--budget N", "budget"),
+    ("held-out sets", _heldout_set, None, None),
+    ("start students (weights hash)", _provenance("student_hash"), "--student-hash HASH", "student_hash"),
+    ("experience banks (bank hash)", _provenance("bank_hash"), "--bank-hash HASH", "bank_hash"),
+    ("pretrained composers (composer hash)", _provenance("composer_hash"), "--composer-hash HASH", "composer_hash"),
+    ("library versions", _provenance("versions_key"), "--versions KEY", "versions"),
 )
+PROVENANCE_FILTERS = ("student_hash", "bank_hash", "composer_hash", "versions")
+
+
+def _matches(run: dict[str, Any], name: str, wanted: Any) -> bool:
+    """Whether ``run`` passes the filter ``name`` (a :data:`UNIFORM` keyword) set to ``wanted`` (None: no filter)."""
+    if wanted is None:
+        return True
+    if name == "src_tree":
+        return run["src"]["src_hash"].startswith(wanted) or (run["src"].get("src_tree") or "").startswith(wanted)
+    if name == "backend":
+        return run["generation_backend"] == wanted
+    if name == "budget":
+        return int(run["budget_trajectories"]) == int(wanted)
+    value = next(read for _, read, _, key in UNIFORM if key == name)(run)
+    return value is None or str(value).startswith(str(wanted))  # a run without one is not filtered out
+
+
+def _run_name(run: dict[str, Any]) -> str:
+    return run.get("path") or f"{run['method']}/seed_{run['seed']}"
+
+
+def _versions_labels(groups: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """``"<key> (torch 2.13.0, transformers 5.24.0)"`` per versions group, naming only the libraries that differ."""
+    versions = {key: runs[0]["provenance"]["versions"] or {} for key, runs in groups.items()}
+    differ = sorted({lib for v in versions.values() for lib in v
+                     if len({str(w.get(lib)) for w in versions.values()}) > 1})
+    return {key: f"{key} ({', '.join(f'{lib} {v.get(lib)}' for lib in differ)})" for key, v in versions.items()}
 
 
 def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, backend: str | None = None,
-                budget: int | None = None) -> list[dict[str, Any]]:
+                budget: int | None = None, student_hash: str | None = None, bank_hash: str | None = None,
+                composer_hash: str | None = None, versions: str | None = None) -> list[dict[str, Any]]:
     """The runs to aggregate: those of ``src_tree`` (a prefix of the run's ``src_hash`` or ``src_tree``),
-    ``backend`` and ``budget`` where given, checked to share one src tree, backend, budget and held-out set.
+    ``backend``, ``budget`` and the provenance prefixes (``student_hash``, ``bank_hash``, ``composer_hash``,
+    ``versions``: a run's ``provenance.versions_key``; a run without the value passes) where given, checked
+    to share one src tree, backend, budget, held-out set, start student, bank, composer and library versions
+    (:data:`UNIFORM`; runs without a bank or composer are left out of those two checks).
 
     Raises:
-        MixedRuns: the selected runs differ in one of those (the message names the values, the runs of
-            each and the flag that picks one), or nothing is left after the filters.
+        MixedRuns: the selected runs differ in one of those (one line naming the values, the runs of each and
+            the flag that picks one), or nothing is left after the filters.
     """
-    chosen = [
-        r for r in runs
-        if (src_tree is None or r["src"]["src_hash"].startswith(src_tree) or (r["src"].get("src_tree") or "").startswith(src_tree))
-        and (backend is None or r["generation_backend"] == backend)
-        and (budget is None or int(r["budget_trajectories"]) == budget)
-    ]
+    filters = {"src_tree": src_tree, "backend": backend, "budget": budget, "student_hash": student_hash,
+               "bank_hash": bank_hash, "composer_hash": composer_hash, "versions": versions}
+    chosen = [r for r in runs if all(_matches(r, name, wanted) for name, wanted in filters.items())]
     if runs and not chosen:
-        given = " ".join(f"--{k} {v}" for k, v in (("src-tree", src_tree), ("backend", backend), ("budget", budget)) if v is not None)
+        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in filters.items() if v is not None)
         raise MixedRuns(f"no run file matches {given}; the run files "
                         f"have src trees {sorted({r['src']['src_hash'] for r in runs})}, backends "
                         f"{sorted({r['generation_backend'] for r in runs})}, budgets {sorted({r['budget_trajectories'] for r in runs})}")
-    for what, value, flag in UNIFORM:
-        groups: dict[str, list[str]] = {}
+    for what, value, flag, _ in UNIFORM:
+        groups: dict[str, list[dict[str, Any]]] = {}
         for r in chosen:
-            groups.setdefault(value(r), []).append(r.get("path") or f"{r['method']}/seed_{r['seed']}")
+            if value(r) is not None:
+                groups.setdefault(value(r), []).append(r)
         if len(groups) > 1:
-            listed = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(groups.items()))
+            labels = _versions_labels(groups) if what == "library versions" else {k: k for k in groups}
+            listed = "; ".join(f"{labels[k]}: {', '.join(map(_run_name, v))}" for k, v in sorted(groups.items()))
             how = f"aggregate one with {flag}" if flag else "rerun the runs that differ"
             raise MixedRuns(f"refusing to aggregate runs from {len(groups)} {what} ({listed}); {how}")
     return chosen
