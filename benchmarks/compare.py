@@ -6,6 +6,8 @@
     python benchmarks/compare.py --plan evidence         # issue 17: the grid, in its order, resumable
     python benchmarks/compare.py --plan evidence --generation-backend vllm --lopd .venv-vllm/bin/lopd
     python benchmarks/compare.py --aggregate-only        # compare.{json,png,md} from the run files there are
+    python benchmarks/compare.py --plan experience --sweep-lr 3e-5,1e-4,3e-4 --lopd .venv-vllm/bin/lopd   # issue 33
+    python benchmarks/compare.py --plan experience --lopd .venv-vllm/bin/lopd   # issue 33: 15 runs, resumable
     python benchmarks/compare.py --config-dir configs/compare_tiny --budget 8 --in-process   # smoke test
 
 Each run merges ``<config-dir>/common.yaml`` with ``<config-dir>/<method>.yaml`` and its own settings
@@ -22,19 +24,27 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
   (``lopd fit ... --ckpt_path``). A finished run with the same config is read back, never run again.
 - **Provenance**: each finished run writes ``<runs-dir>/<method>/seed_<s>.json`` (default
   ``benchmarks/results/compare_runs``, to be committed at once) with the hash of the ``src/`` tree it ran
-  on, its generation backend, its config, its curves and its per-question held-out results. The
-  aggregation reads every run file there and refuses to mix src trees, backends, budgets or held-out
-  sets unless ``--src-tree`` / ``--backend`` / ``--budget`` choose (compare_runs.py).
-- **Plans**: ``grid`` (``--methods`` x ``--seeds``, seed-major) or ``evidence`` (:func:`evidence_plan`:
-  LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD, lopd_balanced and
-  lopd_m0_balanced; 192 trajectories a run; the start student of ``benchmarks/start_student.py``; learning rates from the sweep).
-- **Learning-rate sweep** (``--sweep-lr``, compare_sweep.py): LOPD and GRPO at each rate, 64
-  trajectories, seed 0, judged on a dev slice of the train split (``data.init_args.dev_slice``), never on
-  the held-out questions; writes ``compare_lr_sweep.json``; the other methods take GRPO's rate.
+  on, its generation backend, its config, its curves, its per-question held-out results and ``provenance``
+  (compare_provenance.py: the start student's weights hash, the pretrained composer's and the bank's hashes,
+  the library versions of the interpreter that ran ``lopd``, taken when the run starts and checked again when
+  it ends). The aggregation reads every run file there and refuses to mix src trees, backends, budgets,
+  held-out sets, start students, banks, composers or library versions unless ``--src-tree`` / ``--backend`` /
+  ``--budget`` / ``--student-hash`` / ``--bank-hash`` / ``--composer-hash`` / ``--versions`` choose (compare_runs.py).
+- **Plans** (compare_plans.py): ``grid`` (``--methods`` x ``--seeds``, seed-major), ``evidence``
+  (:func:`evidence_plan`: LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD,
+  lopd_balanced and lopd_m0_balanced; 192 trajectories a run; the start student of
+  ``benchmarks/start_student.py``; learning rates from the sweep) or ``experience`` (issue 33, hidden_rules:
+  :func:`experience_plan`, 15 runs from configs/experience, 280 trajectories and a held-out evaluation at
+  every 10% of them; its own run files, ``experience_runs``, and results, ``experience_compare.*``, which
+  also carry ``task_calibration``). ``--seed-cap N`` runs at most N seeds a method of a fixed plan.
+- **Learning-rate sweep** (``--sweep-lr``, compare_sweep.py): LOPD and GRPO (experience: and OPSD) at each
+  rate, 64 trajectories, seed 0, judged on a dev slice of the train split (``data.init_args.dev_slice``),
+  never on the held-out questions; writes ``compare_lr_sweep.json`` (experience: ``experience_lr_sweep.json``);
+  the other methods take their parent's rate (compare_plans.py).
 
 Outputs (``--out-dir``, default benchmarks/results): ``compare.json`` (keys: compare_stats.summarise),
 ``compare.png`` (training reward and held-out success against trajectories, bands over seeds) and
-``compare.md`` (a table).
+``compare.md`` (a table); ``experience_compare.*`` for the experience plan.
 """
 
 from __future__ import annotations
@@ -54,10 +64,28 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_plans  # noqa: E402,F401
+import compare_provenance  # noqa: E402,F401
 import compare_runs  # noqa: E402,F401  (the helpers, reachable as compare.compare_runs...)
 import compare_stats  # noqa: E402,F401
 import compare_sweep  # noqa: E402,F401
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
+from compare_plans import (  # noqa: E402,F401  (re-exported: compare.evidence_plan, compare.ALL_METHODS...)
+    ALL_METHODS,
+    EVIDENCE_BUDGET,
+    EVIDENCE_SEEDS,
+    EVIDENCE_STUDENT,
+    PLANS,
+    check_exact_evaluations,
+    evidence_plan,
+    experience_plan,
+    grid_plan,
+    plan_runs,
+    task_calibration,
+)
+from compare_args import parse_args  # noqa: E402
+from compare_args import start_student as _student  # noqa: E402
+from compare_provenance import changed_files, missing_composers, run_provenance  # noqa: E402
 from compare_report import plot, table  # noqa: E402,F401  (plot and table: part of this script's interface)
 from compare_runs import (  # noqa: E402
     MixedRuns,
@@ -75,9 +103,6 @@ from compare_runs import (  # noqa: E402
 )
 from compare_stats import budget_fraction, smooth, summarise  # noqa: E402,F401  (re-exported for the tests)
 from compare_sweep import (  # noqa: E402
-    DEV_QUESTIONS,
-    SWEEP_BUDGET,
-    SWEEP_METHODS,
     learning_rates_for,
     parse_rates,
     rate_folder,
@@ -85,14 +110,6 @@ from compare_sweep import (  # noqa: E402
 )
 
 METHODS = ("lopd", "grpo", "sdpo", "opsd", "skill_sd")
-#: every method with a config, in the order compare.json lists them.
-ALL_METHODS = ("lopd", "grpo", "sdpo", "lopd_m0", "opsd", "skill_sd", "lopd_balanced", "lopd_m0_balanced")
-#: seeds per method of the evidence plan (issue 17): LOPD and GRPO >= 3, SDPO and lopd_m0 >= 2, the rest >= 1;
-#: last, the margin ablation again with the balanced weighting of Delta (lopd_balanced, lopd_m0_balanced).
-EVIDENCE_SEEDS = {"lopd": 3, "grpo": 3, "sdpo": 2, "lopd_m0": 2, "opsd": 1, "skill_sd": 1, "lopd_balanced": 2,
-                  "lopd_m0_balanced": 2}
-EVIDENCE_BUDGET = 192
-EVIDENCE_STUDENT = "runs/evidence/sft_student"  # benchmarks/start_student.py's output
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 VAL_METRIC = "val/success_rate"
 
@@ -124,22 +141,6 @@ class RunSpec:
 def smooth_window(steps: int) -> int:
     """The default trailing-mean window (steps) of a run's final training reward: a quarter of its steps, at least 3."""
     return max(3, steps // 4)
-
-
-def evidence_plan(seeds: dict[str, int] | None = None) -> list[tuple[str, int]]:
-    """``(method, seed)`` in the evidence order of issue 17: LOPD and GRPO seed 0, then their further
-    seeds (LOPD 1, GRPO 1, LOPD 2, ...), then SDPO, lopd_m0, OPSD and Skill-SD with their seeds, then the
-    margin ablation with the balanced weighting (lopd_balanced, lopd_m0_balanced), so that a plan stopped
-    part-way has already answered the main question (LOPD against GRPO)."""
-    seeds = dict(EVIDENCE_SEEDS if seeds is None else seeds)
-    head = ("lopd", "grpo")
-    plan = [(m, s) for s in range(max(seeds[m] for m in head)) for m in head if s < seeds[m]]
-    return plan + [(m, s) for m in ALL_METHODS if m not in head for s in range(seeds.get(m, 0))]
-
-
-def grid_plan(methods: list[str], seeds: list[int]) -> list[tuple[str, int]]:
-    """``(method, seed)`` seed-major: a stopped grid still has every method at the first seed."""
-    return [(m, s) for s in seeds for m in methods]
 
 
 # ---------------------------------------------------------------------- configs
@@ -317,6 +318,7 @@ def finished_result(spec: RunSpec, config: dict[str, Any], run_dir: Path, attemp
         "budget_trajectories": spec.budget, "trajectories_per_step": per_step, "steps": steps,
         "learning_rate": init_args.get("learning_rate"),
         "src": attempts[0]["src"], "generation_backend": generation_backend(config),
+        "provenance": attempts[0].get("provenance"),
         "task": config["data"]["init_args"].get("task"), "model": init_args.get("model"),
         "curve": reward_curve(run_dir), "method_curves": method_curves(run_dir), "evaluations": evaluations,
         "summary": json.loads((run_dir / "summary.json").read_text()),
@@ -334,7 +336,9 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
     its aggregate uses (default :func:`smooth_window` of its steps).
 
     Raises:
-        SystemExit: ``result_path`` holds a finished run of another config (``rerun`` replaces it).
+        SystemExit: ``result_path`` holds a finished run of another config (``rerun`` replaces it), an
+            interrupted run started on other files or libraries (``provenance``), or a file the run read
+            changed under it.
     """
     run_dir = Path(root) / spec.method / spec.name
     if result_path.exists() and not rerun:
@@ -357,6 +361,14 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
     path = write_config(config, run_dir / "run.yaml")  # (LightningCLI saves its resolved config.yaml there)
     write_json_atomic(attempts, run_dir / "attempts.json")
     prepare_bank(config, path, in_process=in_process, threads=threads, log_dir=run_dir)
+    provenance = run_provenance(config, None if in_process else lopd_command())  # the files and libraries it reads
+    first = attempts[0].get("provenance")
+    if first is not None and first != provenance:  # a resumed run must not mix students, banks or libraries
+        differ = ", ".join(f"{k} {first.get(k)} -> {v}" for k, v in provenance.items() if first.get(k) != v)
+        raise SystemExit(f"error: the interrupted run in {run_dir} started with other files or libraries ({differ}); "
+                         "pass --rerun to start it again")
+    attempts[-1]["provenance"] = provenance
+    write_json_atomic(attempts, run_dir / "attempts.json")
     steps = config["trainer"]["max_steps"]
     args = ["fit", "-c", str(path)]
     if start is not None:
@@ -365,6 +377,9 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
                                                else f"{steps} steps") + f" -> {run_dir}", flush=True)
     attempts[-1]["wall_s"] = run_lopd(args, in_process=in_process, threads=threads, log_path=run_dir / "fit.log")
     write_json_atomic(attempts, run_dir / "attempts.json")
+    if changed := changed_files(provenance, config):
+        raise SystemExit(f"error: {', '.join(changed)}: a file {spec.method} {spec.name} read changed while it ran; "
+                         "its result is not written (pass --rerun once the files stay put)")
     result = finished_result(spec, config, run_dir, attempts)
     write_json_atomic(result, result_path)
     last = result["evaluations"][-1]
@@ -378,28 +393,35 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
 
 # ---------------------------------------------------------------------- the sweep, the plan, the aggregation
 def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], student: str | None) -> dict[str, Any]:
-    """LOPD and GRPO at every ``--sweep-lr`` rate on the dev slice; writes ``<out-dir>/compare_lr_sweep.json``."""
+    """The plan's swept methods (LOPD and GRPO; experience: and OPSD) at every ``--sweep-lr`` rate on the dev
+    slice; writes ``<out-dir>/<the plan's sweep file>`` (``compare_lr_sweep.json``, ``experience_lr_sweep.json``)."""
+    plan = PLANS[args.plan]
     rates = parse_rates(args.sweep_lr)
     root = args.root.parent / f"{args.root.name}_lr_sweep"
     seed = args.seeds[0] if args.seeds else 0
     specs = [RunSpec(m, seed, args.sweep_budget, learning_rate=rate, folder=rate_folder(rate), dev_slice=args.dev_questions,
                      evaluations=1, validate_before=(i == 0))  # the start's dev success is the same at every rate
-             for m in SWEEP_METHODS for i, rate in enumerate(rates)]
+             for m in plan.sweep_methods for i, rate in enumerate(rates)]
     full = [run_config(configs[s.method], s, root=root, student=student, backend=args.generation_backend,
                        checkpoint_every=args.checkpoint_every, dev_seed=args.dev_seed) for s in specs]  # all checked first
     if args.dry_run:
         return dry_run(specs, full, root, [root / s.method / f"{s.name}.json" for s in specs])
+    if missing := missing_composers(full):
+        raise SystemExit(f"error: no pretrained composer in {', '.join(missing)}: pretrain it first with the "
+                         f"`lopd pretrain-composer` command in the header of {args.config_dir}/lopd.yaml")
     results: dict[str, dict[float, dict[str, Any]]] = {}
     for spec, config in zip(specs, full):
         result = run_one(spec, config, root=root, result_path=root / spec.method / f"{spec.name}.json",
                          in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth or 3)
         results.setdefault(spec.method, {})[spec.learning_rate] = result
     first = next(iter(results.values()))[rates[0]]
+    extra = {"others": plan.others, "benchmark": plan.sweep_file.removesuffix(".json")} if plan.others else {}
     document = sweep_document(
         results, smooth_window=args.smooth or 3, learning_rates=rates, budget_trajectories=args.sweep_budget,
         dev_questions=args.dev_questions, dev_seed=args.dev_seed, task=first["task"], model=first["model"],
-        src=first["src"], generation_backend=first["generation_backend"], **run_metadata(seed=seed, argv=args.argv))
-    path = write_json_atomic(document, args.out_dir / "compare_lr_sweep.json")
+        src=first["src"], generation_backend=first["generation_backend"], provenance=first.get("provenance"), **extra,
+        **run_metadata(seed=seed, argv=args.argv))
+    path = write_json_atomic(document, args.out_dir / plan.sweep_file)
     for method, entry in document["methods"].items():
         line = ", ".join(f"{rate}: dev {r['dev_solved']}/{r['dev_questions']}" for rate, r in entry["runs"].items())
         print(f"{method}: {line} -> chosen {entry['chosen']:g}", flush=True)
@@ -408,33 +430,48 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], stud
 
 
 def plan_specs(args: argparse.Namespace, configs: dict[str, dict[str, Any]]) -> list[RunSpec]:
-    """The runs of ``--plan`` in order, with the learning rates of ``--lr-file`` (none: the configs')."""
-    plan = evidence_plan() if args.plan == "evidence" else grid_plan(args.methods, args.seeds)
+    """The runs of ``--plan`` in order, with the learning rates of ``--lr-file`` (none: the configs').
+
+    Raises:
+        SystemExit: no sweep file, or it lacks a rate a method needs; a budget whose held-out evaluations
+            cannot fall at every ``1 / --evaluations`` of it where the plan wants that (experience).
+    """
+    plan = PLANS[args.plan]
+    runs = plan_runs(plan, methods=args.methods, seeds=args.seeds, seed_cap=args.seed_cap)
     rates: dict[str, float] = {}
     if args.lr_file is not None:
         try:
-            rates = learning_rates_for(args.lr_file, sorted({m for m, _ in plan}))
+            rates = learning_rates_for(args.lr_file, sorted({m for m, _ in runs}), plan.parents, plan.name)
         except (FileNotFoundError, KeyError) as error:
             raise SystemExit(f"error: {error.args[0]}") from None
-    return [RunSpec(m, s, args.budget, learning_rate=rates.get(m), evaluations=args.evaluations) for m, s in plan]
+    if plan.exact_evaluations:
+        for method in sorted({m for m, _ in runs}):
+            try:
+                check_exact_evaluations(method, args.budget, trajectories_per_step(configs[method]), args.evaluations)
+            except ValueError as error:
+                raise SystemExit(f"error: {error}") from None
+    return [RunSpec(m, s, args.budget, learning_rate=rates.get(m), evaluations=args.evaluations) for m, s in runs]
 
 
 def aggregate(args: argparse.Namespace) -> dict[str, Any]:
-    """compare.{json,png,md} from every run file in ``--runs-dir`` (those of ``--src-tree``, ``--backend``
-    and ``--budget`` when given; after a plan, of the plan's budget).
+    """``<results>.{json,png,md}`` (compare.*, or experience_compare.* for the experience plan) from every run
+    file in ``--runs-dir`` (those of the ``--src-tree``, ``--backend``, ``--budget`` and provenance flags when
+    given; after a plan, of the plan's budget); the experience plan's also carries ``task_calibration``.
 
     Raises:
         SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
     """
+    plan = PLANS[args.plan]
     try:
         runs = select_runs(read_run_files(args.runs_dir), src_tree=args.src_tree, backend=args.backend,
-                           budget=args.budget)
+                           budget=args.budget, student_hash=args.student_hash, bank_hash=args.bank_hash,
+                           composer_hash=args.composer_hash, versions=args.versions)
     except MixedRuns as error:
         raise SystemExit(f"error: {error}") from None
     if not runs:
         raise SystemExit(f"error: no run files in {args.runs_dir}: run a plan first")
     by_method: dict[str, list[dict[str, Any]]] = {}
-    order = {m: i for i, m in enumerate(ALL_METHODS)}
+    order = {m: i for i, m in enumerate(plan.order)}
     for run in sorted(runs, key=lambda r: (order.get(r["method"], len(order)), r["method"], r["seed"])):
         by_method.setdefault(run["method"], []).append(run)
     first = runs[0]
@@ -443,97 +480,52 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                         smooth_window=args.smooth or smooth_window(int(first["steps"])))
     results.update(val_metric=VAL_METRIC, generation_backend=first["generation_backend"], **first["src"],
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
+                   provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},
                    run_files=[r["path"] for r in runs])
+    if plan.calibration and str(args.calibration).lower() == "none":
+        results.update(task_calibration=None, task_calibration_reason="not read (--calibration none)")
+    elif plan.calibration:
+        results.update(task_calibration(args.calibration or REPO_ROOT / plan.calibration, model=str(first["model"])))
     results.update(run_metadata(seed=min(results["seeds"]), argv=args.argv), seeds=results["seeds"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(results, args.out_dir / "compare.json")
-    plot(results, args.out_dir / "compare.png")
-    (args.out_dir / "compare.md").write_text(table(results))
+    names = [args.out_dir / f"{plan.results}.{ext}" for ext in ("json", "png", "md")]
+    write_json_atomic(results, names[0])
+    plot(results, names[1])
+    names[2].write_text(table(results))
     print(table(results), flush=True)
-    print(f"results: {args.out_dir / 'compare.json'}, compare.png, compare.md; tensorboard --logdir {args.root}", flush=True)
+    print(f"results: {', '.join(map(str, names))}; tensorboard --logdir {args.root}", flush=True)
     return results
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--plan", choices=("grid", "evidence"), default="grid",
-                   help="grid: --methods x --seeds; evidence: issue 17's runs in order (see evidence_plan)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), help=f"grid methods (default: {' '.join(METHODS)})")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="grid seeds (the sweep uses the first)")
-    p.add_argument("--budget", type=int, default=None,
-                   help=f"trajectories per run (default: {EVIDENCE_BUDGET} for the evidence plan, 32 for a grid)")
-    p.add_argument("--config-dir", type=Path, default=REPO_ROOT / "configs" / "compare")
-    p.add_argument("--root", type=Path, default=REPO_ROOT / "runs" / "compare", help="TensorBoard root and run folders")
-    p.add_argument("--student", default=None, help=f"the start student (default: the configs'; evidence: {EVIDENCE_STUDENT})")
-    p.add_argument("--generation-backend", choices=("hf", "vllm"), default=None,
-                   help="model.init_args.generation_backend of every run (default: the configs', hf)")
-    p.add_argument("--lopd", default=None, help="the lopd executable the runs use (e.g. .venv-vllm/bin/lopd for vllm)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where compare.{json,png,md} and the sweep go")
-    p.add_argument("--runs-dir", type=Path, default=None, help="the run files (default: <out-dir>/compare_runs)")
-    p.add_argument("--evaluations", type=int, default=3, help="held-out evaluations after the start (the last at the end)")
-    p.add_argument("--checkpoint-every", type=int, default=4, help="steps between saves of last.ckpt")
-    p.add_argument("--lr-file", default=None, help="the sweep's choices (evidence default: <out-dir>/compare_lr_sweep.json; "
-                                                    "'none': the configs' rates)")
-    p.add_argument("--sweep-lr", default=None, help="run the learning-rate sweep at these rates (e.g. 1e-5,3e-5,1e-4) and stop")
-    p.add_argument("--sweep-budget", type=int, default=SWEEP_BUDGET, help="trajectories per sweep run")
-    p.add_argument("--dev-questions", type=int, default=DEV_QUESTIONS, help="the sweep's dev slice of the train split")
-    p.add_argument("--dev-seed", type=int, default=0, help="seed of the dev slice (0: start_student.py's)")
-    p.add_argument("--aggregate-only", action="store_true", help="only aggregate the run files there are")
-    p.add_argument("--src-tree", default=None, help="aggregate only runs of this src hash (or tree hash) prefix")
-    p.add_argument("--backend", default=None, help="aggregate only runs of this generation backend")
-    p.add_argument("--smooth", type=int, default=None, help="trailing-mean window (steps) of the final reward "
-                   "(default: a quarter of a run's steps, at least 3; the sweep: 3)")
-    p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
-    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run")
-    p.add_argument("--rerun", action="store_true", help="run again even when a finished or interrupted run exists")
-    p.add_argument("--reuse", action="store_true", help="(the default now: finished runs are read back)")
-    p.add_argument("--dry-run", action="store_true", help="print the runs of the plan and their state; run nothing")
-    p.add_argument("--in-process", action="store_true", help="run fits in this process (tests; shared peak RSS)")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    for name in ("config_dir", "root", "out_dir"):  # absolute: runs start from the repository root
-        setattr(args, name, getattr(args, name).resolve())
-    args.runs_dir = (args.runs_dir or args.out_dir / "compare_runs").resolve()
-    if args.lr_file is None and args.plan == "evidence":
-        args.lr_file = args.out_dir / "compare_lr_sweep.json"
-    args.lr_file = None if str(args.lr_file).lower() == "none" else args.lr_file and Path(args.lr_file).resolve()
-    return args
-
-
-def _student(args: argparse.Namespace) -> str | None:
-    """``--student``, or the evidence plan's start student (which must exist)."""
-    if args.student is not None or args.plan != "evidence":
-        return args.student
-    if not (REPO_ROOT / EVIDENCE_STUDENT).exists() and not args.dry_run:
-        raise SystemExit(f"error: the evidence plan starts from {EVIDENCE_STUDENT}, which does not exist: run "
-                         "`python benchmarks/start_student.py` first (or pass --student)")
-    return EVIDENCE_STUDENT
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep, or the plan then the aggregation, or only the aggregation (see the module docstring).
 
-    Returns the compare.json document (the sweep's document with ``--sweep-lr``; ``{"plan": [...]}``
-    with ``--dry-run``).
+    Returns the results document (the sweep's document with ``--sweep-lr``; ``{"plan": [...]}`` with
+    ``--dry-run``).
     """
     global LOPD_EXECUTABLE
-    args = parse_args(argv)
+    args = parse_args(argv, description=__doc__.split("\n")[0], methods=METHODS, results=RESULTS)
     if args.aggregate_only:
         return aggregate(args)
     LOPD_EXECUTABLE = args.lopd and str(Path(args.lopd).resolve())
     if args.generation_backend == "vllm" and not args.lopd and importlib.util.find_spec("vllm") is None:
         raise SystemExit("error: --generation-backend vllm needs vLLM, which this environment lacks: pass "
                          "--lopd .venv-vllm/bin/lopd (`make test-vllm` makes that environment)")
-    methods = sorted({m for m, _ in (evidence_plan() if args.plan == "evidence" else grid_plan(args.methods, [0]))})
-    needed = list(SWEEP_METHODS) if args.sweep_lr else methods
+    plan = PLANS[args.plan]
+    methods = sorted({m for m, _ in plan_runs(plan, methods=args.methods, seeds=[0])})
+    needed = list(plan.sweep_methods) if args.sweep_lr else methods
     unknown = [m for m in needed if not (args.config_dir / f"{m}.yaml").exists()]
     if unknown:
         raise SystemExit(f"error: no config for {unknown} in {args.config_dir}")
     configs = {m: method_config(args.config_dir, m) for m in needed}
+    vllm = "vllm" in {args.generation_backend or generation_backend(c) for c in configs.values()}
+    if vllm and not args.lopd and not args.dry_run and importlib.util.find_spec("vllm") is None:
+        raise SystemExit(f"error: the configs in {args.config_dir} generate with vLLM (model.init_args.generation_backend),"
+                         " which this environment lacks: pass --lopd .venv-vllm/bin/lopd (or --generation-backend hf)")
     student = _student(args)
     if args.sweep_lr:
         return run_sweep(args, configs, student)
-    args.budget = args.budget or (EVIDENCE_BUDGET if args.plan == "evidence" else 32)
+    args.budget = args.budget or plan.budget
     specs = plan_specs(args, configs)
     full = [run_config(configs[s.method], s, root=args.root, student=student, backend=args.generation_backend,
                        checkpoint_every=args.checkpoint_every) for s in specs]  # every check before any run starts
@@ -542,6 +534,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"warning: trajectories per step differ ({per_step}); runs use floor(budget / per step) steps", flush=True)
     if args.dry_run:
         return dry_run(specs, full, args.root, [run_file(args.runs_dir, s.method, s.seed) for s in specs])
+    if missing := missing_composers(full):
+        raise SystemExit(f"error: no pretrained composer in {', '.join(missing)}: pretrain it first with the "
+                         f"`lopd pretrain-composer` command in the header of {args.config_dir}/lopd.yaml")
     for spec, config in zip(specs, full):
         run_one(spec, config, root=args.root, result_path=run_file(args.runs_dir, spec.method, spec.seed),
                 in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth)

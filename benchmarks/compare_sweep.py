@@ -79,9 +79,12 @@ def sweep_entry(result: dict[str, Any], smooth_window: int) -> dict[str, Any]:
     }
 
 
-def sweep_document(results: dict[str, dict[float, dict[str, Any]]], *, smooth_window: int, **settings: Any) -> dict[str, Any]:
-    """The ``compare_lr_sweep.json`` document: per method the runs by rate, the start's dev success and
-    the chosen rate; ``chosen`` (method -> rate), the rule, and ``settings`` (budget, seed, dev slice...)."""
+def sweep_document(results: dict[str, dict[float, dict[str, Any]]], *, smooth_window: int, others: str = OTHERS,
+                   benchmark: str = "compare_lr_sweep", **settings: Any) -> dict[str, Any]:
+    """The ``compare_lr_sweep.json`` document (``benchmark`` names it: ``experience_lr_sweep`` for the
+    experience plan): per method the runs by rate, the start's dev success and the chosen rate; ``chosen``
+    (method -> rate), the rule, ``others`` (which rate the methods not swept take), and ``settings``
+    (budget, seed, dev slice...)."""
     methods: dict[str, Any] = {}
     for method, by_rate in results.items():
         runs = {rate: sweep_entry(result, smooth_window) for rate, result in by_rate.items()}
@@ -91,25 +94,28 @@ def sweep_document(results: dict[str, dict[float, dict[str, Any]]], *, smooth_wi
             "runs": {f"{rate:g}": entry for rate, entry in runs.items()},
             "chosen": choose_learning_rate(runs),
         }
-    return {"benchmark": "compare_lr_sweep", **settings, "rule": RULE, "others": OTHERS, "methods": methods,
+    return {"benchmark": benchmark, **settings, "rule": RULE, "others": others, "methods": methods,
             "chosen": {m: v["chosen"] for m, v in methods.items()}}
 
 
-def learning_rates_for(path: Path, methods: list[str]) -> dict[str, float]:
-    """The student learning rate of each method from a sweep file: LOPD's choice for ``lopd`` and its
-    ablations (every method named ``lopd*``), GRPO's for every other method.
+def learning_rates_for(path: Path, methods: list[str], parents: dict[str, str] | None = None,
+                       plan: str = "evidence") -> dict[str, float]:
+    """The student learning rate of each method from a sweep file: the rate chosen for its parent in
+    ``parents`` (method -> swept method); without ``parents`` (the evidence plan), LOPD's choice for ``lopd``
+    and its ablations (every method named ``lopd*``) and GRPO's for every other method.
 
     Raises:
-        FileNotFoundError: no sweep file (the message gives the command that makes it).
-        KeyError: the file chose no rate for LOPD or GRPO where a method needs it.
+        FileNotFoundError: no sweep file (the message gives the command that makes it, for ``plan``).
+        KeyError: the file chose no rate for the parent a method needs.
     """
     if not Path(path).exists():
-        raise FileNotFoundError(f"no learning-rate sweep at {path}: run `python benchmarks/compare.py --plan evidence "
+        raise FileNotFoundError(f"no learning-rate sweep at {path}: run `python benchmarks/compare.py --plan {plan} "
                                 "--sweep-lr 3e-5,1e-4,3e-4` first (or pass --lr-file none to keep the configs' rates)")
     chosen = json.loads(Path(path).read_text())["chosen"]
     rates = {}
     for method in methods:
-        source = "lopd" if method.startswith("lopd") else "grpo"  # lopd, lopd_m0 and the balanced ablations
+        # lopd, lopd_m0 and the balanced ablations take LOPD's; the rest GRPO's (evidence plan)
+        source = (parents or {}).get(method) or ("lopd" if method.startswith("lopd") else "grpo")
         if source not in chosen:
             raise KeyError(f"{path} chose no learning rate for {source} (needed by {method})")
         rates[method] = float(chosen[source])

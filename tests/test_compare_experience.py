@@ -1,0 +1,291 @@
+"""benchmarks/compare.py --plan experience (issue 33, item 3): the configs (configs/experience), the 15 runs in
+their order, the held-out evaluations at every 10% of the budget, the learning rates of the sweep (LOPD, GRPO,
+OPSD; the others their parent's), the provenance recorded for each run (compare_provenance.py) and the
+aggregation's refusal to mix it, the task calibration in experience_compare.json, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import load_benchmark
+from test_compare import fake_run, write_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIENCE = ROOT / "configs" / "experience"
+TINY = ROOT / "configs" / "experience_tiny"
+METHODS = ("lopd", "grpo", "opsd", "skill_sd", "lopd_frozen", "lopd_m0")
+ORDER = [("lopd", 0), ("grpo", 0), ("opsd", 0), ("lopd", 1), ("grpo", 1), ("opsd", 1), ("lopd", 2), ("grpo", 2),
+         ("opsd", 2), ("skill_sd", 0), ("skill_sd", 1), ("lopd_frozen", 0), ("lopd_frozen", 1), ("lopd_m0", 0),
+         ("lopd_m0", 1)]
+
+
+@pytest.fixture(scope="module")
+def compare():
+    return load_benchmark("compare")
+
+
+# ---------------------------------------------------------------------- the plan
+def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path):
+    assert compare.experience_plan() == ORDER
+    (tmp_path / "experience_lr_sweep.json").write_text(json.dumps({"chosen": {"lopd": 3e-5, "grpo": 1e-5, "opsd": 1e-4}}))
+    base = ["--plan", "experience", "--dry-run", "--out-dir", str(tmp_path), "--root", str(tmp_path / "runs")]
+    rows = compare.main(base)["plan"]
+    # LOPD's ablations take LOPD's rate, Skill-SD GRPO's (SkillSDModule derives from GRPOModule)
+    rates = {"lopd": 3e-5, "lopd_frozen": 3e-5, "lopd_m0": 3e-5, "grpo": 1e-5, "skill_sd": 1e-5, "opsd": 1e-4}
+    assert [(r["method"], r["run"], r["budget"], r["steps"], r["learning_rate"], r["state"]) for r in rows] == [
+        (m, f"seed_{s}", 280, 70, rates[m], "new") for m, s in ORDER]
+    assert compare.compare_plans.EXPERIENCE_PARENTS["skill_sd"] == "grpo"
+    # the sweep: LOPD, GRPO and OPSD at each rate, 64 trajectories on the dev slice
+    sweep = compare.main([*base, "--sweep-lr", "3e-5,1e-4,3e-4"])["plan"]
+    assert [(r["method"], r["run"], r["steps"]) for r in sweep] == [
+        (m, f"lr_{lr:g}", 16) for m in ("lopd", "grpo", "opsd") for lr in (3e-5, 1e-4, 3e-4)]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "runs_lr_sweep").exists()
+    # 10% of 256 trajectories is not a whole number of 4-trajectory steps: refused, naming the budget that works
+    with pytest.raises(SystemExit, match=r"--budget 256: grpo takes 4 trajectories a step, so 10 held-out evaluations .* "
+                                         r"the smallest budget >= 256 that works is 280"):
+        compare.main([*base, "--budget", "256"])
+    with pytest.raises(SystemExit, match=r"no learning-rate sweep at .*experience_lr_sweep\.json: run `python "
+                                         r"benchmarks/compare.py --plan experience --sweep-lr"):
+        compare.main(["--plan", "experience", "--dry-run", "--out-dir", str(tmp_path / "elsewhere")])
+    # the plan's own folders: run files, results, TensorBoard root, configs, evaluations
+    args = compare.parse_args(["--plan", "experience"], description="", methods=compare.METHODS, results=tmp_path)
+    assert (args.runs_dir, args.root, args.config_dir) == (tmp_path / "experience_runs", ROOT / "runs" / "experience", EXPERIENCE)
+    assert args.evaluations == 10 and args.lr_file == tmp_path / "experience_lr_sweep.json"
+    assert compare.PLANS["experience"].results == "experience_compare"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_held_out_success_is_measured_at_every_tenth_of_the_budget(compare, tmp_path, method):
+    config = compare.method_config(EXPERIENCE, method)
+    run = compare.run_config(config, compare.RunSpec(method, 0, 280, evaluations=10), root=tmp_path,
+                             student=compare.PLANS["experience"].student)
+    steps, every = run["trainer"]["max_steps"], run["trainer"]["val_check_interval"]
+    per_step = compare.trajectories_per_step(run)
+    points = [k * every * per_step for k in range(1, steps // every + 1)]
+    assert points == [28 * k for k in range(1, 11)] and {56, 84} <= set(points)  # 20% and 30% are measured
+    assert run["model"]["init_args"]["validate_before_training"]  # and the start
+
+
+# ---------------------------------------------------------------------- the configs
+def print_config(path: Path, capsys) -> dict:
+    from lopd_lightning.cli.training import lightning_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        lightning_cli(["fit", "-c", str(path), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_experience_config_merges_parses_and_passes_the_fit_checks(compare, tmp_path, capsys, no_model_loading,
+                                                                         method):
+    from lopd_lightning.cli.checks import check_fit_config
+    from lopd_lightning.cli.training import lightning_cli
+
+    run = compare.run_config(compare.method_config(EXPERIENCE, method), compare.RunSpec(method, 0, 280, learning_rate=1e-4,
+                             evaluations=10), root=tmp_path, student=compare.PLANS["experience"].student)
+    path = compare.write_config(run, tmp_path / "run.yaml")
+    printed = print_config(path, capsys)
+    own = yaml.safe_load((EXPERIENCE / f"{method}.yaml").read_text())["model"]["class_path"]
+    assert printed["model"]["class_path"] == own and printed["data"]["init_args"]["task"] == "hidden_rules"
+    init = printed["model"]["init_args"]
+    assert (init["generation_backend"], init["model"]) == ("vllm", "runs/hidden_rules/sft_student_in_context")
+    check_fit_config(lightning_cli(["-c", str(path)], run=False, instantiate=False).config)  # lopd fit's own checks
+
+
+def test_the_experience_configs_share_the_task_student_sampling_and_bank(compare):
+    from lopd_lightning.tasks import get_task
+
+    configs = {m: compare.method_config(EXPERIENCE, m) for m in METHODS}
+    grid = compare.method_config(ROOT / "configs" / "compare", "grpo")["model"]["init_args"]
+    for method, config in configs.items():
+        init, data = config["model"]["init_args"], config["data"]["init_args"]
+        assert compare.trajectories_per_step(config) == 4, method
+        assert (data["task"], data["task_options"]) == ("hidden_rules", {"seed": 0, "references": "rules"})
+        assert init["model"] == compare.PLANS["experience"].student and init["generation_backend"] == "vllm"
+        for key in ("temperature", "top_p", "top_k", "max_new_tokens", "lora", "grad_clip"):
+            assert init[key] == grid[key], (method, key)  # the sampling and limits of configs/compare
+        reads = compare.compare_provenance.reads_bank(init, config["model"]["class_path"])
+        assert reads == (method.startswith("lopd") or method == "opsd")
+        if reads:
+            assert (init["bank_path"], init["embedder"]) == ("runs/experience/bank", "minilm")
+        assert init.get("composer_path") == ("runs/experience/composer" if method.startswith("lopd") else None)
+    heldout = get_task("hidden_rules", **configs["lopd"]["data"]["init_args"]["task_options"]).examples("val")
+    assert configs["lopd"]["data"]["init_args"]["val_limit"] == len(heldout) == 200  # every held-out task (>= 150)
+    assert configs["opsd"]["model"]["init_args"]["privileged_context"] == "retrieved"
+    lopd = configs["lopd"]
+    for ablation, key, value in (("lopd_frozen", "freeze_composer", True), ("lopd_m0", "margin", 0.0)):
+        other = configs[ablation]
+        assert other["model"]["init_args"].pop(key) == value
+        assert {k: v for k, v in lopd["model"]["init_args"].items() if k != key} == other["model"]["init_args"]
+        assert {k: v for k, v in lopd.items() if k != "model"} == {k: v for k, v in other.items() if k != "model"}
+    header = (EXPERIENCE / "lopd.yaml").read_text()
+    assert "lopd build-memory -c configs/experience/common.yaml -c configs/experience/lopd.yaml" in header
+    assert "lopd pretrain-composer -c configs/experience/common.yaml" in header and "--out runs/experience/composer" in header
+
+
+# ---------------------------------------------------------------------- provenance
+def test_the_files_a_run_reads_are_hashed_as_streams_and_cached(compare, tmp_path):
+    prov = compare.compare_provenance
+    student = tmp_path / "student"
+    student.mkdir()
+    weights = student / "model.safetensors"
+    content = b"w" * (3 << 20) + b"end"  # more than one 1 MiB chunk
+    weights.write_bytes(content)
+    assert prov.student_hash(str(student)) == hashlib.sha256(content).hexdigest()[:16]
+    stat = weights.stat()  # same size and mtime: the cached digest (the file is not read again)
+    weights.write_bytes(b"x" * len(content))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert prov.student_hash(str(student)) == hashlib.sha256(content).hexdigest()[:16]
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new mtime: read again
+    assert prov.student_hash(str(student)) == hashlib.sha256(b"x" * len(content)).hexdigest()[:16]
+    assert prov.student_hash("tiny") is None  # a registry name: no folder
+
+    bank = tmp_path / "bank"
+    bank.mkdir()
+    for name, text in (("meta.json", "{}"), ("experiences.jsonl", "a\n"), ("embeddings.npy", "e")):
+        (bank / name).write_text(text)
+    lopd = {"model": {"class_path": "lopd_lightning.modules.LOPDModule", "init_args": {"bank_path": str(bank)}}}
+    opsd = {"model": {"class_path": "lopd_lightning.modules.OPSDModule",
+                      "init_args": {"bank_path": str(bank), "privileged_context": "retrieved"}}}
+    reference = {"model": {"class_path": "lopd_lightning.modules.OPSDModule", "init_args": {"bank_path": str(bank)}}}
+    grpo = {"model": {"class_path": "lopd_lightning.modules.GRPOModule", "init_args": {}}}
+    digest = hashlib.sha256()
+    for name in ("embeddings.npy", "experiences.jsonl", "meta.json"):
+        digest.update(name.encode() + b"\0" + hashlib.sha256((bank / name).read_bytes()).hexdigest().encode())
+    assert prov.bank_hash(lopd) == prov.bank_hash(opsd) == digest.hexdigest()[:16]
+    assert prov.bank_hash(reference) is None and prov.bank_hash(grpo) is None
+    before = prov.file_provenance(lopd)
+    (bank / "experiences.jsonl").write_text("a\nb\n")
+    assert prov.changed_files(before, lopd) == [f"bank_hash {before['bank_hash']} -> {prov.bank_hash(lopd)}"]
+
+    composer = tmp_path / "composer"
+    lopd["model"]["init_args"]["composer_path"] = str(composer)
+    assert prov.missing_composers([lopd, grpo]) == [str(composer)]
+    with pytest.raises(FileNotFoundError, match="composer_path .* holds no composer.pt: pretrain it first"):
+        prov.composer_hash(str(composer))
+    composer.mkdir()
+    (composer / "composer.pt").write_bytes(b"phi")
+    (composer / "checkpoints").mkdir()  # what pretraining adds beside it is not part of the hash
+    (composer / "checkpoints" / "last.ckpt").write_bytes(b"more")
+    assert prov.composer_hash(str(composer)) == hashlib.sha256(b"phi").hexdigest()[:16]
+    assert prov.missing_composers([lopd]) == [] and prov.composer_hash(None) is None
+
+    versions = prov.library_versions()
+    assert {"python", "torch", "transformers", "lightning", "peft"} <= set(versions)
+    script = tmp_path / "lopd"
+    script.write_text("#!/some/env/bin/python\nprint()\n")
+    assert prov.interpreter_of([str(script)]) == "/some/env/bin/python"
+    assert prov.interpreter_of(["/usr/bin/python3", "-m", "lopd_lightning.cli"]) == "/usr/bin/python3"
+    record = prov.run_provenance(grpo)
+    assert record["versions"] == versions and record["versions_key"] == prov.versions_key(versions)
+    assert (record["student_hash"], record["bank_hash"], record["composer_hash"]) == (None, None, None)
+
+
+def with_provenance(run, *, student="s1", bank=None, composer=None, transformers="5.24.0"):
+    versions = {"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": transformers}
+    key = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
+    run["provenance"] = {"student_hash": student, "bank_hash": bank, "composer_hash": composer, "versions": versions,
+                         "versions_key": key}
+    return run
+
+
+def runs_key(path: Path) -> str:
+    return json.loads(path.read_text())["provenance"]["versions_key"]
+
+
+def test_the_aggregation_refuses_to_mix_students_banks_composers_or_libraries(compare, tmp_path):
+    final = {"q0": True, "q1": False, "q2": True, "q3": False}
+    out, runs = tmp_path / "out", tmp_path / "out" / "experience_runs"
+    base = ["--plan", "experience", "--aggregate-only", "--out-dir", str(out), "--bootstrap", "200", "--calibration", "none"]
+    write_runs(runs, with_provenance(fake_run("lopd", 0, final=final), bank="b1", composer="c1"),
+               with_provenance(fake_run("grpo", 0, final=final), student="s2"))
+    with pytest.raises(SystemExit, match=r"^error: refusing to aggregate runs from 2 start students \(weights hash\) \(s1: "
+                                         r"lopd/seed_0\.json; s2: grpo/seed_0\.json\); aggregate one with --student-hash HASH$"):
+        compare.main(base)
+    assert not (out / "experience_compare.json").exists()
+    assert list(compare.main([*base, "--student-hash", "s2"])["methods"]) == ["grpo"]
+    write_runs(runs, with_provenance(fake_run("grpo", 0, final=final)),  # GRPO reads no bank: not compared
+               with_provenance(fake_run("opsd", 0, final=final), bank="b2"))
+    with pytest.raises(SystemExit, match=r"2 experience banks \(bank hash\) \(b1: lopd/seed_0\.json; b2: opsd/seed_0\.json\); "
+                                         "aggregate one with --bank-hash HASH$"):
+        compare.main(base)
+    assert list(compare.main([*base, "--bank-hash", "b1"])["methods"]) == ["lopd", "grpo"]
+    (runs / "opsd" / "seed_0.json").unlink()
+    write_runs(runs, with_provenance(fake_run("lopd_frozen", 0, final=final), bank="b1", composer="c2"))
+    with pytest.raises(SystemExit, match=r"2 pretrained composers \(composer hash\) \(c1: lopd/seed_0\.json; c2: "
+                                         r"lopd_frozen/seed_0\.json\); aggregate one with --composer-hash HASH$"):
+        compare.main(base)
+    (runs / "lopd_frozen" / "seed_0.json").unlink()
+    older = with_provenance(fake_run("grpo", 1, final=final), transformers="5.19.0")
+    write_runs(runs, older)
+    groups = sorted([(older["provenance"]["versions_key"], "transformers 5.19.0", "grpo/seed_1.json"),
+                     (runs_key(runs / "lopd" / "seed_0.json"), "transformers 5.24.0", "grpo/seed_0.json, lopd/seed_0.json")])
+    listed = "; ".join(f"{key} ({libs}): {names}" for key, libs, names in groups)  # only the libraries that differ
+    with pytest.raises(SystemExit) as refused:
+        compare.main(base)
+    assert str(refused.value) == f"error: refusing to aggregate runs from 2 library versions ({listed}); aggregate one " \
+                                 "with --versions KEY"
+    data = compare.main([*base, "--versions", older["provenance"]["versions_key"][:4]])
+    assert data["methods"]["grpo"]["seeds"] == [1] and data["provenance"]["grpo"]["versions"]["transformers"] == "5.19.0"
+    assert data["task_calibration"] is None and "--calibration none" in data["task_calibration_reason"]
+    assert (out / "experience_compare.md").exists() and (out / "experience_compare.png").exists()
+
+
+def test_task_calibration_reads_the_three_numbers_or_says_why_not(compare, tmp_path):
+    plans = compare.compare_plans
+    real = plans.task_calibration(ROOT / plans.CALIBRATION, model="runs/hidden_rules/sft_student_in_context")
+    c = real["task_calibration"]
+    assert real["task_calibration_reason"] is None and c["n_heldout"] == 200 and c["same_student_as_runs"] is True
+    assert (c["student_success"], c["text_nearest_success"]) == (0.135, 0.62)  # 27 and 124 of 200
+    assert c["difference"] == pytest.approx(0.485) and c["difference_ci"] == [0.41, 0.555] and c["same_tool_rate"] == 0.995
+    missing = plans.task_calibration(tmp_path / "none.json")
+    assert missing["task_calibration"] is None and "no task calibration at" in missing["task_calibration_reason"]
+    (tmp_path / "partial.json").write_text(json.dumps({"n_heldout": 3}))
+    assert "lacks student_success" in plans.task_calibration(tmp_path / "partial.json")["task_calibration_reason"]
+
+
+# ---------------------------------------------------------------------- end to end, tiny
+def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compare, tmp_path):
+    from lopd_lightning.cli import main as lopd
+
+    configs, work = tmp_path / "configs", tmp_path / "work"
+    configs.mkdir()
+    for path in TINY.glob("*.yaml"):  # the tiny configs, their bank and composer in this test's folder
+        (configs / path.name).write_text(path.read_text().replace("runs/experience_tiny", str(work)))
+    stage = ["-c", str(configs / "common.yaml"), "-c", str(configs / "lopd.yaml"), "--model.init_args.composer_path=null"]
+    assert lopd(["build-memory", *stage, "--from-references"]) == 0
+    assert lopd(["pretrain-composer", *stage, "--out", str(work / "composer"), "--steps", "1"]) == 0
+    out, calibration = tmp_path / "out", ROOT / compare.compare_plans.CALIBRATION
+    data = compare.main(["--plan", "experience", "--config-dir", str(configs), "--student", "tiny", "--budget", "8",
+                         "--evaluations", "2", "--seed-cap", "1", "--lr-file", "none", "--root", str(tmp_path / "runs"),
+                         "--out-dir", str(out), "--in-process", "--bootstrap", "200", "--calibration", str(calibration)])
+    assert list(data["methods"]) == list(METHODS)
+    saved = json.loads((out / "experience_compare.json").read_text())
+    assert saved["task_calibration"]["student_success"] == 0.135 and saved["task_calibration"]["same_student_as_runs"] is False
+    assert (out / "experience_compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Task calibration (200 held-out tasks" in (out / "experience_compare.md").read_text()
+    for key in ("lopd_heldout_budget_fraction_to_grpo_final", "lopd_budget_fraction_to_grpo_final", "val_examples"):
+        assert key in saved
+    runs = {m: json.loads((out / "experience_runs" / m / "seed_0.json").read_text()) for m in METHODS}
+    banks, composers = set(), set()
+    for method, run in runs.items():
+        assert [e["step"] for e in run["evaluations"]] == [0, 1, 2] and run["evaluations"][-1]["questions"] == 4
+        assert (tmp_path / "runs" / method / "seed_0").is_dir()  # one TensorBoard root for every run
+        p = run["provenance"]
+        assert p["student_hash"] is None and p["versions"]["torch"] and p == run["attempts"][0]["provenance"]
+        reads = method.startswith("lopd") or method == "opsd"
+        assert (p["bank_hash"] is not None) == reads and (p["composer_hash"] is not None) == method.startswith("lopd")
+        banks.add(p["bank_hash"])
+        composers.add(p["composer_hash"])
+        if method != "grpo":
+            assert saved["methods"][method]["paired_vs_grpo_two_level"]["n_questions"] == 4
+    assert len(banks - {None}) == 1 and len(composers - {None}) == 1  # one bank, one composer for every run
+    expected = hashlib.sha256((work / "composer" / "composer.pt").read_bytes()).hexdigest()[:16]
+    assert composers - {None} == {expected}
