@@ -197,9 +197,13 @@ def _path(path: Path) -> str:
 
 
 def run_config(config: dict[str, Any], spec: RunSpec, *, root: Path, student: str | None = None,
-               backend: str | None = None, checkpoint_every: int = 4, dev_seed: int = 0) -> dict[str, Any]:
+               backend: str | None = None, checkpoint_every: int = 4, dev_seed: int = 0,
+               evaluated_checkpoint: bool = False) -> dict[str, Any]:
     """The full config of one run: the method's config with the seed, steps, evaluations, checkpoints,
-    logger, summary, learning rate, student and backend set.
+    logger, summary, learning rate, student and backend set. ``evaluated_checkpoint`` (the experience plan)
+    adds a second checkpoint, saved after every held-out evaluation (``checkpoints/evaluated.ckpt``): a run
+    stopped during an evaluation whose step also saved ``last.ckpt`` resumes from it and runs that evaluation
+    again (compare_runs.resume_checkpoint), where Lightning, resuming from ``last.ckpt``, would skip it.
 
     Raises:
         ValueError: the budget is smaller than one step's trajectories, or its steps do not hold the
@@ -224,8 +228,12 @@ def run_config(config: dict[str, Any], spec: RunSpec, *, root: Path, student: st
     checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                   "init_args": {"dirpath": _path(run_dir / "checkpoints"), "save_last": True, "save_top_k": 0,
                                 "every_n_train_steps": checkpoint_every, "enable_version_counter": False}}
+    evaluated = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",  # on_validation_end, overwritten
+                 "init_args": {"dirpath": _path(run_dir / "checkpoints"), "filename": compare_runs.EVALUATED,
+                               "save_top_k": 1, "every_n_epochs": 1, "save_on_train_epoch_end": False,
+                               "enable_version_counter": False}}
     kept = [c for c in trainer.get("callbacks") or [] if not c["class_path"].endswith(("RunSummary", "ModelCheckpoint"))]
-    trainer["callbacks"] = kept + [summary, checkpoint]
+    trainer["callbacks"] = kept + [summary, checkpoint] + ([evaluated] if evaluated_checkpoint else [])
     init_args = config.setdefault("model", {}).setdefault("init_args", {})
     init_args.update(seed=spec.seed, validate_before_training=spec.validate_before, save_generations=True)
     for key, value in (("model", student), ("generation_backend", backend), ("learning_rate", spec.learning_rate)):
@@ -349,10 +357,11 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
         raise SystemExit(f"error: {result_path} holds a finished {spec.method} {spec.name} run of another config; "
                          "pass --rerun to replace it, or --runs-dir to keep both")
     src = src_provenance()
-    start = None if rerun else resume_step(run_dir, config, src)
+    resume = None if rerun else resume_step(run_dir, config, src)
+    start, last_ckpt = (None, None) if resume is None else (resume[1], resume[0])
     if start is None and run_dir.exists():
         shutil.rmtree(run_dir)  # a rerun must not mix in an earlier run's curve, evaluations or checkpoint
-    saved, last_ckpt = run_dir / "attempts.json", run_dir / "checkpoints" / "last.ckpt"
+    saved = run_dir / "attempts.json"
     attempts = json.loads(saved.read_text()) if start is not None and saved.exists() else []
     if attempts and attempts[-1]["wall_s"] is None:  # the interrupted attempt: its time up to the checkpoint
         attempts[-1]["wall_s_to_checkpoint"] = last_ckpt.stat().st_mtime - attempts[-1]["started_unix"]
@@ -403,7 +412,8 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], stud
                      evaluations=1, validate_before=(i == 0))  # the start's dev success is the same at every rate
              for m in plan.sweep_methods for i, rate in enumerate(rates)]
     full = [run_config(configs[s.method], s, root=root, student=student, backend=args.generation_backend,
-                       checkpoint_every=args.checkpoint_every, dev_seed=args.dev_seed) for s in specs]  # all checked first
+                       checkpoint_every=args.checkpoint_every, dev_seed=args.dev_seed,
+                       evaluated_checkpoint=plan.evaluated_checkpoint) for s in specs]  # all checked first
     if args.dry_run:
         return dry_run(specs, full, root, [root / s.method / f"{s.name}.json" for s in specs])
     if missing := missing_composers(full):
@@ -528,7 +538,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.budget = args.budget or plan.budget
     specs = plan_specs(args, configs)
     full = [run_config(configs[s.method], s, root=args.root, student=student, backend=args.generation_backend,
-                       checkpoint_every=args.checkpoint_every) for s in specs]  # every check before any run starts
+                       checkpoint_every=args.checkpoint_every, evaluated_checkpoint=plan.evaluated_checkpoint)
+            for s in specs]  # every check before any run starts
     per_step = {m: trajectories_per_step(c) for m, c in configs.items()}
     if len({args.budget // n * n for n in per_step.values()}) > 1:
         print(f"warning: trajectories per step differ ({per_step}); runs use floor(budget / per step) steps", flush=True)

@@ -75,6 +75,9 @@ class Plan:
     order: tuple[str, ...] = ALL_METHODS
     exact_evaluations: bool = False  # the evaluations must fall at exactly k / evaluations of the budget
     calibration: str | None = None
+    #: a second checkpoint after every held-out evaluation, so that a run stopped during one resumes before it
+    #: (compare.run_config); off for the grid and evidence plans, whose finished run files hold configs without it
+    evaluated_checkpoint: bool = False
     student_hint: str = "python benchmarks/start_student.py"
 
 
@@ -87,7 +90,7 @@ PLANS = {
         evaluations=EXPERIENCE_EVALUATIONS, student=EXPERIENCE_STUDENT, results="experience_compare",
         runs_dir="experience_runs", sweep_file="experience_lr_sweep.json", sweep_methods=("lopd", "grpo", "opsd"),
         parents=EXPERIENCE_PARENTS, others=EXPERIENCE_OTHERS, seeds=EXPERIENCE_SEEDS, head=("lopd", "grpo", "opsd"),
-        order=EXPERIENCE_METHODS, exact_evaluations=True, calibration=CALIBRATION,
+        order=EXPERIENCE_METHODS, exact_evaluations=True, calibration=CALIBRATION, evaluated_checkpoint=True,
         student_hint="python benchmarks/start_student.py --task hidden_rules --task-options "
                      "'{\"references\": \"format_only\"}' --in-context-fraction 0.5 --steps 36 --out "
                      f"{EXPERIENCE_STUDENT}"),

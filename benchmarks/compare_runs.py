@@ -8,9 +8,10 @@
 - **The held-out evaluations** (:func:`heldout_evaluations`): every ``<log_dir>/generations/val_step_<k>.jsonl``
   (one JSON line per greedy episode, written by ``lopd_lightning.modules.observability``: ``example_id``,
   ``reward``, ``success``...), as the success per question and the fraction solved after k steps.
-- **Resuming** (:func:`resume_step`, :func:`checkpoint_step`, :func:`dry_run`): the step an interrupted
-  run continues from (its ``last.ckpt``, when its ``run.yaml`` is the same config and its first attempt
-  ran on the same ``src/``), and the state of every run of a plan.
+- **Resuming** (:func:`resume_step`, :func:`resume_checkpoint`, :func:`checkpoint_step`, :func:`dry_run`): the
+  checkpoint and step an interrupted run continues from (its ``last.ckpt``, when its ``run.yaml`` is the same
+  config and its first attempt ran on the same ``src/``; not one saved before an evaluation that never
+  finished), and the state of every run of a plan.
 - **Run files** (:func:`run_file`, :func:`read_run_files`, :func:`select_runs`): each finished run's
   result, ``<runs-dir>/<method>/seed_<s>.json`` (committed as it is written). The aggregation refuses
   to mix runs of different ``src/`` trees, generation backends, budgets, held-out sets, start students,
@@ -180,8 +181,39 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
-def resume_step(run_dir: Path, config: dict[str, Any], src: dict[str, Any]) -> int | None:
-    """The step an interrupted run of exactly this config continues from (None: start over).
+#: ``<run>/checkpoints/<EVALUATED>.ckpt``: the state after the newest held-out evaluation (compare.run_config's
+#: ``evaluated_checkpoint``), the checkpoint to resume from when ``last.ckpt`` precedes an unfinished evaluation.
+EVALUATED = "evaluated"
+
+
+def unfinished_evaluation(run_dir: Path, config: dict[str, Any], step: int) -> bool:
+    """Whether the run evaluates after ``step`` (a multiple of ``trainer.val_check_interval``) and that evaluation
+    wrote no ``generations/val_step_<step>.jsonl``: a ``last.ckpt`` saved at such a step precedes an evaluation
+    the run was stopped in, and Lightning, resuming from it, skips that evaluation."""
+    every = config.get("trainer", {}).get("val_check_interval")
+    return (step > 0 and isinstance(every, int) and every > 0 and step % every == 0
+            and not (Path(run_dir) / "generations" / f"val_step_{step}.jsonl").exists())
+
+
+def resume_checkpoint(run_dir: Path, config: dict[str, Any], *, quiet: bool = False) -> tuple[Path, int] | None:
+    """The checkpoint an interrupted run continues from and its step: ``last.ckpt``, unless it was saved before an
+    evaluation that never finished (:func:`unfinished_evaluation`); then the one saved after the last finished
+    evaluation (:data:`EVALUATED`), or None (start over: resuming would lose that held-out point)."""
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    step = checkpoint_step(last)
+    if step is None or not unfinished_evaluation(run_dir, config, step):
+        return None if step is None else (last, step)
+    evaluated = Path(run_dir) / "checkpoints" / f"{EVALUATED}.ckpt"
+    done = checkpoint_step(evaluated) if evaluated.exists() else None
+    if not quiet:
+        print(f"   {last} was saved at step {step}, before its held-out evaluation, which did not finish: "
+              + (f"resuming from {evaluated} (step {done})" if done is not None else "starting over"), flush=True)
+    return None if done is None else (evaluated, done)
+
+
+def resume_step(run_dir: Path, config: dict[str, Any], src: dict[str, Any]) -> tuple[Path, int] | None:
+    """The checkpoint and step an interrupted run of exactly this config continues from (:func:`resume_checkpoint`;
+    None: start over).
 
     Raises:
         SystemExit: the interrupted run started on another ``src/`` tree (a run must not mix code).
@@ -196,7 +228,7 @@ def resume_step(run_dir: Path, config: dict[str, Any], src: dict[str, Any]) -> i
     if attempts and attempts[0]["src"]["src_hash"] != src["src_hash"]:
         raise SystemExit(f"error: the interrupted run in {run_dir} started on src {attempts[0]['src']['src_hash']}, this "
                          f"checkout's src is {src['src_hash']}: pass --rerun to start it again on this code")
-    return checkpoint_step(last)
+    return resume_checkpoint(run_dir, config)
 
 
 def dry_run(specs: list[Any], configs: list[dict[str, Any]], root: Path, results: list[Path]) -> dict[str, Any]:
@@ -210,7 +242,9 @@ def dry_run(specs: list[Any], configs: list[dict[str, Any]], root: Path, results
             same = json.loads(result_path.read_text()).get("config") == config
             state = "finished" if same else "another config finished (--rerun replaces it)"
         elif last.exists() and read_config(run_dir / "run.yaml") == config:
-            state = f"resumable at step {checkpoint_step(last)}"
+            resume = resume_checkpoint(run_dir, config, quiet=True)
+            state = "new (its last.ckpt cannot be resumed)" if resume is None else \
+                f"resumable at step {resume[1]}"
         else:
             state = "new"
         rows.append({"method": spec.method, "run": spec.name, "budget": spec.budget,

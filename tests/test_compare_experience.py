@@ -64,12 +64,56 @@ def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path):
 def test_held_out_success_is_measured_at_every_tenth_of_the_budget(compare, tmp_path, method):
     config = compare.method_config(EXPERIENCE, method)
     run = compare.run_config(config, compare.RunSpec(method, 0, 280, evaluations=10), root=tmp_path,
-                             student=compare.PLANS["experience"].student)
+                             student=compare.PLANS["experience"].student,
+                             evaluated_checkpoint=compare.PLANS["experience"].evaluated_checkpoint)
+    saves = [c["init_args"] for c in run["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    assert [s.get("every_n_train_steps") for s in saves] == [4, None] and saves[1]["filename"] == "evaluated"
     steps, every = run["trainer"]["max_steps"], run["trainer"]["val_check_interval"]
     per_step = compare.trajectories_per_step(run)
     points = [k * every * per_step for k in range(1, steps // every + 1)]
     assert points == [28 * k for k in range(1, 11)] and {56, 84} <= set(points)  # 20% and 30% are measured
     assert run["model"]["init_args"]["validate_before_training"]  # and the start
+
+
+@pytest.mark.parametrize("evaluated", [True, False])
+def test_a_run_stopped_during_an_evaluation_at_a_checkpoint_step_runs_that_evaluation_again(compare, tmp_path,
+                                                                                         monkeypatch, evaluated):
+    """6 steps, an evaluation every 2, last.ckpt every 4: stopped during the step-4 evaluation, after last.ckpt was
+    saved at step 4. Lightning, resuming from that checkpoint, would skip the step-4 evaluation (the run file
+    had evaluations [0, 2, 6]); the experience plan resumes from the checkpoint saved after the step-2
+    evaluation instead, a plan without that checkpoint starts over."""
+    import dataclasses
+
+    from lopd_lightning.modules.evaluation import EvaluationMixin
+
+    monkeypatch.setitem(compare.PLANS, "grid", dataclasses.replace(compare.PLANS["grid"], evaluated_checkpoint=evaluated))
+    args = ["--config-dir", str(ROOT / "configs" / "compare_tiny"), "--budget", "24", "--evaluations", "3", "--methods",
+            "grpo", "--seeds", "0", "--root", str(tmp_path / "runs"), "--out-dir", str(tmp_path), "--in-process",
+            "--checkpoint-every", "4", "--bootstrap", "50"]
+    real, stop = EvaluationMixin.validation_step, {"armed": True}
+
+    def stopped_at_step_4(self, examples, batch_idx):
+        if stop["armed"] and self.global_step == 4:
+            raise RuntimeError("stopped during the step-4 evaluation")
+        return real(self, examples, batch_idx)
+
+    monkeypatch.setattr(EvaluationMixin, "validation_step", stopped_at_step_4)
+    with pytest.raises(RuntimeError):
+        compare.main(args)
+    run_dir = tmp_path / "runs" / "grpo" / "seed_0"
+    assert compare.checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 4
+    assert not (run_dir / "generations" / "val_step_4.jsonl").exists()
+    state = "resumable at step 2" if evaluated else "new (its last.ckpt cannot be resumed)"
+    assert compare.main([*args, "--dry-run"])["plan"][0]["state"] == state
+    stop["armed"] = False
+    compare.main(args)
+    result = json.loads((tmp_path / "compare_runs" / "grpo" / "seed_0.json").read_text())
+    assert [e["step"] for e in result["evaluations"]] == [0, 2, 4, 6]
+    assert [a["start_step"] for a in result["attempts"]] == ([0, 2] if evaluated else [0])
+    assert [x for x, _ in result["curve"]] == [4 * k for k in range(1, 7)] and result["summary"]["steps"] == 6
+    newest = max(run_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns)
+    resumed = [x for x, _ in compare.compare_runs.reward_points(newest)]
+    assert resumed == ([12, 16, 20, 24] if evaluated else [4 * k for k in range(1, 7)])  # steps 3-6, each once
 
 
 # ---------------------------------------------------------------------- the configs
@@ -89,7 +133,8 @@ def test_every_experience_config_merges_parses_and_passes_the_fit_checks(compare
     from lopd_lightning.cli.training import lightning_cli
 
     run = compare.run_config(compare.method_config(EXPERIENCE, method), compare.RunSpec(method, 0, 280, learning_rate=1e-4,
-                             evaluations=10), root=tmp_path, student=compare.PLANS["experience"].student)
+                             evaluations=10), root=tmp_path, student=compare.PLANS["experience"].student,
+                             evaluated_checkpoint=True)
     path = compare.write_config(run, tmp_path / "run.yaml")
     printed = print_config(path, capsys)
     own = yaml.safe_load((EXPERIENCE / f"{method}.yaml").read_text())["model"]["class_path"]
