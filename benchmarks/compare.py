@@ -364,7 +364,8 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
     saved = run_dir / "attempts.json"
     attempts = json.loads(saved.read_text()) if start is not None and saved.exists() else []
     if attempts and attempts[-1]["wall_s"] is None:  # the interrupted attempt: its time up to the checkpoint
-        attempts[-1]["wall_s_to_checkpoint"] = last_ckpt.stat().st_mtime - attempts[-1]["started_unix"]
+        # (0 for one stopped before it wrote the checkpoint resumed from: an earlier attempt's, older than its start)
+        attempts[-1]["wall_s_to_checkpoint"] = max(0.0, last_ckpt.stat().st_mtime - attempts[-1]["started_unix"])
     attempts.append({"start_step": start or 0, "src": src, "wall_s": None, "started_unix": time.time(),
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     path = write_config(config, run_dir / "run.yaml")  # (LightningCLI saves its resolved config.yaml there)

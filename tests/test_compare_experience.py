@@ -116,6 +116,35 @@ def test_a_run_stopped_during_an_evaluation_at_a_checkpoint_step_runs_that_evalu
     assert resumed == ([12, 16, 20, 24] if evaluated else [4 * k for k in range(1, 7)])  # steps 3-6, each once
 
 
+def test_an_attempt_stopped_before_its_first_checkpoint_adds_no_negative_time(compare, tmp_path, monkeypatch):
+    """Stopped after its step-2 checkpoint, then stopped again before the resumed fit saved one (a session that
+    ended while the engine loaded): that second attempt's time up to the checkpoint is 0, not the (negative)
+    checkpoint time minus its start, which made the run's wall_s smaller than its first attempt's."""
+    args = ["--config-dir", str(ROOT / "configs" / "compare_tiny"), "--budget", "12", "--methods", "grpo", "--seeds", "0",
+            "--root", str(tmp_path / "runs"), "--out-dir", str(tmp_path), "--in-process", "--checkpoint-every", "1",
+            "--bootstrap", "50"]
+    real = compare.run_lopd
+
+    def stopped_after_step_2(command, **kw):
+        real([*command, "--trainer.max_steps=2"], **kw)
+        raise KeyboardInterrupt("stopped")
+
+    def stopped_at_once(command, **kw):
+        raise KeyboardInterrupt("stopped before the first checkpoint")
+
+    for stop in (stopped_after_step_2, stopped_at_once):
+        monkeypatch.setattr(compare, "run_lopd", stop)
+        with pytest.raises(KeyboardInterrupt):
+            compare.main(args)
+    monkeypatch.setattr(compare, "run_lopd", real)
+    compare.main(args)
+    result = json.loads((tmp_path / "compare_runs" / "grpo" / "seed_0.json").read_text())
+    first, second, third = result["attempts"]
+    assert [a["start_step"] for a in result["attempts"]] == [0, 2, 2]
+    assert first["wall_s_to_checkpoint"] > 0 and second["wall_s_to_checkpoint"] == 0.0
+    assert result["wall_s"] == pytest.approx(first["wall_s_to_checkpoint"] + third["wall_s"])
+
+
 # ---------------------------------------------------------------------- the configs
 def print_config(path: Path, capsys) -> dict:
     from lopd_lightning.cli.training import lightning_cli
