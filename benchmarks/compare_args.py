@@ -74,10 +74,21 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     return args
 
 
+#: the students ``lopd`` loads by name rather than from a folder (lopd_lightning.models.load_student).
+NAMED_STUDENTS = ("tiny", "smollm2-135m-instruct")
+
+
 def start_student(args: argparse.Namespace) -> str | None:
-    """``--student``, or the fixed plan's start student (which must exist)."""
+    """``--student`` (a folder, read from the repository root as the runs read it, or a named student), or the
+    fixed plan's start student (which must exist). Refused in one line, before any run starts, when it is not
+    there (outside ``--dry-run``)."""
     plan = PLANS[args.plan]
-    if args.student is not None or plan.student is None:
+    if args.student is not None:
+        if args.student not in NAMED_STUDENTS and not args.dry_run and not (REPO_ROOT / args.student).is_dir():
+            raise SystemExit(f"error: --student {args.student}: no such folder (the runs read it from {REPO_ROOT}); "
+                             f"give a model folder or one of {', '.join(NAMED_STUDENTS)}")
+        return args.student
+    if plan.student is None:
         return args.student
     if not (REPO_ROOT / plan.student).exists() and not args.dry_run:
         raise SystemExit(f"error: the {plan.name} plan starts from {plan.student}, which does not exist: run "

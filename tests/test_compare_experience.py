@@ -145,6 +145,21 @@ def test_an_attempt_stopped_before_its_first_checkpoint_adds_no_negative_time(co
     assert result["wall_s"] == pytest.approx(first["wall_s_to_checkpoint"] + third["wall_s"])
 
 
+def test_a_missing_student_folder_is_refused_in_one_line_before_any_run(compare, tmp_path):
+    """It was passed to the runs, whose `lopd fit` failed on it: a traceback with the log's tail, after the
+    engine had started."""
+    base = ["--config-dir", str(ROOT / "configs" / "compare_tiny"), "--budget", "4", "--methods", "grpo", "--seeds", "0",
+            "--root", str(tmp_path / "runs"), "--out-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as refused:
+        compare.main([*base, "--student", "runs/no_such_student"])
+    assert str(refused.value) == (f"error: --student runs/no_such_student: no such folder (the runs read it from {ROOT}); "
+                                  "give a model folder or one of tiny, smollm2-135m-instruct")
+    assert not (tmp_path / "runs").exists()
+    assert compare.main([*base, "--student", "runs/no_such_student", "--dry-run"])["plan"][0]["state"] == "new"
+    assert compare._student(compare.parse_args(
+        ["--student", "tiny"], description="", methods=compare.METHODS, results=tmp_path)) == "tiny"
+
+
 # ---------------------------------------------------------------------- the configs
 def print_config(path: Path, capsys) -> dict:
     from lopd_lightning.cli.training import lightning_cli
