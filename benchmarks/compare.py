@@ -259,6 +259,20 @@ def write_config(config: dict[str, Any], path: Path) -> Path:
 # ---------------------------------------------------------------------- running
 #: the ``lopd`` executable of the runs when ``--lopd`` names one (e.g. ``.venv-vllm/bin/lopd``).
 LOPD_EXECUTABLE: str | None = None
+#: the descriptor of compare_runs.hold_lock while a plan or sweep runs (:func:`locked`); every lopd command inherits it.
+LOCK_FD: int | None = None
+
+
+@contextlib.contextmanager
+def locked(folder: Path):
+    """Hold compare_runs.hold_lock on ``folder`` (the runs' root) as :data:`LOCK_FD` until the block ends."""
+    global LOCK_FD
+    LOCK_FD = compare_runs.hold_lock(folder)
+    try:
+        yield
+    finally:
+        os.close(LOCK_FD)
+        LOCK_FD = None
 
 
 def lopd_command() -> list[str]:
@@ -291,7 +305,16 @@ def run_lopd(args: list[str], *, in_process: bool, threads: int | None, log_path
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path or os.devnull, "a") as out:  # appended: a resumed run's log follows the interrupted one
-        proc = subprocess.run([*lopd_command(), *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        held = () if LOCK_FD is None else (LOCK_FD,)  # the lock outlives this process while the command runs
+        with subprocess.Popen([*lopd_command(), *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                              pass_fds=held) as proc:
+            if held:
+                compare_runs.note_lock(LOCK_FD, f"compare.py pid {os.getpid()}, lopd pid {proc.pid}: lopd {' '.join(args)}")
+            try:
+                proc.wait()
+            except BaseException:  # as subprocess.run: the command does not outlive an exception here
+                proc.kill()
+                raise
     if proc.returncode != 0:
         tail = log_path.read_text()[-3000:] if log_path else ""
         raise RuntimeError(f"`lopd {' '.join(args)}` failed with exit code {proc.returncode}; log {log_path}:\n{tail}")
@@ -421,10 +444,11 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], stud
         raise SystemExit(f"error: no pretrained composer in {', '.join(missing)}: pretrain it first with the "
                          f"`lopd pretrain-composer` command in the header of {args.config_dir}/lopd.yaml")
     results: dict[str, dict[float, dict[str, Any]]] = {}
-    for spec, config in zip(specs, full):
-        result = run_one(spec, config, root=root, result_path=root / spec.method / f"{spec.name}.json",
-                         in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth or 3)
-        results.setdefault(spec.method, {})[spec.learning_rate] = result
+    with locked(root):
+        for spec, config in zip(specs, full):
+            result = run_one(spec, config, root=root, result_path=root / spec.method / f"{spec.name}.json",
+                             in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth or 3)
+            results.setdefault(spec.method, {})[spec.learning_rate] = result
     first = next(iter(results.values()))[rates[0]]
     extra = {"others": plan.others, "benchmark": plan.sweep_file.removesuffix(".json")} if plan.others else {}
     document = sweep_document(
@@ -549,9 +573,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if missing := missing_composers(full):
         raise SystemExit(f"error: no pretrained composer in {', '.join(missing)}: pretrain it first with the "
                          f"`lopd pretrain-composer` command in the header of {args.config_dir}/lopd.yaml")
-    for spec, config in zip(specs, full):
-        run_one(spec, config, root=args.root, result_path=run_file(args.runs_dir, spec.method, spec.seed),
-                in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth)
+    with locked(args.root):  # one compare.py (and its lopd commands) at a time on these runs
+        for spec, config in zip(specs, full):
+            run_one(spec, config, root=args.root, result_path=run_file(args.runs_dir, spec.method, spec.seed),
+                    in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth)
     return aggregate(args)
 
 

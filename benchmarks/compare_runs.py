@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -229,6 +230,40 @@ def resume_step(run_dir: Path, config: dict[str, Any], src: dict[str, Any]) -> t
         raise SystemExit(f"error: the interrupted run in {run_dir} started on src {attempts[0]['src']['src_hash']}, this "
                          f"checkout's src is {src['src_hash']}: pass --rerun to start it again on this code")
     return resume_checkpoint(run_dir, config)
+
+
+LOCK = ".compare.lock"
+
+
+def hold_lock(folder: Path) -> int:
+    """Lock ``<folder>/.compare.lock`` (``flock``, exclusive) for this process and the ``lopd`` commands it starts,
+    which inherit the descriptor (compare.run_lopd): a fit whose compare.py was killed (a session's end; a kill by
+    pid) still holds it, so a second compare.py on the same runs refuses instead of training beside it. Returns
+    the descriptor (the lock is released when every process holding it has ended).
+
+    Raises:
+        SystemExit: another process holds it (one line, naming what the file says holds it).
+    """
+    import fcntl
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 500).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise SystemExit(f"error: {folder} is in use ({holder}): a compare.py, or a lopd command of one that was "
+                         "stopped, still runs there; wait for it to end, or end that process") from None
+    note_lock(fd, f"compare.py pid {os.getpid()}")
+    return fd
+
+
+def note_lock(fd: int, holder: str) -> None:
+    """Write who holds the lock of :func:`hold_lock` (what a refused compare.py prints)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode(), 0)
 
 
 def dry_run(specs: list[Any], configs: list[dict[str, Any]], root: Path, results: list[Path]) -> dict[str, Any]:

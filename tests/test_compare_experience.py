@@ -160,6 +160,46 @@ def test_a_missing_student_folder_is_refused_in_one_line_before_any_run(compare,
         ["--student", "tiny"], description="", methods=compare.METHODS, results=tmp_path)) == "tiny"
 
 
+def test_a_second_compare_py_refuses_while_the_fit_of_a_killed_one_still_runs(compare, tmp_path):
+    """compare.py killed by its pid (a session's end) leaves its `lopd fit` running; a compare.py started again
+    resumed the same run beside it (two fits on one run folder). The fit inherits compare.py's lock on the runs'
+    root, so the second one refuses in one line naming both pids, and goes on once the fit has ended."""
+    import contextlib
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["--config-dir", str(ROOT / "configs" / "compare_tiny"), "--budget", "4000", "--methods", "grpo", "--seeds",
+            "0", "--root", str(tmp_path / "runs"), "--out-dir", str(tmp_path)]
+    parent = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "compare.py"), *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    lock, deadline = tmp_path / "runs" / ".compare.lock", time.time() + 60
+    try:
+        fit_log = tmp_path / "runs" / "grpo" / "seed_0" / "fit.log"
+        while not fit_log.exists() or "lopd pid" not in (lock.read_text() if lock.exists() else ""):
+            assert time.time() < deadline and parent.poll() is None, "compare.py started no fit, or wrote no lock"
+            time.sleep(0.1)
+        fit = int(re.search(r"lopd pid (\d+)", lock.read_text()).group(1))
+        parent.kill()  # SIGKILL, compare.py only
+        parent.wait()
+        os.kill(fit, 0)  # its fit lives on
+        with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(tmp_path / 'runs'))} is in use \(compare.py pid "
+                                             rf"{parent.pid}, lopd pid {fit}: lopd fit -c .*run\.yaml\): a compare\.py"):
+            compare.main(args)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)  # the processes this test started: compare.py and its fit
+    while True:  # the lock goes with the fit
+        try:
+            os.close(compare.compare_runs.hold_lock(tmp_path / "runs"))
+            break
+        except SystemExit:
+            assert time.time() < deadline
+            time.sleep(0.1)
+
+
 # ---------------------------------------------------------------------- the configs
 def print_config(path: Path, capsys) -> dict:
     from lopd_lightning.cli.training import lightning_cli
