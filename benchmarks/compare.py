@@ -248,6 +248,18 @@ def run_config(config: dict[str, Any], spec: RunSpec, *, root: Path, student: st
     return config
 
 
+def run_configs(args: argparse.Namespace, configs: dict[str, dict[str, Any]], specs: list[RunSpec], root: Path,
+                student: str | None) -> list[dict[str, Any]]:
+    """:func:`run_config` of every spec, with the command line's settings; a budget or evaluation count that does
+    not fit (its ValueError) is refused in one ``error:`` line (SystemExit)."""
+    try:
+        return [run_config(configs[s.method], s, root=root, student=student, backend=args.generation_backend,
+                           checkpoint_every=args.checkpoint_every, dev_seed=args.dev_seed,
+                           evaluated_checkpoint=PLANS[args.plan].evaluated_checkpoint) for s in specs]
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def write_config(config: dict[str, Any], path: Path) -> Path:
     from omegaconf import OmegaConf
 
@@ -429,15 +441,16 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], stud
     """The plan's swept methods (LOPD and GRPO; experience: and OPSD) at every ``--sweep-lr`` rate on the dev
     slice; writes ``<out-dir>/<the plan's sweep file>`` (``compare_lr_sweep.json``, ``experience_lr_sweep.json``)."""
     plan = PLANS[args.plan]
-    rates = parse_rates(args.sweep_lr)
+    try:
+        rates = parse_rates(args.sweep_lr)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     root = args.root.parent / f"{args.root.name}_lr_sweep"
     seed = args.seeds[0] if args.seeds else 0
     specs = [RunSpec(m, seed, args.sweep_budget, learning_rate=rate, folder=rate_folder(rate), dev_slice=args.dev_questions,
                      evaluations=1, validate_before=(i == 0))  # the start's dev success is the same at every rate
              for m in plan.sweep_methods for i, rate in enumerate(rates)]
-    full = [run_config(configs[s.method], s, root=root, student=student, backend=args.generation_backend,
-                       checkpoint_every=args.checkpoint_every, dev_seed=args.dev_seed,
-                       evaluated_checkpoint=plan.evaluated_checkpoint) for s in specs]  # all checked first
+    full = run_configs(args, configs, specs, root, student)  # all checked first
     if args.dry_run:
         return dry_run(specs, full, root, [root / s.method / f"{s.name}.json" for s in specs])
     if missing := missing_composers(full):
@@ -562,9 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run_sweep(args, configs, student)
     args.budget = args.budget or plan.budget
     specs = plan_specs(args, configs)
-    full = [run_config(configs[s.method], s, root=args.root, student=student, backend=args.generation_backend,
-                       checkpoint_every=args.checkpoint_every, evaluated_checkpoint=plan.evaluated_checkpoint)
-            for s in specs]  # every check before any run starts
+    full = run_configs(args, configs, specs, args.root, student)  # every check before any run starts
     per_step = {m: trajectories_per_step(c) for m, c in configs.items()}
     if len({args.budget // n * n for n in per_step.values()}) > 1:
         print(f"warning: trajectories per step differ ({per_step}); runs use floor(budget / per step) steps", flush=True)

@@ -11,6 +11,17 @@ from compare_plans import EVIDENCE_BUDGET, EVIDENCE_STUDENT, PLANS
 from compare_sweep import DEV_QUESTIONS, SWEEP_BUDGET
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a budget, a count of evaluations or resamples, a step interval)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
 def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, ...], results: Path) -> argparse.Namespace:
     """compare.py's arguments, with the plan's defaults filled in (compare_plans.PLANS) and the folders made
     absolute (the runs start from the repository root). ``methods``: the grid's default methods; ``results``:
@@ -20,8 +31,8 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
                    "runs in order (see evidence_plan); experience: issue 33's (see experience_plan)")
     p.add_argument("--methods", nargs="+", default=list(methods), help=f"grid methods (default: {' '.join(methods)})")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="grid seeds (the sweep uses the first)")
-    p.add_argument("--seed-cap", type=int, default=None, help="at most N seeds a method of a fixed plan (smoke tests)")
-    p.add_argument("--budget", type=int, default=None, help="trajectories per run (default: the plan's: 32 for a grid, "
+    p.add_argument("--seed-cap", type=positive, default=None, help="at most N seeds a method of a fixed plan (smoke tests)")
+    p.add_argument("--budget", type=positive, default=None, help="trajectories per run (default: the plan's: 32 for a grid, "
                    f"{EVIDENCE_BUDGET} evidence, {PLANS['experience'].budget} experience)")
     p.add_argument("--config-dir", type=Path, default=None, help="default: the plan's (configs/compare, configs/experience)")
     p.add_argument("--root", type=Path, default=None, help="TensorBoard root and run folders (default: runs/compare; "
@@ -34,14 +45,14 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     p.add_argument("--out-dir", type=Path, default=results, help="where the results and the sweep go")
     p.add_argument("--runs-dir", type=Path, default=None, help="the run files (default: <out-dir>/compare_runs; "
                    "experience: <out-dir>/experience_runs)")
-    p.add_argument("--evaluations", type=int, default=None, help="held-out evaluations after the start, the last at the "
+    p.add_argument("--evaluations", type=positive, default=None, help="held-out evaluations after the start, the last at the "
                    f"end (default 3; experience: {PLANS['experience'].evaluations}, one every 10%% of the budget)")
-    p.add_argument("--checkpoint-every", type=int, default=4, help="steps between saves of last.ckpt")
+    p.add_argument("--checkpoint-every", type=positive, default=4, help="steps between saves of last.ckpt")
     p.add_argument("--lr-file", default=None, help="the sweep's choices (evidence / experience default: "
                    "<out-dir>/compare_lr_sweep.json / experience_lr_sweep.json; 'none': the configs' rates)")
     p.add_argument("--sweep-lr", default=None, help="run the learning-rate sweep at these rates (e.g. 1e-5,3e-5,1e-4) and stop")
-    p.add_argument("--sweep-budget", type=int, default=SWEEP_BUDGET, help="trajectories per sweep run")
-    p.add_argument("--dev-questions", type=int, default=DEV_QUESTIONS, help="the sweep's dev slice of the train split")
+    p.add_argument("--sweep-budget", type=positive, default=SWEEP_BUDGET, help="trajectories per sweep run")
+    p.add_argument("--dev-questions", type=positive, default=DEV_QUESTIONS, help="the sweep's dev slice of the train split")
     p.add_argument("--dev-seed", type=int, default=0, help="seed of the dev slice (0: start_student.py's)")
     p.add_argument("--aggregate-only", action="store_true", help="only aggregate the run files there are")
     p.add_argument("--src-tree", default=None, help="aggregate only runs of this src hash (or tree hash) prefix")
@@ -51,10 +62,10 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
         p.add_argument(f"--{flag}", default=None, help=f"aggregate only runs of this {what} hash prefix")
     p.add_argument("--calibration", type=Path, default=None, help="the task calibration JSON (experience default: "
                    f"{PLANS['experience'].calibration})")
-    p.add_argument("--smooth", type=int, default=None, help="trailing-mean window (steps) of the final reward "
+    p.add_argument("--smooth", type=positive, default=None, help="trailing-mean window (steps) of the final reward "
                    "(default: a quarter of a run's steps, at least 3; the sweep: 3)")
-    p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
-    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--bootstrap", type=positive, default=10_000, help="bootstrap resamples")
+    p.add_argument("--threads", type=positive, default=None, help="OMP_NUM_THREADS of each run")
     p.add_argument("--rerun", action="store_true", help="run again even when a finished or interrupted run exists")
     p.add_argument("--reuse", action="store_true", help="(the default now: finished runs are read back)")
     p.add_argument("--dry-run", action="store_true", help="print the runs of the plan and their state; run nothing")

@@ -34,8 +34,11 @@ def parse_rates(text: str) -> list[float]:
     Raises:
         ValueError: a value is not a positive number, or a rate is repeated.
     """
-    rates = [float(v) for v in text.split(",") if v.strip()]
-    if not rates or any(not r > 0 for r in rates) or len(set(rates)) != len(rates):
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not 0 < r < math.inf for r in rates) or len(set(rates)) != len(rates):
         raise ValueError(f"--sweep-lr takes distinct positive learning rates separated by commas, got {text!r}")
     return rates
 

@@ -59,7 +59,7 @@ def test_every_method_runs_and_the_results_are_written(compare, tmp_path):
 
 
 def test_budget_smaller_than_one_step_fails_before_any_run(compare, tmp_path):
-    with pytest.raises(ValueError, match="--budget 2 is smaller than one grpo step"):
+    with pytest.raises(SystemExit, match="^error: --budget 2 is smaller than one grpo step"):
         compare.main(["--config-dir", str(TINY), "--budget", "2", "--methods", "grpo", "--root", str(tmp_path)])
     assert not any(tmp_path.iterdir())
 

@@ -200,6 +200,29 @@ def test_a_second_compare_py_refuses_while_the_fit_of_a_killed_one_still_runs(co
             time.sleep(0.1)
 
 
+def test_bad_numbers_are_refused_in_one_line(compare, tmp_path, capsys):
+    """--evaluations -1 (max() of an empty sequence), --budget -280 or a grid budget of 7 steps for 3 evaluations
+    (run_config's ValueError) and --sweep-lr abc were tracebacks; --checkpoint-every 0 turned checkpoints off and
+    --seed-cap 0 or --budget 0 ran nothing or the plan's default, silently."""
+    base = ["--plan", "experience", "--dry-run", "--lr-file", "none", "--out-dir", str(tmp_path), "--root", str(tmp_path / "r")]
+    for flag, value in (("--evaluations", "-1"), ("--budget", "0"), ("--checkpoint-every", "0"), ("--seed-cap", "0"),
+                        ("--bootstrap", "many")):
+        with pytest.raises(SystemExit) as refused:
+            compare.main([*base, flag, value])
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"argument {flag}: {value!r} is not a whole "
+                                                                         "number >= 1")
+    grid = ["--config-dir", str(ROOT / "configs" / "compare_tiny"), "--methods", "grpo", "--seeds", "0", "--dry-run",
+            "--out-dir", str(tmp_path), "--root", str(tmp_path / "r")]
+    with pytest.raises(SystemExit, match=r"^error: 7 steps cannot hold 3 evenly spaced held-out evaluations"):
+        compare.main([*grid, "--budget", "28"])
+    with pytest.raises(SystemExit, match=r"^error: --budget 3 is smaller than one grpo step \(4 trajectories\)"):
+        compare.main([*grid, "--budget", "3"])
+    with pytest.raises(SystemExit, match=r"^error: --sweep-lr takes distinct positive learning rates separated by "
+                                         r"commas, got 'abc'$"):
+        compare.main([*base, "--sweep-lr", "abc"])
+
+
 # ---------------------------------------------------------------------- the configs
 def print_config(path: Path, capsys) -> dict:
     from lopd_lightning.cli.training import lightning_cli
