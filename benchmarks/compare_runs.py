@@ -319,6 +319,14 @@ def _provenance(key: str):
     return lambda r: (r.get("provenance") or {}).get(key)
 
 
+def _student(run: dict[str, Any]) -> str | None:
+    """The start student's weights hash, or for a student loaded by name (no folder to hash: ``tiny``, the
+    packaged SmolLM2) ``"name <model>"``, so that it is not mixed with a folder's; None without provenance."""
+    if not run.get("provenance"):
+        return None
+    return run["provenance"].get("student_hash") or f"name {run.get('model')}"
+
+
 #: what must agree across aggregated runs: name, how to read it from a run, the flag that chooses one, and the
 #: keyword of :func:`select_runs` that filters on it. A provenance value of None (GRPO reads no bank and no
 #: composer; a run file written before provenance was recorded) takes no part in the check.
@@ -327,7 +335,7 @@ UNIFORM = (
     ("generation backends", lambda r: r["generation_backend"], "--backend NAME", "backend"),
     ("budgets (trajectories per run)", lambda r: str(r["budget_trajectories"]), "--budget N", "budget"),
     ("held-out sets", _heldout_set, None, None),
-    ("start students (weights hash)", _provenance("student_hash"), "--student-hash HASH", "student_hash"),
+    ("start students (weights hash)", _student, "--student-hash HASH", "student_hash"),
     ("experience banks (bank hash)", _provenance("bank_hash"), "--bank-hash HASH", "bank_hash"),
     ("pretrained composers (composer hash)", _provenance("composer_hash"), "--composer-hash HASH", "composer_hash"),
     ("library versions", _provenance("versions_key"), "--versions KEY", "versions"),

@@ -390,6 +390,21 @@ def test_the_aggregation_refuses_to_mix_students_banks_composers_or_libraries(co
     assert (out / "experience_compare.md").exists() and (out / "experience_compare.png").exists()
 
 
+def test_a_student_loaded_by_name_is_not_mixed_with_a_student_folder(compare, tmp_path):
+    """A named student (no folder: student_hash None) took no part in the check, so runs from the packaged
+    SmolLM2 were aggregated with runs from the in-context student."""
+    final = {"q0": True, "q1": False}
+    runs = tmp_path / "experience_runs"
+    named = with_provenance(fake_run("grpo", 0, final=final), student=None)
+    named["model"] = "smollm2-135m-instruct"
+    write_runs(runs, with_provenance(fake_run("lopd", 0, final=final)), named)
+    base = ["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50", "--calibration", "none"]
+    with pytest.raises(SystemExit, match=r"2 start students \(weights hash\) \(name smollm2-135m-instruct: "
+                                         r"grpo/seed_0\.json; s1: lopd/seed_0\.json\)"):
+        compare.main(base)
+    assert list(compare.main([*base, "--student-hash", "name smollm2"])["methods"]) == ["grpo"]
+
+
 def test_task_calibration_reads_the_three_numbers_or_says_why_not(compare, tmp_path):
     plans = compare.compare_plans
     real = plans.task_calibration(ROOT / plans.CALIBRATION, model="runs/hidden_rules/sft_student_in_context")
