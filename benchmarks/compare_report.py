@@ -104,7 +104,8 @@ def _heldout_efficiency_line(results: dict[str, Any]) -> list[str]:
         return ["", f"LOPD's budget to reach GRPO's final held-out success: undefined ({results[f'{key}_reason']})."]
     fraction, reason = results[key], results.get(f"{key}_ci_reason")
     reached = "not reached at any evaluation" if fraction is None else f"{fraction:.0%} of GRPO's budget"
-    return ["", f"LOPD's budget to reach GRPO's final held-out success ({results['grpo_final_heldout_success']:.3f}): "
+    return ["", f"LOPD's budget to reach GRPO's final held-out success ({results['grpo_final_heldout_target']:.3f}, the "
+            f"mean of its last two evaluations, LOPD's on the same trailing mean): "
             f"{reached}; 95% bootstrap interval over seeds {_interval(results.get(f'{key}_ci'))}"
             + (f" ({reason})" if reason else "") + "."]
 

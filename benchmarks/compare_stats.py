@@ -36,6 +36,9 @@ PAIRED_TWO_LEVEL_CI = ("two-level paired bootstrap: in each resample the questio
                        "independently, each method's seeds are drawn with replacement (once per resample, a seed's "
                        "whole run); per question, the mean over the drawn seeds of the method's final held-out "
                        "success minus GRPO's, averaged over the drawn questions; 95% percentile interval")
+#: evaluations in the trailing mean of the held-out budget fraction, LOPD's and GRPO's alike (heldout_efficiency).
+HELDOUT_WINDOW = 2
+TARGET_HELDOUT = f"mean of {HELDOUT_WINDOW} consecutive evaluations"
 HELDOUT_FRACTION_CI = ("bootstrap over seeds: LOPD's and GRPO's seeds resampled with replacement, the held-out fraction "
                        "recomputed on the resampled seed means of the held-out success curve; 95% percentile "
                        "interval (a resample where LOPD never reaches the target counts as infinite)")
@@ -392,11 +395,14 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
 
 def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int], n_boot: int) -> dict[str, Any]:
     """``lopd_heldout_budget_fraction_to_grpo_final`` (+ ``_reason``, ``_ci``, ``_ci_reason``, ``_ci_method``),
-    ``lopd_heldout_budget_fraction_never_reached_share`` and ``grpo_final_heldout_success``: the definition of
+    ``lopd_heldout_budget_fraction_never_reached_share``, ``grpo_final_heldout_success`` (GRPO's last evaluation)
+    and ``grpo_final_heldout_target`` (the mean of its last two, the level LOPD must reach): the definition of
     :func:`_efficiency` on the held-out success curve (``val_curve``) at the evaluation points after the start,
-    each point a greedy pass over every held-out question, so no trailing mean: the first evaluation where LOPD's
-    seed-mean held-out success reaches GRPO's final one (its seed mean at its last evaluation), as a fraction of
-    GRPO's trajectories; the interval resamples seeds (:data:`HELDOUT_FRACTION_CI`).
+    on a trailing mean of :data:`HELDOUT_WINDOW` evaluations on both sides: the first evaluation where the mean
+    of LOPD's last two seed-mean held-out successes reaches GRPO's final one (the mean of its last two
+    evaluations), as a fraction of GRPO's trajectories; the interval resamples seeds (:data:`HELDOUT_FRACTION_CI`).
+    One evaluation alone would let the first of ten noisy points that crosses the target count, which
+    favours LOPD (the first crossing of a noisy curve comes early) against a single final point of GRPO's.
 
     Args:
         methods: :func:`method_summary` entries by name.
@@ -406,7 +412,8 @@ def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int],
     key = "lopd_heldout_budget_fraction_to_grpo_final"
     out: dict[str, Any] = {key: None, f"{key}_reason": "LOPD or GRPO has no run", f"{key}_ci": None,
                            f"{key}_ci_reason": "LOPD or GRPO has no run", f"{key}_ci_method": HELDOUT_FRACTION_CI,
-                           "lopd_heldout_budget_fraction_never_reached_share": None, "grpo_final_heldout_success": None}
+                           "lopd_heldout_budget_fraction_never_reached_share": None, "grpo_final_heldout_success": None,
+                           "grpo_final_heldout_target": None}
     if "lopd" not in methods or "grpo" not in methods:
         return out
     curves = {}
@@ -418,18 +425,21 @@ def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int],
     if not curves["lopd"]["rollouts"] or not curves["grpo"]["rollouts"]:
         reason = "LOPD or GRPO has no held-out evaluation after the start"
         return {**out, f"{key}_reason": reason, f"{key}_ci_reason": reason}
-    final, (level, runs) = curves["grpo"]["reward"][-1], start
-    out["grpo_final_heldout_success"] = final
+    out["grpo_final_heldout_success"] = curves["grpo"]["reward"][-1]
+    final, (level, runs) = smooth(curves["grpo"]["reward"], HELDOUT_WINDOW)[-1], start
+    out["grpo_final_heldout_target"] = final
     if level is None or final <= level + 1e-9:
         reason = ("no step-0 held-out evaluation to compare GRPO's final held-out success with" if level is None else
-                  f"GRPO's final held-out success ({final:.3f}) is not above the start student's ({level:.3f}: the mean "
+                  f"GRPO's final held-out success ({final:.3f}, {TARGET_HELDOUT}) is not above the start student's ({level:.3f}: the mean "
                   f"step-0 held-out success over {runs} runs of every method, all starting from the same student): "
                   "GRPO did not improve, so reaching its final held-out success would measure the start student, "
                   "not LOPD's efficiency")
         return {**out, f"{key}_reason": reason, f"{key}_ci_reason": reason}
-    ci = budget_fraction_ci(curves["lopd"], curves["grpo"], 1, n_boot=max(1, n_boot // 5), reach_window=1,
-                            quantity="mean held-out success", target="final held-out success")
-    return {**out, key: budget_fraction(curves["lopd"], curves["grpo"], 1, 1), f"{key}_reason": None,
+    w = HELDOUT_WINDOW
+    ci = budget_fraction_ci(curves["lopd"], curves["grpo"], w, n_boot=max(1, n_boot // 5), reach_window=w,
+                            quantity=f"mean held-out success ({TARGET_HELDOUT})",
+                            target=f"final held-out success ({TARGET_HELDOUT})")
+    return {**out, key: budget_fraction(curves["lopd"], curves["grpo"], w, w), f"{key}_reason": None,
             f"{key}_ci": ci["ci"], f"{key}_ci_reason": ci["reason"],
             "lopd_heldout_budget_fraction_never_reached_share": ci["never_reached_share"]}
 

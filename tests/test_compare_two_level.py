@@ -91,29 +91,44 @@ KEY = "lopd_heldout_budget_fraction_to_grpo_final"
 
 
 def test_the_held_out_fraction_by_hand(stats):
-    # LOPD's seed mean [0.1, 0.3, 0.4, 0.5, 0.55, 0.55] first reaches GRPO's final 0.5 at 12 of its 20 trajectories
+    # on a trailing mean of 2 evaluations after the start, both sides: GRPO's target is (0.4 + 0.5) / 2 = 0.45;
+    # LOPD's seed mean after the start [0.3, 0.4, 0.5, 0.55, 0.55] has trailing means -, 0.35, 0.45, ... : reached
+    # at 12 of GRPO's 20 trajectories (its first single evaluation at 0.5 is also at 12)
     lopd = curve([0.1, 0.3, 0.5, 0.5, 0.6, 0.6], [0.1, 0.3, 0.3, 0.5, 0.5, 0.5])
     out = stats.heldout_efficiency({"lopd": lopd, "grpo": GRPO}, (0.1, 4), n_boot=2000)
     assert out[KEY] == pytest.approx(0.6) and out[f"{KEY}_reason"] is None and out["grpo_final_heldout_success"] == 0.5
-    # resampling LOPD's seeds: seed 0 twice (1/4) reaches it at 8 -> 0.4; otherwise at 12 -> 0.6 (GRPO's seeds agree)
-    assert out[f"{KEY}_ci"] == [0.4, 0.6] and out["lopd_heldout_budget_fraction_never_reached_share"] == 0.0
+    assert out["grpo_final_heldout_target"] == pytest.approx(0.45)
+    # resampling LOPD's seeds (GRPO's agree): seed 1 twice (1/4 of resamples), [0.3, 0.3, 0.5, 0.5, 0.5] after the
+    # start, has trailing means 0.3 at 8, 0.4 at 12, 0.5 at 16 -> 0.8; seed 0 twice, [0.3, 0.5, 0.5, 0.6, 0.6]:
+    # 0.4 at 8, 0.5 at 12 -> 0.6; one of each (the point estimate) -> 0.6
+    assert out[f"{KEY}_ci"] == [0.6, 0.8] and out["lopd_heldout_budget_fraction_never_reached_share"] == 0.0
     assert "held-out fraction" in out[f"{KEY}_ci_method"]
     # the start point does not count: a LOPD that starts at GRPO's final level is not "there" before training
     starts_high = curve([0.5, 0.4, 0.4, 0.5, 0.5, 0.5])
     assert stats.heldout_efficiency({"lopd": starts_high, "grpo": GRPO}, (0.1, 2), n_boot=200)[KEY] == pytest.approx(0.6)
 
 
+def test_one_lucky_evaluation_does_not_reach_the_held_out_target(stats):
+    # a single evaluation at 0.5 between 0.2s crosses GRPO's final 0.5, but the trailing mean of two does not
+    # reach GRPO's 0.45 until 0.4 and 0.5 at the end: 20 of 20, not 8 of 20
+    lucky = curve([0.1, 0.2, 0.5, 0.2, 0.4, 0.5])
+    out = stats.heldout_efficiency({"lopd": lucky, "grpo": GRPO}, (0.1, 2), n_boot=200)
+    assert out[KEY] == pytest.approx(1.0)
+
+
 def test_the_held_out_fraction_is_null_with_the_reason_where_undefined(stats):
     never = curve([0.1, 0.2, 0.2, 0.2, 0.2, 0.2], [0.1, 0.2, 0.3, 0.3, 0.3, 0.4])
     out = stats.heldout_efficiency({"lopd": never, "grpo": GRPO}, (0.1, 4), n_boot=200)
     assert out[KEY] is None and out[f"{KEY}_reason"] is None and out[f"{KEY}_ci"] is None  # defined, not reached
-    assert out[f"{KEY}_ci_reason"] == ("LOPD's mean held-out success never reaches GRPO's final held-out success "
-                                       "(0.500) within 20 trajectories")
+    assert out[f"{KEY}_ci_reason"] == ("LOPD's mean held-out success (mean of 2 consecutive evaluations) never reaches "
+                                       "GRPO's final held-out success (mean of 2 consecutive evaluations) (0.450) "
+                                       "within 20 trajectories")
     flat = curve([0.2, 0.1, 0.2, 0.2, 0.2, 0.2])  # GRPO ends at 0.2, the start of every run averages 0.2
     out = stats.heldout_efficiency({"lopd": never, "grpo": flat}, (0.2, 3), n_boot=200)
     assert out[KEY] is None and out[f"{KEY}_ci"] is None and out["grpo_final_heldout_success"] == 0.2
-    assert out[f"{KEY}_reason"].startswith("GRPO's final held-out success (0.200) is not above the start student's "
-                                           "(0.200: the mean step-0 held-out success over 3 runs")
+    assert out[f"{KEY}_reason"].startswith("GRPO's final held-out success (0.200, mean of 2 consecutive evaluations) "
+                                           "is not above the start student's (0.200: the mean step-0 held-out success "
+                                           "over 3 runs")
     assert out[f"{KEY}_ci_reason"] == out[f"{KEY}_reason"]
     assert stats.heldout_efficiency({"grpo": GRPO}, (0.1, 2), n_boot=10)[f"{KEY}_reason"] == "LOPD or GRPO has no run"
     assert "no step-0" in stats.heldout_efficiency({"lopd": never, "grpo": GRPO}, (None, 0), n_boot=10)[f"{KEY}_reason"]
@@ -140,6 +155,7 @@ def test_summarise_reports_both_beside_the_existing_keys(stats):
     two = lopd["paired_vs_grpo_two_level"]
     assert two["mean_difference"] == pytest.approx(0.1) and (two["method_seeds"], two["reference_seeds"]) == (2, 2)
     assert data["methods"]["grpo"]["paired_vs_grpo_two_level"] is None
-    assert data[KEY] == pytest.approx(8 / 20) and data[f"{KEY}_ci"] == [0.4, 0.4]  # identical seeds
+    # GRPO's target (0.4 + 0.5) / 2 = 0.45; LOPD's trailing means after the start: -, 0.4 at 8, 0.55 at 12
+    assert data[KEY] == pytest.approx(12 / 20) and data[f"{KEY}_ci"] == [0.6, 0.6]  # identical seeds
     assert "two-level" in data["intervals"]["paired_vs_grpo_two_level.ci"]
     assert KEY + "_ci" in data["intervals"]
