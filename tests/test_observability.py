@@ -382,3 +382,28 @@ def test_standalone_validate_returns_and_logs_its_metrics(tmp_path):
 def test_negative_settings_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="model.init_args.log_samples"):
         make_module(log_samples=-1)
+
+
+def test_a_generations_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write stopped part-way (here: the third record fails to serialise, as a kill would stop it) leaves no
+    val_step file that a resume could take for a finished evaluation; a whole write leaves only the file."""
+    module = make_module()
+    monkeypatch.setattr(type(module), "generations_dir", lambda self: tmp_path / "generations")
+    records = [{"example_id": i, "reward": 1.0} for i in range(4)]
+    path = module.write_generations("val", 3, records)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records
+    assert sorted(p.name for p in (tmp_path / "generations").iterdir()) == ["val_step_3.jsonl"]
+
+    calls = {"n": 0}
+    real_dumps = json.dumps
+
+    def dumps_then_die(obj, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # the process stops in the middle of the file
+        return real_dumps(obj, **kw)
+
+    monkeypatch.setattr("lopd_lightning.modules.observability.json.dumps", dumps_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        module.write_generations("val", 5, records)
+    assert not (tmp_path / "generations" / "val_step_5.jsonl").exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,10 @@ class ObservabilityMixin(LightningModule):
 
     def write_generations(self, prefix: str, step: int, records: list[dict[str, Any]]) -> Path | None:
         """Write ``records`` to ``<log_dir>/generations/<prefix>_step_<step>.jsonl`` (rank 0, one JSON
-        object a line); returns the path, or None when nothing was written."""
+        object a line); returns the path, or None when nothing was written. The file appears whole or not at
+        all (written beside it, then renamed): a process killed while writing leaves no part of it, so a
+        reader (benchmarks/compare_runs.py's resume, which re-runs an evaluation whose file is missing) never
+        takes half an evaluation for a finished one."""
         if not self.hparams.save_generations or self.global_rank != 0 or not records:
             return None
         directory = self.generations_dir()
@@ -181,9 +185,11 @@ class ObservabilityMixin(LightningModule):
             return None
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{prefix}_step_{step}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
+        partial = path.with_name(path.name + ".partial")
+        with partial.open("w", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        os.replace(partial, path)
         return path
 
     def log_sample_text(self, prefix: str, step: int, records: list[dict[str, Any]]) -> None:
