@@ -100,14 +100,10 @@ def _heldout_efficiency_line(results: dict[str, Any]) -> list[str]:
     key = "lopd_heldout_budget_fraction_to_grpo_final"
     if key not in results or results.get(f"{key}_reason") == "LOPD or GRPO has no run":
         return []
-    if results.get(f"{key}_reason"):
-        return ["", f"LOPD's budget to reach GRPO's final held-out success: undefined ({results[f'{key}_reason']})."]
-    fraction, reason = results[key], results.get(f"{key}_ci_reason")
-    reached = "not reached at any evaluation" if fraction is None else f"{fraction:.0%} of GRPO's budget"
-    return ["", f"LOPD's budget to reach GRPO's final held-out success ({results['grpo_final_heldout_target']:.3f}, the "
-            f"mean of its last two evaluations, LOPD's on the same trailing mean): "
-            f"{reached}; 95% bootstrap interval over seeds {_interval(results.get(f'{key}_ci'))}"
-            + (f" ({reason})" if reason else "") + "."]
+    target = results.get("grpo_final_heldout_target")
+    return _fraction_line(results, key, "final held-out success", "not reached at any evaluation",
+                          target=None if target is None else f"{target:.3f}, the mean of its last two evaluations, "
+                          "LOPD's on the same trailing mean")
 
 
 def _calibration_line(results: dict[str, Any]) -> list[str]:
@@ -123,19 +119,28 @@ def _calibration_line(results: dict[str, Any]) -> list[str]:
             f"{c['same_tool_rate']:.3f} of the tasks."]
 
 
+def _fraction_line(results: dict[str, Any], key: str, label: str, not_reached: str, *, target: str | None,
+                   note: str = "") -> list[str]:
+    """The line of one budget fraction (``key``: ``lopd_budget_fraction_to_grpo_final`` on training reward, or
+    the held-out one): undefined with its reason, or the fraction with its interval over seeds."""
+    undefined = results.get(f"{key}_reason")
+    if undefined:
+        return ["", f"LOPD's budget to reach GRPO's {label}: undefined ({undefined})."]
+    fraction, reason = results[key], results.get(f"{key}_ci_reason")
+    reached = not_reached if fraction is None else f"{fraction:.0%} of GRPO's budget"
+    return ["", f"LOPD's budget to reach GRPO's {label} ({target}): {reached}{note}; 95% bootstrap interval over "
+            f"seeds {_interval(results.get(f'{key}_ci'))}" + (f" ({reason})" if reason else "") + "."]
+
+
 def _efficiency_line(results: dict[str, Any]) -> list[str]:
-    fraction, target = results["lopd_budget_fraction_to_grpo_final"], results.get("grpo_final_reward")
+    target = results.get("grpo_final_reward")
     if target is None:
         return []
-    undefined = results.get("lopd_budget_fraction_to_grpo_final_reason")
-    if undefined:
-        return ["", f"LOPD's budget to reach GRPO's final training reward: undefined ({undefined})."]
-    reached = "not reached within the budget" if fraction is None else f"{fraction:.0%} of GRPO's budget"
-    ci = results.get("lopd_budget_fraction_to_grpo_final_ci")
-    reason = results.get("lopd_budget_fraction_to_grpo_final_ci_reason")
-    return ["", f"LOPD's budget to reach GRPO's final training reward ({target:.3f}): {reached} (paper: 20%); "
-            f"95% bootstrap interval over seeds {_interval(ci)}" + (f" ({reason})" if reason else "") + "."
-            + (" GRPO ended at reward 0, so this says nothing." if target <= 0 else "")]
+    line = _fraction_line(results, "lopd_budget_fraction_to_grpo_final", "final training reward",
+                          "not reached within the budget", target=f"{target:.3f}", note=" (paper: 20%)")
+    if target <= 0 and not results.get("lopd_budget_fraction_to_grpo_final_reason"):
+        line[-1] += " GRPO ended at reward 0, so this says nothing."
+    return line
 
 
 def table(results: dict[str, Any]) -> str:
