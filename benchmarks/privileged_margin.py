@@ -43,16 +43,20 @@ Reported per context (``contexts.<name>``):
   tokens), A = 2r - 1 (``--weighting paper``), with a 95% interval from a bootstrap over questions (a
   question's trajectories resampled together);
 - ``delta_success`` / ``delta_failure``: the same mean over successful / failed trajectories only;
-- ``delta_mixed_groups``: Delta over the questions whose samples have mixed outcomes;
-- ``separation``: mean per-token delta on successful trajectories minus that on failed ones (how much
-  more the teacher likes what succeeded than what failed: the privilege the margin is meant to create;
-  unaffected by how many trajectories fail);
+- ``delta_mixed_groups`` and ``delta_mixed_groups_ci``: Delta over the questions whose samples have mixed
+  outcomes, with its interval (a draw without such a question is left out);
+- ``separation`` and ``separation_ci``: mean per-token delta on successful trajectories minus that on failed
+  ones (how much more the teacher likes what succeeded than what failed: the privilege the margin is meant
+  to create; unaffected by how many trajectories fail), with its interval (a draw without both outcomes is
+  left out);
   (with binary rewards, the mean of delta_success and delta_failure, i.e. successes and failures weighed
   equally, is this separation measured per trajectory, halved);
 - ``delta_balanced`` and ``delta_balanced_ci``: Delta with ``margin_weighting: balanced`` (successes and
   failures weighed equally: the mean of ``delta_success`` and ``delta_failure``), with its interval;
-- ``teacher_greedy_success``: the fraction of held-out questions the teacher solves when it answers
-  greedily itself with that context;
+- ``teacher_greedy_success`` and ``teacher_greedy_solved``: the fraction (count) of held-out questions the
+  teacher solves when it answers greedily itself with that context; ``teacher_minus_student_greedy`` and
+  its ``_ci``: that fraction minus the student's greedy success (``student_greedy_success``) on the same
+  questions, with a 95% paired bootstrap interval over questions;
 - ``reference_delta_heldout`` / ``reference_delta_train`` and their ``_ci``: the same per-token delta on the
   reference solutions, teacher-forced: those of the held-out questions that pass the checker, and those
   of up to as many train questions the warm start trained on (its draws replayed by
@@ -162,17 +166,44 @@ def bootstrap_ci(per_question: dict[str, list[Trajectory]], *, resamples: int, s
     return [draws[int(0.025 * (len(draws) - 1))], draws[int(math.ceil(0.975 * (len(draws) - 1)))]]
 
 
+def mixed_stats(per_question: dict[str, list[Trajectory]]) -> float | None:
+    """Delta over the questions whose trajectories have both outcomes (:func:`trajectory_stats`, "mixed")."""
+    return trajectory_stats(per_question, "mixed")
+
+
 def summarise(per_question: dict[str, list[Trajectory]], *, resamples: int, seed: int) -> dict[str, Any]:
+    def ci(statistic):
+        return bootstrap_ci(per_question, resamples=resamples, seed=seed, statistic=statistic)
+
     return {
         "delta_mean": trajectory_stats(per_question),
-        "delta_ci": bootstrap_ci(per_question, resamples=resamples, seed=seed),
+        "delta_ci": ci(trajectory_stats),
         "delta_success": trajectory_stats(per_question, "success"),
         "delta_failure": trajectory_stats(per_question, "failure"),
-        "delta_mixed_groups": trajectory_stats(per_question, "mixed"),
+        "delta_mixed_groups": mixed_stats(per_question),
+        "delta_mixed_groups_ci": ci(mixed_stats),
         "separation": separation(per_question),
+        "separation_ci": ci(separation),
         "delta_balanced": balanced_stats(per_question),
-        "delta_balanced_ci": bootstrap_ci(per_question, resamples=resamples, seed=seed, statistic=balanced_stats),
+        "delta_balanced_ci": ci(balanced_stats),
     }
+
+
+def greedy_difference(teacher: dict[str, float], student: dict[str, float], *, resamples: int,
+                      seed: int) -> dict[str, Any]:
+    """The teacher's greedy success minus the student's on the same questions (rewards by question id,
+    success = reward >= 1): ``{"teacher_greedy_solved", "teacher_minus_student_greedy", "..._ci"}``, the
+    interval a 95% paired bootstrap over questions (:func:`bootstrap_ci`)."""
+    paired = {q: [(float(teacher[q] >= 1.0), float(student[q] >= 1.0))] for q in teacher}
+
+    def difference(sample: dict[str, list[tuple[float, float]]]) -> float | None:
+        pairs = [pair for rows in sample.values() for pair in rows]
+        return sum(t - s for t, s in pairs) / len(pairs) if pairs else None
+
+    return {"teacher_greedy_solved": int(sum(t for (t, _), in paired.values())),
+            "teacher_minus_student_greedy": difference(paired),
+            "teacher_minus_student_greedy_ci": bootstrap_ci(paired, resamples=resamples, seed=seed,
+                                                            statistic=difference)}
 
 
 # ---------------------------------------------------------------------------------------- the model side
@@ -880,6 +911,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         timings[f"teacher_greedy_{name}_s"] = time.perf_counter() - t0
         print(f"teacher greedy {name}: {solved}/{len(heldout)}", flush=True)
 
+    answered = journal.greedy()
     embed = base_model(module.backbone).get_input_embeddings().weight
     results: dict[str, Any] = {
         "task": args.task,
@@ -915,6 +947,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         entry = summarise(per_question[name], resamples=args.resamples, seed=args.seed)
         entry["teacher_greedy_success"] = teacher_success.get(name)
+        if name in teacher_success:
+            entry.update(greedy_difference({ex.id: answered[(name, ex.id)] for ex in heldout},
+                                           {ex.id: answered[("student", ex.id)] for ex in heldout},
+                                           resamples=args.resamples, seed=args.seed))
         if name in rms:
             entry["latent_rms"] = sum(rms[name]) / len(rms[name])
         for split, per_reference in references.get(name, {}).items():

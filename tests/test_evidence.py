@@ -52,6 +52,29 @@ def test_bootstrap_interval_resamples_questions_and_covers_the_mean(margin):
     assert margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3) == margin.bootstrap_ci(PER_QUESTION, resamples=50, seed=3)
 
 
+def test_separation_and_mixed_group_intervals_resample_questions(margin):
+    summary = margin.summarise(PER_QUESTION, resamples=2000, seed=0)
+    # draws: q1q1 (both outcomes: separation 0.4 - (-0.2) = 0.6), q1q2 (the point estimate), q2q2 (failures
+    # only: no separation, left out); so the interval's ends are 0.6 and 0.4 - 0.2 / 8
+    assert summary["separation_ci"] == pytest.approx(sorted([0.6, 0.4 - 0.2 / 8]))
+    # mixed groups: only q1 is mixed, so every draw with q1 gives (0.4 + 0.2) / 2 and q2q2 is left out
+    assert summary["delta_mixed_groups_ci"] == pytest.approx([0.3, 0.3])
+    assert summary["delta_ci"] == margin.bootstrap_ci(PER_QUESTION, resamples=2000, seed=0)
+
+
+def test_greedy_difference_is_paired_by_question(margin):
+    teacher = {"a": 1.0, "b": 0.0, "c": 1.0, "d": 0.0}
+    student = {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.5}  # 0.5 is a partial reward: not a success
+    out = margin.greedy_difference(teacher, student, resamples=4000, seed=0)
+    assert out["teacher_greedy_solved"] == 2
+    assert out["teacher_minus_student_greedy"] == pytest.approx((0 - 1 + 1 + 0) / 4)
+    low, high = out["teacher_minus_student_greedy_ci"]
+    # per question differences 0, -1, +1, 0: a resample of 4 lies in [-1, 1]; about half the mass at 0
+    assert -1.0 <= low < 0.0 < high <= 1.0
+    same = margin.greedy_difference(teacher, teacher, resamples=500, seed=0)
+    assert same["teacher_minus_student_greedy"] == 0.0 and same["teacher_minus_student_greedy_ci"] == [0.0, 0.0]
+
+
 def test_random_context_is_never_the_question_own_solution(margin):
     from types import SimpleNamespace
 
@@ -116,7 +139,15 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     for name in ("text_nearest", "text_random", "latent_untrained", "latent_warm_start"):
         entry = data["contexts"][name]
         assert set(entry) >= {"delta_mean", "delta_ci", "delta_success", "delta_failure", "delta_mixed_groups",
-                              "separation", "teacher_greedy_success", "delta_balanced", "delta_balanced_ci"}
+                              "delta_mixed_groups_ci", "separation", "separation_ci", "teacher_greedy_success",
+                              "teacher_greedy_solved", "teacher_minus_student_greedy",
+                              "teacher_minus_student_greedy_ci", "delta_balanced", "delta_balanced_ci"}
+        # the greedy difference is the teacher's success minus the student's, on the same 3 questions
+        assert entry["teacher_greedy_solved"] == round(3 * entry["teacher_greedy_success"])
+        assert entry["teacher_minus_student_greedy"] == pytest.approx(
+            entry["teacher_greedy_success"] - data["student_greedy_success"])
+        low, high = entry["teacher_minus_student_greedy_ci"]
+        assert low <= entry["teacher_minus_student_greedy"] <= high
         for split in ("heldout", "train"):  # the reference solutions, teacher-forced under each context
             low, high = entry[f"reference_delta_{split}_ci"]
             assert math.isfinite(entry[f"reference_delta_{split}"]) and low <= entry[f"reference_delta_{split}"] <= high
