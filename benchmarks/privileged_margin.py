@@ -53,10 +53,10 @@ Reported per context (``contexts.<name>``):
   equally, is this separation measured per trajectory, halved);
 - ``delta_balanced`` and ``delta_balanced_ci``: Delta with ``margin_weighting: balanced`` (successes and
   failures weighed equally: the mean of ``delta_success`` and ``delta_failure``), with its interval;
-- ``teacher_greedy_success`` and ``teacher_greedy_solved``: the fraction (count) of held-out questions the
-  teacher solves when it answers greedily itself with that context; ``teacher_minus_student_greedy`` and
-  its ``_ci``: that fraction minus the student's greedy success (``student_greedy_success``) on the same
-  questions, with a 95% paired bootstrap interval over questions;
+- ``teacher_greedy_success``: the fraction of held-out questions the teacher solves when it answers
+  greedily itself with that context; ``teacher_minus_student_greedy`` and its ``_ci``: that fraction minus
+  the student's greedy success (``student_greedy_success``) on the same questions, with a 95% paired
+  bootstrap interval over questions (``compare_stats.paired_differences``, the comparison's own);
 - ``reference_delta_heldout`` / ``reference_delta_train`` and their ``_ci``: the same per-token delta on the
   reference solutions, teacher-forced: those of the held-out questions that pass the checker, and those
   of up to as many train questions the warm start trained on (its draws replayed by
@@ -87,7 +87,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, package_versions, run_metadata, write_json_atomic  # noqa: E402
-from compare_stats import t_interval  # noqa: E402
+from compare_stats import paired_differences, t_interval  # noqa: E402
 
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
@@ -187,23 +187,6 @@ def summarise(per_question: dict[str, list[Trajectory]], *, resamples: int, seed
         "delta_balanced": balanced_stats(per_question),
         "delta_balanced_ci": ci(balanced_stats),
     }
-
-
-def greedy_difference(teacher: dict[str, float], student: dict[str, float], *, resamples: int,
-                      seed: int) -> dict[str, Any]:
-    """The teacher's greedy success minus the student's on the same questions (rewards by question id,
-    success = reward >= 1): ``{"teacher_greedy_solved", "teacher_minus_student_greedy", "..._ci"}``, the
-    interval a 95% paired bootstrap over questions (:func:`bootstrap_ci`)."""
-    paired = {q: [(float(teacher[q] >= 1.0), float(student[q] >= 1.0))] for q in teacher}
-
-    def difference(sample: dict[str, list[tuple[float, float]]]) -> float | None:
-        pairs = [pair for rows in sample.values() for pair in rows]
-        return sum(t - s for t, s in pairs) / len(pairs) if pairs else None
-
-    return {"teacher_greedy_solved": int(sum(t for (t, _), in paired.values())),
-            "teacher_minus_student_greedy": difference(paired),
-            "teacher_minus_student_greedy_ci": bootstrap_ci(paired, resamples=resamples, seed=seed,
-                                                            statistic=difference)}
 
 
 # ---------------------------------------------------------------------------------------- the model side
@@ -948,9 +931,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry = summarise(per_question[name], resamples=args.resamples, seed=args.seed)
         entry["teacher_greedy_success"] = teacher_success.get(name)
         if name in teacher_success:
-            entry.update(greedy_difference({ex.id: answered[(name, ex.id)] for ex in heldout},
-                                           {ex.id: answered[("student", ex.id)] for ex in heldout},
-                                           resamples=args.resamples, seed=args.seed))
+            paired = paired_differences({ex.id: float(answered[(name, ex.id)] >= 1.0) for ex in heldout},
+                                        {ex.id: float(answered[("student", ex.id)] >= 1.0) for ex in heldout},
+                                        n_boot=args.resamples, seed=args.seed)
+            entry["teacher_minus_student_greedy"] = paired["mean_difference"]
+            entry["teacher_minus_student_greedy_ci"] = paired["ci"]
         if name in rms:
             entry["latent_rms"] = sum(rms[name]) / len(rms[name])
         for split, per_reference in references.get(name, {}).items():
