@@ -48,8 +48,9 @@ EXPERIENCE_PARENTS = {"lopd": "lopd", "grpo": "grpo", "opsd": "opsd", "skill_sd"
                       "lopd_m0": "lopd"}
 EXPERIENCE_OTHERS = ("lopd_frozen and lopd_m0 take LOPD's rate (an ablation of LOPD changes one thing); Skill-SD "
                      "takes GRPO's (SkillSDModule derives from GRPOModule: GRPO plus a self-distillation term)")
-#: the task calibration of issue 33, item 1 (benchmarks/task_calibration.py on the in-context start student).
-CALIBRATION = "benchmarks/results/task_calibration_hidden_rules_in_context.json"
+#: the task calibration of issue 33, item 1 (benchmarks/task_calibration.py on the in-context start student, at the
+#: runs' 96 new tokens).
+CALIBRATION = "benchmarks/results/task_calibration_hidden_rules_in_context_96.json"
 CALIBRATION_KEYS = ("n_heldout", "student_success", "student_solved", "text_nearest_success", "text_nearest_solved",
                     "difference", "difference_ci", "same_tool_rate", "same_tool_count")
 
