@@ -630,6 +630,37 @@ class Journal:
     def greedy(self) -> dict[tuple[str, str], float]:
         return {(line["who"], line["id"]): line["reward"] for line in self.lines if line["kind"] == "greedy"}
 
+    def timings(self) -> tuple[dict[str, float], int, bool]:
+        """Seconds per phase summed over every session that wrote this journal: ``(timings, sessions, complete)``.
+
+        Each session's start (``setup_s``, ``warm_start_s``, ``warm_start[<variant>]_s``) is a ``"session"`` line;
+        each unit of work carries the ``"seconds"`` it took (``scores``: ``sample_and_score_s``; ``reference``
+        and ``reference_nll``: ``references_s``; ``greedy``: ``student_greedy_s`` or ``teacher_greedy_<who>_s``).
+        ``complete`` is False when a work line has no ``"seconds"`` (a journal older than them): its phase then
+        counts only the lines that have them.
+        """
+        totals: dict[str, float] = {}
+        sessions, complete = 0, True
+        phases = {"scores": "sample_and_score_s", "reference": "references_s", "reference_nll": "references_s"}
+        for line in self.lines:
+            kind = line["kind"]
+            if kind == "session":
+                sessions += 1
+                for phase, seconds in line["seconds"].items():
+                    totals[phase] = totals.get(phase, 0.0) + seconds
+                continue
+            if kind == "greedy":
+                phase = "student_greedy_s" if line["who"] == "student" else f"teacher_greedy_{line['who']}_s"
+            elif kind in phases:
+                phase = phases[kind]
+            else:
+                continue
+            if "seconds" not in line:
+                complete = False
+                continue
+            totals[phase] = totals.get(phase, 0.0) + line["seconds"]
+        return totals, sessions, complete
+
 
 def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
     """What decides a measurement's numbers (a journal of other settings, or of other code under src/, is
@@ -800,30 +831,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text_contexts = tuple(name for name in ("text_nearest", "text_random") if name in names)
     journal = Journal(args.work_dir, journal_key(args, heldout), fresh=args.fresh)
     journal.check_fingerprints({name: composer_fingerprint(c) for name, c in composers.items()})
+    journal.append({"kind": "session", "seconds": {k: round(v, 3) for k, v in timings.items()}})
 
-    t0 = time.perf_counter()
     done = journal.batches("scores")
     for b, i in enumerate(range(0, len(heldout), args.batch_questions)):
         if b in done:
             continue
         examples = heldout[i : i + args.batch_questions]
+        t0 = time.perf_counter()
         with torch.no_grad():
             batch = module.make_batch(task, examples)  # rollout seeds hash (seed, step 0, question, sample)
         contexts = teacher_contexts(module, batch, composers, seed=args.seed, text=text_contexts)
         deltas = token_deltas(module, batch, contexts)
         rows = [{"id": example_id, "reward": float(reward), "deltas": {name: deltas[name][row] for name in contexts}}
                 for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True))]
-        journal.append({"kind": "scores", "batch": b, "rows": rows,
-                        "rms": {name: latent_rms(module, c, batch) for name, c in composers.items()}})
-        print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    timings["sample_and_score_s"] = time.perf_counter() - t0
+        rms = {name: latent_rms(module, c, batch) for name, c in composers.items()}
+        journal.append({"kind": "scores", "batch": b, "rows": rows, "rms": rms, "seconds": time.perf_counter() - t0})
+        print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions", flush=True)
     per_question, student_rewards, rms = collect_scores(journal)
 
     # the reference solutions, teacher-forced: how much each context raises the log-probability of the
     # correct answer, on the held-out questions (those whose reference passes the checker) and on as many
     # train questions as the warm start drew (its own data)
-    t0 = time.perf_counter()
     references: dict[str, dict[str, dict[str, list[Trajectory]]]] = {}
     solvable = [example for example in heldout if module.reference_trajectory(task, example)[1] >= 1.0]
     reference_sets = {"heldout": solvable, "train": warm_start_examples(module, dm, len(heldout))}
@@ -834,6 +863,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if b in done and b in done_nll:
                 continue
             chunk = examples[i : i + args.batch_questions]
+            t0 = time.perf_counter()
             with torch.no_grad():
                 batch = module.reference_batch(task, chunk)
                 student = student_token_logps(module, batch)
@@ -843,11 +873,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     deltas = token_deltas(module, batch, contexts, student=student)
                     journal.append({"kind": "reference", "split": split, "batch": b, "rows": [
                         {"id": example_id, "deltas": {name: value[row] for name, value in deltas.items()}}
-                        for row, example_id in enumerate(batch.example_ids)]})
+                        for row, example_id in enumerate(batch.example_ids)], "seconds": time.perf_counter() - t0})
+                    t0 = time.perf_counter()
                 if b not in done_nll:
                     nll = student_reference_nll(module, batch, student=student)
                     journal.append({"kind": "reference_nll", "split": split, "batch": b, "rows": [
-                        {"id": example_id, "nll": value} for example_id, value in zip(batch.example_ids, nll, strict=True)]})
+                        {"id": example_id, "nll": value} for example_id, value in zip(batch.example_ids, nll, strict=True)],
+                        "seconds": time.perf_counter() - t0})
         for line in journal.batches("reference", split).values():
             for row in line["rows"]:
                 for name, (mean, total, n) in row["deltas"].items():
@@ -856,26 +888,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for row in line["rows"]:
                 mean, total, n = row["nll"]
                 reference_nll.setdefault(split, {})[row["id"]] = [(1.0, mean, total, int(n))]
-    timings["references_s"] = time.perf_counter() - t0
 
     # greedy success: the student's own (the rollout code) and each teacher's (its context in the prompt)
-    t0 = time.perf_counter()
     answered = journal.greedy()
     todo = [example for example in heldout if ("student", example.id) not in answered]
     for i in range(0, len(todo), 16):
-        for example, r in zip(todo[i : i + 16], module.evaluate_examples(task, todo[i : i + 16]).rewards, strict=True):
-            journal.append({"kind": "greedy", "who": "student", "id": example.id, "reward": float(r)})
+        t0 = time.perf_counter()
+        rewards = module.evaluate_examples(task, todo[i : i + 16]).rewards.tolist()
+        seconds = (time.perf_counter() - t0) / len(rewards)  # the batch's time, shared by its answers
+        for example, r in zip(todo[i : i + 16], rewards, strict=True):
+            journal.append({"kind": "greedy", "who": "student", "id": example.id, "reward": float(r), "seconds": seconds})
     answered = journal.greedy()
     student_greedy = [answered[("student", example.id)] for example in heldout]
-    timings["student_greedy_s"] = time.perf_counter() - t0
     teacher_success: dict[str, float] = {}
     for name in names:
         if name.startswith("latent") and name not in composers:
             continue
-        t0 = time.perf_counter()
         for example in heldout:
             if (name, example.id) in answered:
                 continue
+            t0 = time.perf_counter()
             if name == "text_nearest":
                 exps = module.retrieve(task, [example])[0]
                 ids = module.teacher.encode_text_context([exps[0].trace if exps else None])[0]
@@ -887,14 +919,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 reply = teacher_greedy_reply(module, task, example, composer=composers[name],
                                              max_new_tokens=args.max_new_tokens)
             reward, _ = reply_outcome(task, example, reply)
-            journal.append({"kind": "greedy", "who": name, "id": example.id, "reward": reward})
+            journal.append({"kind": "greedy", "who": name, "id": example.id, "reward": reward,
+                            "seconds": time.perf_counter() - t0})
         answers = journal.greedy()
         solved = sum(answers[(name, example.id)] >= 1.0 for example in heldout)
         teacher_success[name] = solved / len(heldout)
-        timings[f"teacher_greedy_{name}_s"] = time.perf_counter() - t0
         print(f"teacher greedy {name}: {solved}/{len(heldout)}", flush=True)
 
     answered = journal.greedy()
+    session_timings, sessions, timings_complete = journal.timings()
     embed = base_model(module.backbone).get_input_embeddings().weight
     results: dict[str, Any] = {
         "task": args.task,
@@ -914,7 +947,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "variants": args.variants, "resamples": args.resamples},
         "token_embedding_rms": float(embed.detach().pow(2).mean().sqrt()),
         "contexts": {},
-        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "timings_s": {k: round(v, 1) for k, v in session_timings.items()},
+        "timings_sessions": sessions,
+        "timings_complete": timings_complete,
     }
     for split in reference_sets:  # the student's own NLL of the references: a plain mean over questions
         per_reference = reference_nll.get(split)

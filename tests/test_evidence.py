@@ -153,7 +153,22 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
                 "reference_nll_heldout_ci", "reference_nll_train", "reference_nll_train_ci"):
         assert resumed[key] == data[key]
     assert resumed["contexts"] == data["contexts"]
-    assert len(journal.read_text().splitlines()) == len(lines)  # only the dropped work was done again
+    # only the dropped work was done again, plus the resumed session's line
+    assert len(journal.read_text().splitlines()) == len(lines) + 1
+    # timings_s are summed over both sessions from the journal's own seconds: a naive sum over its lines
+    final = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert resumed["timings_sessions"] == 2 and data["timings_sessions"] == 1 and resumed["timings_complete"]
+    by_hand = {"sample_and_score_s": sum(l["seconds"] for l in final if l["kind"] == "scores"),
+               "references_s": sum(l["seconds"] for l in final if l["kind"] in ("reference", "reference_nll")),
+               "teacher_greedy_text_random_s": sum(l["seconds"] for l in final if l.get("who") == "text_random"),
+               "setup_s": sum(l["seconds"]["setup_s"] for l in final if l["kind"] == "session")}
+    for phase, seconds in by_hand.items():
+        assert resumed["timings_s"][phase] == pytest.approx(seconds, abs=0.051) and seconds > 0
+    assert resumed["timings_s"]["setup_s"] > data["timings_s"]["setup_s"]  # the second session's start counts too
+    with journal.open("a") as f:  # a work line older than the seconds: its phase is marked incomplete
+        f.write(json.dumps({"kind": "greedy", "who": "text_random", "id": "extra", "reward": 0.0}) + "\n")
+    assert margin.Journal(work, json.loads(journal.read_text().splitlines()[0])["key"], fresh=False).timings()[2] is False
+    journal.write_text("".join(line + "\n" for line in journal.read_text().splitlines()[:-1]))
     with pytest.raises(SystemExit, match="written with other settings.*--fresh"):
         margin.main([*margin_args, "--samples", "3"])
     assert margin.main([*margin_args, "--samples", "3", "--fresh"])["n_trajectories"] == 9
