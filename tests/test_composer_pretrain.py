@@ -29,6 +29,7 @@ from lopd_lightning.memory import Experience
 from lopd_lightning.modules import LOPDModule
 from lopd_lightning.tasks.facts import FactsTask
 
+from helpers import load_benchmark
 from test_lopd_module import TINY_YAML, bank_dir, make_dm, make_module  # noqa: F401  (bank_dir: a fixture)
 
 
@@ -253,8 +254,26 @@ def test_the_command_writes_what_fit_loads(tmp_path, bank_dir, capsys):
     out = tmp_path / "composer"
     common = ["-c", str(TINY_YAML), f"--model.init_args.bank_path={bank_dir}", "--trainer.enable_progress_bar=false"]
     assert main(["pretrain-composer", *common, "--out", str(out), "--steps", "2"]) == 0
-    assert "composer: 2 steps on 24 bank trajectories" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "composer: 2 steps on 24 bank trajectories" in printed
     assert (out / "composer.pt").is_file() and (out / "checkpoints" / "last.ckpt").is_file()
+    # benchmarks/composer_pretrain_record.py reads the run back: the summary line, the TensorBoard curve (the
+    # final numbers are its last step's) and the hash the comparison's run files record for this composer
+    log = tmp_path / "pretrain.log"
+    log.write_text(printed)
+    record = load_benchmark("composer_pretrain_record")
+    provenance = load_benchmark("compare_provenance")
+    data = record.main(["--composer-dir", str(out), "--log", str(log), "--student", "tiny", "--task", "toy",
+                        "--command", "lopd pretrain-composer ...", "--window", "1", "--out", str(tmp_path / "r.json")])
+    assert data["pretrain_steps"] == 2 and data["bank_trajectories"] == 24 and data["pretrain_s"] > 0
+    assert [len(v) for v in data["curve_per_step"].values()] == [2] * len(data["curve_per_step"])
+    for key, tag in (("L_init", "task_nll"), ("L_rec", "reconstruction_nll"), ("latent_spread", "latent_spread")):
+        assert data["final"][key] == pytest.approx(data["curve_per_step"][tag][-1], abs=1e-3)
+        assert data["curve_means"][tag]["last"] == data["curve_per_step"][tag][-1]
+    assert data["composer_hash"] == provenance.composer_hash(str(out)) and data["student_hash"] is None
+    with pytest.raises(SystemExit, match="holds no 'composer: N steps"):
+        record.main(["--composer-dir", str(out), "--log", str(TINY_YAML), "--student", "tiny", "--task", "toy",
+                     "--command", "x", "--out", str(tmp_path / "r2.json")])
     assert main(["fit", *common, f"--model.init_args.composer_path={out}", "--trainer.max_steps=1",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]) == 0
 
