@@ -846,8 +846,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = [{"id": example_id, "reward": float(reward), "deltas": {name: deltas[name][row] for name in contexts}}
                 for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True))]
         rms = {name: latent_rms(module, c, batch) for name, c in composers.items()}
-        journal.append({"kind": "scores", "batch": b, "rows": rows, "rms": rms, "seconds": time.perf_counter() - t0})
-        print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions", flush=True)
+        seconds = time.perf_counter() - t0
+        journal.append({"kind": "scores", "batch": b, "rows": rows, "rms": rms, "seconds": seconds})
+        print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions ({seconds:.0f} s this batch)",
+              flush=True)
     per_question, student_rewards, rms = collect_scores(journal)
 
     # the reference solutions, teacher-forced: how much each context raises the log-probability of the
