@@ -7,12 +7,16 @@ that the runs loading it record.
 reads all three; it runs nothing.
 
 Output keys: ``task``, ``what``, ``command`` (as given), ``pretrain_steps``, ``bank_trajectories``,
-``pretrain_s`` (seconds, from the log line), ``final`` (``L_init``, ``L_rec``: nats per token;
-``latent_spread``), ``curve_per_step`` (every ``pretrain/*`` tag, steps in order; a resumed run's later
-events replace the earlier ones of the same step), ``curve_means`` (means of the first and the last
-``--window`` steps of each tag), ``composer_hash`` and ``student_hash`` (first 16 hex of the SHA-256 of
-``composer.pt`` and of the student's weights: ``compare_provenance``'s, the values the comparison's run
-files record), and ``common.run_metadata``.
+``pretrain_s`` (seconds, from the log line: the last session's only, so ``pretrain_s_complete`` is false when
+the events come from more than one session, ``pretrain_sessions``), ``final`` (the last step's ``L_init``,
+``L_rec``: nats per token, and ``latent_spread``), ``curve_per_step`` (every ``pretrain/*`` tag, steps in
+order; a resumed run's later session replaces the earlier one's values of the same step), ``curve_means`` and
+``window`` (means of the first and the last ``--window`` steps of each tag), ``composer_hash`` and
+``student_hash`` (first 16 hex of the SHA-256 of ``composer.pt`` and of the student's weights:
+``compare_provenance``'s, the values the comparison's run files record), and ``common.run_metadata``.
+
+The three inputs are checked against each other: the log line's folder must be ``--composer-dir``, the curve
+must hold one value per step of the log line, and the log line's final numbers must be the curve's last.
 
 Usage::
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -38,7 +43,7 @@ from compare_provenance import file_sha256, student_hash  # noqa: E402
 #: the last line `lopd pretrain-composer` prints (composer/pretrain.py's summary).
 SUMMARY = re.compile(r"composer: (?P<steps>\d+) steps on (?P<bank>\d+) bank trajectories \((?P<seconds>[\d.]+) s\); "
                      r"L_init (?P<L_init>[-\d.naif]+), L_rec (?P<L_rec>[-\d.naif]+), "
-                     r"latent spread (?P<latent_spread>[-\d.naif]+)")
+                     r"latent spread (?P<latent_spread>[-\d.naif]+) -> (?P<out>.+?)\s*$")
 
 
 def summary_line(log: Path) -> dict[str, Any]:
@@ -51,13 +56,22 @@ def summary_line(log: Path) -> dict[str, Any]:
     if not matches:
         raise SystemExit(f"error: --log {log} holds no 'composer: N steps ...' line: the pretraining has not finished")
     m = matches[-1]
+    final = {k: float(m[k]) for k in ("L_init", "L_rec", "latent_spread")}
     return {"pretrain_steps": int(m["steps"]), "bank_trajectories": int(m["bank"]), "pretrain_s": float(m["seconds"]),
-            "final": {k: float(m[k]) for k in ("L_init", "L_rec", "latent_spread")}}
+            "final": {k: (v if math.isfinite(v) else None) for k, v in final.items()}, "out": m["out"]}
 
 
-def pretrain_curve(folder: Path) -> dict[str, list[float]]:
-    """``{tag without 'pretrain/': [value per step]}`` from every events file under ``folder/tensorboard``, in
-    step order; where two files hold the same step (a resumed run), the later file's value is kept.
+def _session_order(path: Path) -> tuple[int, str]:
+    """Sort key of an events file: its ``version_N`` folder's N (a later session has a larger N), then its name."""
+    version = next((p.name for p in path.parents if p.name.startswith("version_")), "version_-1")
+    number = version.removeprefix("version_")
+    return (int(number) if number.lstrip("-").isdigit() else -1, path.name)
+
+
+def pretrain_curve(folder: Path) -> tuple[dict[str, dict[int, float]], int]:
+    """``({tag without 'pretrain/': {step: value}}, sessions)`` from every events file under
+    ``folder/tensorboard``; where two sessions hold the same step (a resumed run), the later session's value is
+    kept. ``sessions`` counts the files that hold ``pretrain/*`` scalars.
 
     Raises:
         SystemExit: no ``pretrain/*`` scalar is found.
@@ -65,15 +79,37 @@ def pretrain_curve(folder: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     by_tag: dict[str, dict[int, float]] = {}
-    for path in sorted((folder / "tensorboard").glob("**/events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+    sessions = 0
+    for path in sorted((folder / "tensorboard").glob("**/events.out.tfevents.*"), key=_session_order):
         events = EventAccumulator(str(path), size_guidance={"scalars": 0})
         events.Reload()
-        for tag in events.Tags()["scalars"]:
-            if tag.startswith("pretrain/"):
-                by_tag.setdefault(tag.removeprefix("pretrain/"), {}).update({e.step: e.value for e in events.Scalars(tag)})
+        tags = [tag for tag in events.Tags()["scalars"] if tag.startswith("pretrain/")]
+        sessions += bool(tags)
+        for tag in tags:
+            by_tag.setdefault(tag.removeprefix("pretrain/"), {}).update({e.step: e.value for e in events.Scalars(tag)})
     if not by_tag:
         raise SystemExit(f"error: no pretrain/* scalars under {folder / 'tensorboard'}")
-    return {tag: [round(values[step], 4) for step in sorted(values)] for tag, values in by_tag.items()}
+    return by_tag, sessions
+
+
+def check_consistent(summary: dict[str, Any], by_tag: dict[str, dict[int, float]], composer_dir: Path) -> None:
+    """Refuse (one ``error:`` line) a log of another folder, a curve with missing steps, or final numbers that
+    are not the curve's last."""
+    named, here = Path(summary["out"]), composer_dir.resolve()
+    same = named.resolve() == here or (not named.is_absolute() and here.parts[-len(named.parts):] == named.parts)
+    if not same:  # a relative path is the lopd command's: its working directory may differ from this one's
+        raise SystemExit(f"error: --log's summary line names {summary['out']}, not --composer-dir {composer_dir}: "
+                         "pass the log of this run")
+    steps = summary["pretrain_steps"]
+    for tag, values in by_tag.items():
+        if sorted(values) != list(range(steps)):
+            raise SystemExit(f"error: pretrain/{tag} holds {len(values)} steps, the log {steps}: the events are "
+                             "incomplete or from another run")
+    for key, tag in (("L_init", "task_nll"), ("L_rec", "reconstruction_nll"), ("latent_spread", "latent_spread")):
+        final, last = summary["final"][key], by_tag.get(tag, {}).get(steps - 1)
+        if final is not None and (last is None or abs(final - last) > 1e-3):
+            raise SystemExit(f"error: the log's final {key} {final} is not pretrain/{tag}'s last value {last}: "
+                             "the log and the events are of different runs")
 
 
 def curve_means(curve: dict[str, list[float]], window: int) -> dict[str, dict[str, float]]:
@@ -90,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--task", required=True)
     parser.add_argument("--command", required=True, help="the command that ran, recorded as given")
     parser.add_argument("--what", default="", help="one line on what the run is for")
-    parser.add_argument("--window", type=int, default=10, help="steps averaged at each end of the curve")
+    parser.add_argument("--window", type=int, default=10, help="steps averaged at each end of the curve (at most the "
+                        "run's steps)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.window < 1:
@@ -100,13 +137,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--composer-dir {args.composer_dir} holds no composer.pt: the pretraining has not finished")
     if not args.log.is_file():
         parser.error(f"--log {args.log} is not a file")
-    curve = pretrain_curve(args.composer_dir)
-    results = {"task": args.task, "what": args.what, "command": args.command, **summary_line(args.log),
-               "curve_per_step": curve, "curve_means": curve_means(curve, args.window), "window": args.window,
+    if ("/" in args.student or Path(args.student).exists()) and not (Path(args.student) / "config.json").is_file():
+        raise SystemExit(f"error: --student {args.student} is not a model folder (no config.json); pass the folder "
+                         "the run trained from, or a model name")
+    summary = summary_line(args.log)
+    by_tag, sessions = pretrain_curve(args.composer_dir)
+    check_consistent(summary, by_tag, args.composer_dir)
+    window = min(args.window, summary["pretrain_steps"])  # recorded: a short run's means are over all its steps
+    curve = {tag: [round(values[step], 4) for step in sorted(values)] for tag, values in by_tag.items()}
+    summary.pop("out")
+    results = {"task": args.task, "what": args.what, "command": args.command, **summary,
+               "pretrain_sessions": sessions, "pretrain_s_complete": sessions == 1,
+               "curve_per_step": curve, "curve_means": curve_means(curve, window), "window": window,
                "composer_hash": file_sha256(composer)[:16], "student_hash": student_hash(args.student),
                **run_metadata(seed=0, argv=argv)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    except OSError as error:
+        raise SystemExit(f"error: cannot write --out {args.out}: {error}") from None
     print(f"{args.task}: {results['pretrain_steps']} steps, L_rec {results['final']['L_rec']}, spread "
           f"{results['final']['latent_spread']} -> {args.out}")
     return results

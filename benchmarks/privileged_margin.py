@@ -636,8 +636,9 @@ class Journal:
         Each session's start (``setup_s``, ``warm_start_s``, ``warm_start[<variant>]_s``) is a ``"session"`` line;
         each unit of work carries the ``"seconds"`` it took (``scores``: ``sample_and_score_s``; ``reference``
         and ``reference_nll``: ``references_s``; ``greedy``: ``student_greedy_s`` or ``teacher_greedy_<who>_s``).
-        ``complete`` is False when a work line has no ``"seconds"`` (a journal older than them): its phase then
-        counts only the lines that have them.
+        ``complete`` is False when a work line has no ``"seconds"`` or a start has no ``"session"`` line (a journal
+        older than them): the phases then count only what was recorded. Not counted in any case: a unit of work
+        killed before its line was written, and the loading of pretrained or trained composers.
         """
         totals: dict[str, float] = {}
         sessions, complete = 0, True
@@ -659,7 +660,8 @@ class Journal:
                 complete = False
                 continue
             totals[phase] = totals.get(phase, 0.0) + line["seconds"]
-        return totals, sessions, complete
+        starts = sum(line["kind"] == "fingerprints" for line in self.lines)  # one per journal, written by its first start
+        return totals, sessions, complete and sessions >= starts
 
 
 def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:

@@ -410,6 +410,8 @@ def test_task_calibration_reads_the_three_numbers_or_says_why_not(compare, tmp_p
     real = plans.task_calibration(ROOT / plans.CALIBRATION, model="runs/hidden_rules/sft_student_in_context")
     c = real["task_calibration"]
     assert real["task_calibration_reason"] is None and c["n_heldout"] == 200 and c["same_student_as_runs"] is True
+    # the default is the calibration at the runs' 96 new tokens (configs/experience/common.yaml's max_new_tokens)
+    assert json.loads((ROOT / plans.CALIBRATION).read_text())["settings"]["max_new_tokens"] == 96
     assert (c["student_success"], c["text_nearest_success"]) == (0.135, 0.62)  # 27 and 124 of 200
     assert c["difference"] == pytest.approx(0.485) and c["difference_ci"] == [0.41, 0.555] and c["same_tool_rate"] == 0.995
     missing = plans.task_calibration(tmp_path / "none.json")

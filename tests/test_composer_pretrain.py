@@ -271,9 +271,30 @@ def test_the_command_writes_what_fit_loads(tmp_path, bank_dir, capsys):
         assert data["final"][key] == pytest.approx(data["curve_per_step"][tag][-1], abs=1e-3)
         assert data["curve_means"][tag]["last"] == data["curve_per_step"][tag][-1]
     assert data["composer_hash"] == provenance.composer_hash(str(out)) and data["student_hash"] is None
-    with pytest.raises(SystemExit, match="holds no 'composer: N steps"):
-        record.main(["--composer-dir", str(out), "--log", str(TINY_YAML), "--student", "tiny", "--task", "toy",
-                     "--command", "x", "--out", str(tmp_path / "r2.json")])
+    assert data["pretrain_sessions"] == 1 and data["pretrain_s_complete"] is True
+
+    def refused(log_text=None, match="", **changed):
+        if log_text is not None:
+            log.write_text(log_text)
+        argv = {"--composer-dir": str(out), "--log": str(log), "--student": "tiny", "--task": "toy", "--command": "x",
+                "--out": str(tmp_path / "r2.json"), **changed}
+        with pytest.raises(SystemExit, match=match):
+            record.main([x for kv in argv.items() for x in kv])
+        log.write_text(printed)
+
+    refused(str(TINY_YAML.read_text()), match="holds no 'composer: N steps")  # not a pretraining log
+    refused(printed.replace(str(out), str(tmp_path / "elsewhere")), match="names .*elsewhere, not --composer-dir")
+    refused(printed.replace("composer: 2 steps", "composer: 3 steps"), match="holds 2 steps, the log 3")
+    refused(match="--student .* is not a model folder", **{"--student": str(tmp_path / "no_such_student")})
+    # a resumed run: a second session's events (here a copy of the first's) make pretrain_s the last session's only
+    (out / "tensorboard" / "version_1").mkdir()
+    for events in (out / "tensorboard" / "version_0").glob("events.*"):
+        (out / "tensorboard" / "version_1" / events.name).write_bytes(events.read_bytes())
+    resumed = record.main(["--composer-dir", str(out), "--log", str(log), "--student", "tiny", "--task", "toy",
+                           "--command", "x", "--out", str(tmp_path / "r3.json")])
+    assert resumed["pretrain_sessions"] == 2 and resumed["pretrain_s_complete"] is False
+    assert resumed["window"] == 2  # the default 10, cut to the run's 2 steps
+    assert resumed["curve_per_step"] == data["curve_per_step"]
     assert main(["fit", *common, f"--model.init_args.composer_path={out}", "--trainer.max_steps=1",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]) == 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -87,6 +88,16 @@ def test_the_journal_survives_a_line_cut_short_and_names_the_settings_that_diffe
     journal.path.write_text('{"kind": "header", "key": {}}\nnot json\n')
     with pytest.raises(SystemExit, match="line 2 of .* is not JSON"):
         margin.Journal(tmp_path, {}, fresh=False)
+    # timings: every line's seconds by phase; a start without its session line (an older journal) is incomplete
+    journal = margin.Journal(tmp_path / "t", key, fresh=False)
+    journal.check_fingerprints({"latent": 1.0})
+    journal.append({"kind": "greedy", "who": "text_nearest", "id": "q1", "reward": 1.0, "seconds": 2.5})
+    journal.append({"kind": "scores", "batch": 0, "rows": [], "seconds": 4.0})
+    assert journal.timings() == ({"teacher_greedy_text_nearest_s": 2.5, "sample_and_score_s": 4.0}, 0, False)
+    journal.append({"kind": "session", "seconds": {"setup_s": 1.0}})
+    journal.append({"kind": "session", "seconds": {"setup_s": 0.5, "warm_start_s": 3.0}})
+    assert journal.timings() == ({"teacher_greedy_text_nearest_s": 2.5, "sample_and_score_s": 4.0, "setup_s": 1.5,
+                                  "warm_start_s": 3.0}, 2, True)
 
 
 def test_dev_slice_is_carved_from_the_train_split_only(start):
@@ -148,7 +159,9 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
             and not (line["kind"] == "reference" and line["split"] == "train" and line["batch"] == 0)
             and not (line["kind"] == "reference_nll" and line["split"] == "heldout")]  # as in a journal older than it
     journal.write_text("".join(json.dumps(line) + "\n" for line in kept))
+    started = time.perf_counter()
     resumed = margin.main(margin_args)
+    wall = time.perf_counter() - started
     for key in ("n_trajectories", "n_mixed_groups", "student_greedy_success", "reference_nll_heldout",
                 "reference_nll_heldout_ci", "reference_nll_train", "reference_nll_train_ci"):
         assert resumed[key] == data[key]
@@ -165,6 +178,8 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     for phase, seconds in by_hand.items():
         assert resumed["timings_s"][phase] == pytest.approx(seconds, abs=0.051) and seconds > 0
     assert resumed["timings_s"]["setup_s"] > data["timings_s"]["setup_s"]  # the second session's start counts too
+    # the resumed session adds at most its own wall time (the dropped lines' seconds left with them)
+    assert sum(resumed["timings_s"].values()) <= sum(data["timings_s"].values()) + wall + 0.5
     with journal.open("a") as f:  # a work line older than the seconds: its phase is marked incomplete
         f.write(json.dumps({"kind": "greedy", "who": "text_random", "id": "extra", "reward": 0.0}) + "\n")
     assert margin.Journal(work, json.loads(journal.read_text().splitlines()[0])["key"], fresh=False).timings()[2] is False
