@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--composer-dir {args.composer_dir} holds no composer.pt: the pretraining has not finished")
     if not args.log.is_file():
         parser.error(f"--log {args.log} is not a file")
-    if ("/" in args.student or Path(args.student).exists()) and not (Path(args.student) / "config.json").is_file():
+    student = Path(args.student)
+    as_name = not student.exists() and not student.is_absolute() and len(student.parts) <= 2 \
+        and not args.student.startswith(".")  # "name" or "org/name": recorded with student_hash null
+    if not as_name and not (student / "config.json").is_file():
         raise SystemExit(f"error: --student {args.student} is not a model folder (no config.json); pass the folder "
                          "the run trained from, or a model name")
     summary = summary_line(args.log)

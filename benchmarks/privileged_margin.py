@@ -636,7 +636,7 @@ class Journal:
         Each session's start (``setup_s``, ``warm_start_s``, ``warm_start[<variant>]_s``) is a ``"session"`` line;
         each unit of work carries the ``"seconds"`` it took (``scores``: ``sample_and_score_s``; ``reference``
         and ``reference_nll``: ``references_s``; ``greedy``: ``student_greedy_s`` or ``teacher_greedy_<who>_s``).
-        ``complete`` is False when a work line has no ``"seconds"`` or a start has no ``"session"`` line (a journal
+        ``complete`` is False when a work line has no ``"seconds"`` or the journal has no ``"session"`` line (a journal
         older than them): the phases then count only what was recorded. Not counted in any case: a unit of work
         killed before its line was written, and the loading of pretrained or trained composers.
         """
@@ -660,8 +660,7 @@ class Journal:
                 complete = False
                 continue
             totals[phase] = totals.get(phase, 0.0) + line["seconds"]
-        starts = sum(line["kind"] == "fingerprints" for line in self.lines)  # one per journal, written by its first start
-        return totals, sessions, complete and sessions >= starts
+        return totals, sessions, complete and sessions > 0
 
 
 def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:

@@ -286,6 +286,10 @@ def test_the_command_writes_what_fit_loads(tmp_path, bank_dir, capsys):
     refused(printed.replace(str(out), str(tmp_path / "elsewhere")), match="names .*elsewhere, not --composer-dir")
     refused(printed.replace("composer: 2 steps", "composer: 3 steps"), match="holds 2 steps, the log 3")
     refused(match="--student .* is not a model folder", **{"--student": str(tmp_path / "no_such_student")})
+    refused(match="--student .* is not a model folder", **{"--student": "runs/hidden_rulez/sft_student"})
+    named = record.main(["--composer-dir", str(out), "--log", str(log), "--student", "HuggingFaceTB/SmolLM2-135M",
+                         "--task", "toy", "--command", "x", "--out", str(tmp_path / "r4.json")])
+    assert named["student_hash"] is None  # a model name has no folder to hash
     # a resumed run: a second session's events (here a copy of the first's) make pretrain_s the last session's only
     (out / "tensorboard" / "version_1").mkdir()
     for events in (out / "tensorboard" / "version_0").glob("events.*"):
