@@ -524,7 +524,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         by_method.setdefault(run["method"], []).append(run)
     first = runs[0]
     results = summarise(by_method, task=str(first["task"]), model=str(first["model"]),
-                        budget=int(first["budget_trajectories"]), n_boot=args.bootstrap,
+                        budget=int(first["budget_trajectories"]), n_boot=args.bootstrap, contrasts=plan.contrasts,
                         smooth_window=args.smooth or smooth_window(int(first["steps"])))
     results.update(val_metric=VAL_METRIC, generation_backend=first["generation_backend"], **first["src"],
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},

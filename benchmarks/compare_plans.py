@@ -46,6 +46,9 @@ EXPERIENCE_STUDENT = "runs/hidden_rules/sft_student_in_context"
 #: LOPD ablations LOPD's; LOPD, GRPO and OPSD are swept themselves.
 EXPERIENCE_PARENTS = {"lopd": "lopd", "grpo": "grpo", "opsd": "opsd", "skill_sd": "grpo", "lopd_frozen": "lopd",
                       "lopd_m0": "lopd"}
+#: issue 33's questions beyond GRPO: LOPD against OPSD with the same experience as text, the learned composer
+#: against the frozen one, the margin against m = 0, and against Skill-SD
+EXPERIENCE_CONTRASTS = (("lopd", "opsd"), ("lopd", "lopd_frozen"), ("lopd", "lopd_m0"), ("lopd", "skill_sd"))
 EXPERIENCE_OTHERS = ("lopd_frozen and lopd_m0 take LOPD's rate (an ablation of LOPD changes one thing); Skill-SD "
                      "takes GRPO's (SkillSDModule derives from GRPOModule: GRPO plus a self-distillation term)")
 #: the task calibration of issue 33, item 1 (benchmarks/task_calibration.py on the in-context start student, at the
@@ -80,6 +83,8 @@ class Plan:
     #: (compare.run_config); off for the grid and evidence plans, whose finished run files hold configs without it
     evaluated_checkpoint: bool = False
     student_hint: str = "python benchmarks/start_student.py"
+    #: ``(method, reference)`` pairs compared beyond "each method against GRPO" (compare_stats.contrast)
+    contrasts: tuple[tuple[str, str], ...] = ()
 
 
 PLANS = {
@@ -92,6 +97,7 @@ PLANS = {
         runs_dir="experience_runs", sweep_file="experience_lr_sweep.json", sweep_methods=("lopd", "grpo", "opsd"),
         parents=EXPERIENCE_PARENTS, others=EXPERIENCE_OTHERS, seeds=EXPERIENCE_SEEDS, head=("lopd", "grpo", "opsd"),
         order=EXPERIENCE_METHODS, exact_evaluations=True, calibration=CALIBRATION, evaluated_checkpoint=True,
+        contrasts=EXPERIENCE_CONTRASTS,
         student_hint="python benchmarks/start_student.py --task hidden_rules --task-options "
                      "'{\"references\": \"format_only\"}' --in-context-fraction 0.5 --steps 36 --out "
                      f"{EXPERIENCE_STUDENT}"),

@@ -119,6 +119,30 @@ def _calibration_line(results: dict[str, Any]) -> list[str]:
             f"{c['same_tool_rate']:.3f} of the tasks."]
 
 
+def _contrast_lines(results: dict[str, Any]) -> list[str]:
+    """One line per ``contrasts`` entry: final training reward (Welch's t over seeds) and final held-out success
+    (two-level bootstrap), the method minus the reference."""
+    lines = []
+    for c in results.get("contrasts") or []:
+        head = f"- {c['method']} vs {c['reference']}: "
+        if c["reason"]:
+            lines.append(head + f"not measured ({c['reason']}).")
+            continue
+        d, ci = c["final_reward_difference"], c["final_reward_difference_ci"]
+        reward = "n/a" if d is None else f"{d:+.3f} {_interval(ci)}" + (
+            f" ({c['final_reward_difference_ci_reason']})" if c["final_reward_difference_ci_reason"] else
+            f" ({'excludes 0' if ci[0] > 0 or ci[1] < 0 else 'within noise'})")
+        p = c["heldout_two_level"]
+        heldout = (f"n/a ({c['heldout_two_level_reason']})" if p is None else f"{p['mean_difference']:+.3f} "
+                   f"{_interval(p['ci'])} ({p['method_seeds']} vs {p['reference_seeds']} seeds; "
+                   f"{'excludes 0' if p['excludes_zero'] else 'within noise'})")
+        lines.append(head + f"final training reward {reward}; final held-out success, two-level, {heldout}.")
+    if not lines:
+        return []
+    return ["", "Method against method (method minus reference; training reward: Welch's t over seeds; held-out: "
+            "two-level bootstrap over questions and seeds):", *lines]
+
+
 def _fraction_line(results: dict[str, Any], key: str, label: str, not_reached: str, *, target: str | None,
                    note: str = "") -> list[str]:
     """The line of one budget fraction (``key``: ``lopd_budget_fraction_to_grpo_final`` on training reward, or
@@ -147,8 +171,8 @@ def table(results: dict[str, Any]) -> str:
     """The Markdown table of the results: per method the seeds, the final training reward, held-out
     success before and after (with its interval over seeds), the paired differences against the method's
     own start and against GRPO (over questions, and two-level: questions and seeds), wall time and peak memory;
-    then the efficiency numbers (training reward and, where compare.json has it, held-out success) and, for the
-    experience plan, the task calibration."""
+    then the efficiency numbers (training reward and, where compare.json has it, held-out success), the
+    contrasts (method against a reference other than GRPO) and, for the experience plan, the task calibration."""
     lines = [
         f"Task `{results['task']}`, student `{results['model']}`, budget {results['budget_trajectories']} "
         f"trajectories per run, {results.get('val_examples')} held-out questions (greedy, start "
@@ -172,4 +196,4 @@ def table(results: dict[str, Any]) -> str:
             f"{m['wall_s']:.0f} | {m['peak_mem_mb']:.0f} |"
         )
     return "\n".join(lines + _efficiency_line(results) + _heldout_efficiency_line(results)
-                     + _calibration_line(results)) + "\n"
+                     + _contrast_lines(results) + _calibration_line(results)) + "\n"

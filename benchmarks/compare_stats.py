@@ -10,6 +10,9 @@
 - :func:`budget_fraction` / :func:`budget_fraction_ci`: the trajectories LOPD needs to reach GRPO's final
   training reward, as a fraction of GRPO's budget, with a bootstrap over seeds;
   :func:`heldout_efficiency`: the same on the held-out success curve at the evaluation points.
+- :func:`welch_interval` / :func:`contrast`: one method against another that is not GRPO (LOPD against OPSD,
+  against its frozen-composer ablation): final training reward over seeds, final held-out success per question
+  with the two-level bootstrap.
 - :func:`summarise`: the ``compare.json`` document.
 """
 
@@ -36,6 +39,9 @@ PAIRED_TWO_LEVEL_CI = ("two-level paired bootstrap: in each resample the questio
                        "independently, each method's seeds are drawn with replacement (once per resample, a seed's "
                        "whole run); per question, the mean over the drawn seeds of the method's final held-out "
                        "success minus GRPO's, averaged over the drawn questions; 95% percentile interval")
+CONTRAST_REWARD_CI = ("Welch's t over seeds: the difference of the two methods' mean final training rewards (each seed's "
+                      "trailing mean) +- t(0.975, Welch-Satterthwaite df rounded down) x sqrt(var_a/n_a + var_b/n_b); "
+                      "null with fewer than two seeds a side")
 #: evaluations in the trailing mean of the held-out budget fraction, LOPD's and GRPO's alike (heldout_efficiency).
 HELDOUT_WINDOW = 2
 TARGET_HELDOUT = f"mean of {HELDOUT_WINDOW} consecutive evaluations"
@@ -160,6 +166,63 @@ def two_level_paired(method: list[dict[str, Any]], reference: list[dict[str, Any
     return {"n_questions": len(common), "method_seeds": len(method), "reference_seeds": len(reference),
             "mean_difference": float(x_m.mean(axis=0).mean() - x_r.mean(axis=0).mean()), "ci": [lo, hi],
             "excludes_zero": bool(lo > 0 or hi < 0)}
+
+
+def welch_interval(a: list[float], b: list[float]) -> tuple[float, float] | None:
+    """The 95% interval of ``mean(a) - mean(b)`` for two independent samples with unequal variances (Welch's t,
+    :data:`CONTRAST_REWARD_CI`); the degrees of freedom (Welch-Satterthwaite) are rounded down, which widens the
+    interval. Returns None when a side has fewer than two values; ``(d, d)`` when neither side varies."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return diff, diff
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    t = T_975.get(max(1, math.floor(df)), 1.96)
+    half = t * math.sqrt(va + vb)
+    return diff - half, diff + half
+
+
+def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], methods: dict[str, dict[str, Any]],
+             smooth_window: int, *, n_boot: int = 10_000) -> dict[str, Any]:
+    """``name`` against ``reference`` (neither need be GRPO): the answer to "did LOPD beat OPSD with the same
+    experience as text", "did the learned composer beat the frozen one".
+
+    Args:
+        runs: method -> its seeds' run results (:func:`summarise`'s input).
+        methods: method -> :func:`method_summary` (its ``reward_per_seed``).
+
+    Returns:
+        ``method``, ``reference``, ``reason`` (null, or which side has no run: then every number is null),
+        ``final_reward_difference`` (mean over seeds of each seed's final training reward, trailing mean over
+        ``smooth_window`` steps, method minus reference), ``final_reward_difference_ci`` (:func:`welch_interval`)
+        with ``final_reward_difference_ci_reason``, and ``heldout_two_level`` (:func:`two_level_paired` of the
+        final held-out success per question; null with ``heldout_two_level_reason`` where a side has no
+        per-question evaluation).
+    """
+    out: dict[str, Any] = {"method": name, "reference": reference, "reason": None, "final_reward_difference": None,
+                           "final_reward_difference_ci": None, "final_reward_difference_ci_reason": None,
+                           "heldout_two_level": None, "heldout_two_level_reason": None}
+    missing = [k for k in (name, reference) if not runs.get(k)]
+    if missing:
+        reason = f"{' and '.join(missing)} {'has' if len(missing) == 1 else 'have'} no run"
+        return {**out, "reason": reason, "final_reward_difference_ci_reason": reason, "heldout_two_level_reason": reason}
+    finals = [[smooth(s, smooth_window)[-1] for s in methods[k]["reward_per_seed"] if s] for k in (name, reference)]
+    if all(finals):
+        out["final_reward_difference"] = statistics.fmean(finals[0]) - statistics.fmean(finals[1])
+        ci = welch_interval(*finals)
+        out["final_reward_difference_ci"] = list(ci) if ci else None
+        out["final_reward_difference_ci_reason"] = None if ci else (
+            f"fewer than two seeds a side ({len(finals[0])} vs {len(finals[1])})")
+    else:
+        out["final_reward_difference_ci_reason"] = "a side has no training reward curve"
+    per_question = [_final_per_question(runs[k]) for k in (name, reference)]
+    if all(per_question):
+        out["heldout_two_level"] = two_level_paired(*per_question, n_boot=n_boot)
+    else:
+        out["heldout_two_level_reason"] = "a seed of a side has no held-out evaluation"
+    return out
 
 
 # ---------------------------------------------------------------------- the budget fraction
@@ -445,7 +508,8 @@ def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int],
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, budget: int, smooth_window: int,
-              val_before: float | None = None, n_boot: int = 10_000) -> dict[str, Any]:
+              val_before: float | None = None, n_boot: int = 10_000,
+              contrasts: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
     """The compare.json document (without the run metadata, which compare.py adds).
 
     Per method (``methods.<name>``): ``rollouts`` and ``reward`` (seed means at each logged step),
@@ -459,7 +523,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
     ``seconds_per_step``, ``paired_vs_grpo_two_level`` (:func:`two_level_paired` against GRPO's seeds,
     beside ``paired_vs_grpo``; not for GRPO). Top level: ``val_examples``, ``start_val_success`` (mean over
     runs of the step-0 evaluation), the efficiency keys of :func:`_efficiency` and of
-    :func:`heldout_efficiency`, ``task``, ``model``,
+    :func:`heldout_efficiency`, ``contrasts`` (:func:`contrast` for each ``(method, reference)`` pair of
+    ``contrasts``, in that order), ``task``, ``model``,
     ``budget_trajectories``, ``smooth_window``, ``intervals`` (how each interval is made) and ``seeds``.
     """
     methods = {name: method_summary(seed_runs, smooth_window, val_before) for name, seed_runs in runs.items()}
@@ -482,12 +547,15 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
         "start_val_success_range": [min(starts), max(starts)] if starts else None,
         **_efficiency(methods, smooth_window, n_boot),
         **heldout_efficiency(methods, (statistics.fmean(starts) if starts else None, len(starts)), n_boot),
+        "contrasts": [contrast(a, b, runs, methods, smooth_window, n_boot=n_boot) for a, b in contrasts],
         "task": task,
         "model": model,
         "budget_trajectories": budget,
         "smooth_window": smooth_window,
         "intervals": {"val_after_ci": VAL_AFTER_CI, "paired_vs_grpo.ci": PAIRED_CI, "paired_vs_start.ci": PAIRED_START_CI,
                       "paired_vs_grpo_two_level.ci": PAIRED_TWO_LEVEL_CI,
+                      "contrasts.heldout_two_level.ci": PAIRED_TWO_LEVEL_CI.replace("GRPO's", "the reference's"),
+                      "contrasts.final_reward_difference_ci": CONTRAST_REWARD_CI,
                       "lopd_budget_fraction_to_grpo_final_ci": FRACTION_CI,
                       "lopd_heldout_budget_fraction_to_grpo_final_ci": HELDOUT_FRACTION_CI, "bootstrap_resamples": n_boot},
         "seeds": sorted({r["seed"] for r in all_runs}),

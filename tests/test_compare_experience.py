@@ -440,6 +440,10 @@ def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compa
     assert saved["task_calibration"]["student_success"] == 0.135 and saved["task_calibration"]["same_student_as_runs"] is False
     assert (out / "experience_compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Task calibration (200 held-out tasks" in (out / "experience_compare.md").read_text()
+    # issue 33's questions beyond GRPO: LOPD against OPSD, the frozen composer, m = 0 and Skill-SD
+    assert [(c["method"], c["reference"]) for c in saved["contrasts"]] == list(compare.compare_plans.EXPERIENCE_CONTRASTS)
+    assert all(c["reason"] is None and c["heldout_two_level"]["n_questions"] == 4 for c in saved["contrasts"])
+    assert "- lopd vs lopd_frozen: final training reward" in (out / "experience_compare.md").read_text()
     for key in ("lopd_heldout_budget_fraction_to_grpo_final", "lopd_budget_fraction_to_grpo_final", "val_examples"):
         assert key in saved
     runs = {m: json.loads((out / "experience_runs" / m / "seed_0.json").read_text()) for m in METHODS}

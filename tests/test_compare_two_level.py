@@ -159,3 +159,53 @@ def test_summarise_reports_both_beside_the_existing_keys(stats):
     assert data[KEY] == pytest.approx(12 / 20) and data[f"{KEY}_ci"] == [0.6, 0.6]  # identical seeds
     assert "two-level" in data["intervals"]["paired_vs_grpo_two_level.ci"]
     assert KEY + "_ci" in data["intervals"]
+
+
+# ---------------------------------------------------------------------- method against method (contrasts)
+def test_welch_interval_matches_hand_derived_values(stats):
+    # a: mean 0.6, var 0.01 (/3); b: mean 0.3, var 0.02 (/2); se^2 = 0.01/3 + 0.01 = 0.013333;
+    # df = 0.013333^2 / ((0.01/3)^2 / 2 + 0.01^2 / 1) = 1.684 -> 1, t = 12.706; half = 12.706 * 0.115470 = 1.46716
+    lo, hi = stats.welch_interval([0.5, 0.7, 0.6], [0.2, 0.4])
+    assert (lo, hi) == pytest.approx((0.3 - 1.46716, 0.3 + 1.46716), abs=1e-4)
+    # var 5/3 and 20/3 over 4 each: se^2 = 2.08333, df = 4.41 -> 4, t = 2.776; half = 2.776 * 1.443376 = 4.00681
+    assert stats.welch_interval([1, 2, 3, 4], [2, 4, 6, 8]) == pytest.approx((-2.5 - 4.00681, -2.5 + 4.00681), abs=1e-4)
+    assert stats.welch_interval([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.25)  # neither side varies
+    assert stats.welch_interval([0.5], [0.1, 0.2]) is None
+
+
+def contrast_run(method, seed, rewards, final):
+    """A finished run's result (compare.finished_result's keys that compare_stats reads): a training reward per
+    step of 4 trajectories, held-out evaluations at step 0 (nothing solved) and at the end (``final``)."""
+    steps = len(rewards)
+    evaluations = [{"step": step, "trajectories": 4 * step, "questions": len(per_q), "solved": sum(per_q.values()),
+                    "success": sum(per_q.values()) / len(per_q), "per_question": per_q}
+                   for step, per_q in ((0, {k: False for k in final}), (steps, final))]
+    return {"method": method, "seed": seed, "curve": [[4 * (i + 1), r] for i, r in enumerate(rewards)],
+            "evaluations": evaluations, "wall_s": 1.0, "summary": {"peak_rss_mb": 1.0}}
+
+
+def test_a_contrast_compares_two_methods_on_training_reward_and_held_out_success(stats):
+    q = [f"q{i}" for i in range(6)]
+    lopd = [contrast_run("lopd", s, [0.0, 0.5, r], {k: i < 4 for i, k in enumerate(q)}) for s, r in enumerate([0.6, 0.8, 0.7])]
+    opsd = [contrast_run("opsd", s, [0.0, 0.1, r], {k: i < 1 for i, k in enumerate(q)}) for s, r in enumerate([0.2, 0.4])]
+    runs = {"lopd": lopd, "opsd": opsd}
+    methods = {name: stats.method_summary(r, 2, None) for name, r in runs.items()}
+    c = stats.contrast("lopd", "opsd", runs, methods, smooth_window=2, n_boot=500)
+    # final reward per seed = mean of the last 2 steps: lopd 0.55, 0.65, 0.60; opsd 0.15, 0.25
+    assert c["reason"] is None and c["final_reward_difference"] == pytest.approx(0.60 - 0.20)
+    a, b = [0.55, 0.65, 0.60], [0.15, 0.25]
+    assert c["final_reward_difference_ci"] == pytest.approx(list(stats.welch_interval(a, b)))
+    h = c["heldout_two_level"]  # every seed solves the same questions: 4/6 against 1/6, whatever is resampled
+    assert (h["method_seeds"], h["reference_seeds"], h["n_questions"]) == (3, 2, 6)
+    assert h["mean_difference"] == pytest.approx(0.5) and h["excludes_zero"]
+    missing = stats.contrast("lopd", "lopd_frozen", runs, methods, smooth_window=2)
+    assert missing["reason"] == "lopd_frozen has no run" and missing["heldout_two_level"] is None
+    assert missing["final_reward_difference"] is None
+    one = stats.contrast("lopd", "opsd", {"lopd": lopd, "opsd": opsd[:1]},
+                         {**methods, "opsd": stats.method_summary(opsd[:1], 2, None)}, smooth_window=2, n_boot=50)
+    assert one["final_reward_difference_ci"] is None and "1 vs" not in one["final_reward_difference_ci_reason"]
+    assert one["final_reward_difference_ci_reason"] == "fewer than two seeds a side (3 vs 1)"
+    doc = stats.summarise(runs, task="t", model="m", budget=12, smooth_window=2, n_boot=50,
+                          contrasts=(("lopd", "opsd"), ("lopd", "lopd_frozen")))
+    assert [(c["method"], c["reference"]) for c in doc["contrasts"]] == [("lopd", "opsd"), ("lopd", "lopd_frozen")]
+    assert doc["contrasts"][0]["final_reward_difference"] == pytest.approx(0.4)
