@@ -191,12 +191,12 @@ def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], m
 
     Args:
         runs: method -> its seeds' run results (:func:`summarise`'s input).
-        methods: method -> :func:`method_summary` (its ``reward_per_seed``).
+        methods: method -> :func:`method_summary` (its ``final_reward_per_seed``).
 
     Returns:
         ``method``, ``reference``, ``reason`` (null, or which side has no run: then every number is null),
         ``final_reward_difference`` (mean over seeds of each seed's final training reward, trailing mean over
-        ``smooth_window`` steps, method minus reference), ``final_reward_difference_ci`` (:func:`welch_interval`)
+        ``smooth_window`` steps: ``final_reward_per_seed``, method minus reference), ``final_reward_difference_ci`` (:func:`welch_interval`)
         with ``final_reward_difference_ci_reason``, and ``heldout_two_level`` (:func:`two_level_paired` of the
         final held-out success per question; null with ``heldout_two_level_reason`` where a side has no
         per-question evaluation).
@@ -208,7 +208,7 @@ def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], m
     if missing:
         reason = f"{' and '.join(missing)} {'has' if len(missing) == 1 else 'have'} no run"
         return {**out, "reason": reason, "final_reward_difference_ci_reason": reason, "heldout_two_level_reason": reason}
-    finals = [[smooth(s, smooth_window)[-1] for s in methods[k]["reward_per_seed"] if s] for k in (name, reference)]
+    finals = [methods[k]["final_reward_per_seed"] for k in (name, reference)]
     if all(finals):
         out["final_reward_difference"] = statistics.fmean(finals[0]) - statistics.fmean(finals[1])
         ci = welch_interval(*finals)
@@ -218,10 +218,13 @@ def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], m
     else:
         out["final_reward_difference_ci_reason"] = "a side has no training reward curve"
     per_question = [_final_per_question(runs[k]) for k in (name, reference)]
-    if all(per_question):
-        out["heldout_two_level"] = two_level_paired(*per_question, n_boot=n_boot)
-    else:
+    if not all(per_question):
         out["heldout_two_level_reason"] = "a seed of a side has no held-out evaluation"
+        return out
+    try:
+        out["heldout_two_level"] = two_level_paired(*per_question, n_boot=n_boot)
+    except ValueError as error:  # no question every seed of both has
+        out["heldout_two_level_reason"] = str(error)
     return out
 
 
@@ -373,6 +376,7 @@ def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_befo
         "reward_per_seed": per_seed,
         "final_reward": mean_std(finals)[0] if finals else None,
         "final_reward_std": mean_std(finals)[1] if finals else None,
+        "final_reward_per_seed": finals,
         **heldout,
         "wall_s": statistics.fmean(r["wall_s"] for r in seed_runs),
         "peak_mem_mb": max(float(r["summary"].get("peak_rss_mb") or 0.0) for r in seed_runs),
@@ -514,7 +518,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
 
     Per method (``methods.<name>``): ``rollouts`` and ``reward`` (seed means at each logged step),
     ``reward_std`` and ``reward_per_seed``, ``final_reward`` / ``final_reward_std`` (trailing mean over
-    ``smooth_window`` steps), ``val_before``, ``val_after`` (mean over seeds of the last held-out
+    ``smooth_window`` steps) and ``final_reward_per_seed``, ``val_before``, ``val_after`` (mean over seeds of the last held-out
     evaluation) with ``val_after_std``, ``val_after_per_seed`` and ``val_after_ci`` (:data:`VAL_AFTER_CI`),
     ``val_curve`` (held-out success against trajectories: ``trajectories``, ``mean``, ``std``,
     ``per_seed``), ``val_after_per_question``, ``val_before_per_question``, ``paired_vs_grpo``
