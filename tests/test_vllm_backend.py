@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 
 import pytest
@@ -21,7 +22,7 @@ from lopd_lightning.models import tiny_tokenizer
 from lopd_lightning.rollout import SamplingSettings, generate_rollouts
 from lopd_lightning.rollout.backends import HFGenerateBackend
 from lopd_lightning.rollout.registry import make_backend
-from lopd_lightning.rollout.vllm_backend import check_mergeable, merged_weights
+from lopd_lightning.rollout.vllm_backend import RELOAD_LOGGER, DropRotaryReloadWarning, check_mergeable, merged_weights
 from lopd_lightning.tasks.toy import ToyTask
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -188,11 +189,34 @@ def test_vllm_samples_from_new_weights_after_sync_not_from_its_prefix_cache(peak
         for layer in model.model.layers:
             layer.self_attn.v_proj.weight.mul_(-3.0)  # changes every prompt position's key/value cache
         model.lm_head.weight.copy_(model.lm_head.weight.roll(1, dims=0))
-    engine.sync_weights(model)
+    warned: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warned.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger(RELOAD_LOGGER).addHandler(handler)
+    try:
+        engine.sync_weights(model)
+    finally:
+        logging.getLogger(RELOAD_LOGGER).removeHandler(handler)
+    assert not [m for m in warned if "Failed to load weights" in m], warned  # the rotary one dropped, no other
     new = engine.generate(prompts, greedy, [0, 1])
     reference = hf.generate(prompts, greedy, [0, 1])
     assert [c.token_ids for c in new] == [c.token_ids for c in reference]
     assert [c.token_ids for c in new] != [c.token_ids for c in old]
+
+
+def test_the_rotary_embeddings_reload_warning_is_dropped_and_any_other_layers_kept():
+    """vLLM warns "RotaryEmbedding: Failed to load weights" at every sync (a rotary embedding has no checkpoint
+    weights; its cache is put back unchanged); the same warning of another layer means a missing weight."""
+    def record(layer):
+        return logging.LogRecord(RELOAD_LOGGER, logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
+
+    keep = DropRotaryReloadWarning()
+    assert keep.filter(record("RotaryEmbedding")) is False
+    assert keep.filter(record("QKVParallelLinear")) is True
 
 
 @needs_vllm

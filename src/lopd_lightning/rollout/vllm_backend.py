@@ -60,6 +60,21 @@ __all__ = ["VLLMBackend", "all_ranks_ready", "bind_threads", "check_engine_dtype
            "cpu_environment", "merged_weights", "rank_cores"]
 
 
+#: vLLM's logger of the in-place weight reload (``sync_weights``)
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class DropRotaryReloadWarning(logging.Filter):
+    """Drops vLLM's ``RotaryEmbedding: Failed to load weights`` of every :meth:`VLLMBackend.sync_weights`.
+
+    A rotary embedding has a cos/sin cache and no checkpoint weights, so a reload loads nothing into it and vLLM
+    puts its cache back unchanged, warning at every step. The same warning of any other layer is kept: that one
+    would mean a weight missing from the sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
 def cpu_environment(*, kv_cache_gib: int | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment variables vLLM's CPU backend reads when an in-process engine starts.
 
@@ -420,6 +435,9 @@ class VLLMBackend(GenerationBackend):
 
     def sync_weights(self, model: Any) -> None:
         """Write ``model``'s current weights (the student adapter merged) into the engine; reset its prefix cache."""
+        reload_log = logging.getLogger(RELOAD_LOGGER)
+        if not any(isinstance(f, DropRotaryReloadWarning) for f in reload_log.filters):
+            reload_log.addFilter(DropRotaryReloadWarning())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": merged_weights(model, self.adapter)})
         self.llm.reset_prefix_cache()
 
