@@ -128,10 +128,13 @@ def _contrast_lines(results: dict[str, Any]) -> list[str]:
         if c["reason"]:
             lines.append(head + f"not measured ({c['reason']}).")
             continue
-        d, ci = c["final_reward_difference"], c["final_reward_difference_ci"]
-        reward = "n/a" if d is None else f"{d:+.3f} {_interval(ci)}" + (
-            f" ({c['final_reward_difference_ci_reason']})" if c["final_reward_difference_ci_reason"] else
-            f" ({'excludes 0' if ci[0] > 0 or ci[1] < 0 else 'within noise'})")
+        d, ci, why = c["final_reward_difference"], c["final_reward_difference_ci"], c["final_reward_difference_ci_reason"]
+        if d is None:
+            reward = f"n/a ({why})"
+        elif ci is None:
+            reward = f"{d:+.3f} (no interval: {why})"
+        else:
+            reward = f"{d:+.3f} {_interval(ci)} ({'excludes 0' if ci[0] > 0 or ci[1] < 0 else 'within noise'})"
         p = c["heldout_two_level"]
         heldout = (f"n/a ({c['heldout_two_level_reason']})" if p is None else f"{p['mean_difference']:+.3f} "
                    f"{_interval(p['ci'])} ({p['method_seeds']} vs {p['reference_seeds']} seeds; "

@@ -40,8 +40,8 @@ PAIRED_TWO_LEVEL_CI = ("two-level paired bootstrap: in each resample the questio
                        "whole run); per question, the mean over the drawn seeds of the method's final held-out "
                        "success minus GRPO's, averaged over the drawn questions; 95% percentile interval")
 CONTRAST_REWARD_CI = ("Welch's t over seeds: the difference of the two methods' mean final training rewards (each seed's "
-                      "trailing mean) +- t(0.975, Welch-Satterthwaite df rounded down) x sqrt(var_a/n_a + var_b/n_b); "
-                      "null with fewer than two seeds a side")
+                      "trailing mean) +- t(0.975, Welch-Satterthwaite df, not rounded) x "
+                      "sqrt(var_a/n_a + var_b/n_b); null with fewer than two seeds a side")
 #: evaluations in the trailing mean of the held-out budget fraction, LOPD's and GRPO's alike (heldout_efficiency).
 HELDOUT_WINDOW = 2
 TARGET_HELDOUT = f"mean of {HELDOUT_WINDOW} consecutive evaluations"
@@ -137,7 +137,7 @@ def _seed_weights(picks: np.ndarray, n_seeds: int) -> np.ndarray:
 
 def two_level_paired(method: list[dict[str, Any]], reference: list[dict[str, Any]], *, n_boot: int = 10_000,
                      seed: int = 0) -> dict[str, Any]:
-    """Per-question paired comparison of final held-out success, method minus reference (GRPO), with a
+    """Per-question paired comparison of final held-out success, method minus reference, with a
     two-level bootstrap (:data:`PAIRED_TWO_LEVEL_CI`): resample the questions and, within each resample, the
     seeds of each method independently.
 
@@ -170,22 +170,25 @@ def two_level_paired(method: list[dict[str, Any]], reference: list[dict[str, Any
 
 def welch_interval(a: list[float], b: list[float]) -> tuple[float, float] | None:
     """The 95% interval of ``mean(a) - mean(b)`` for two independent samples with unequal variances (Welch's t,
-    :data:`CONTRAST_REWARD_CI`); the degrees of freedom (Welch-Satterthwaite) are rounded down, which widens the
-    interval. Returns None when a side has fewer than two values; ``(d, d)`` when neither side varies."""
-    if len(a) < 2 or len(b) < 2:
+    :data:`CONTRAST_REWARD_CI`): the Welch-Satterthwaite degrees of freedom, not rounded, and t's 0.975 quantile
+    at them (``scipy.stats.t``; the bench extra).
+    Returns None when a side has fewer than two values or a value is not finite; ``(d, d)`` when neither side
+    varies."""
+    if len(a) < 2 or len(b) < 2 or not all(math.isfinite(v) for v in (*a, *b)):
         return None
     diff = statistics.fmean(a) - statistics.fmean(b)
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     if va + vb == 0:
         return diff, diff
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    t = T_975.get(max(1, math.floor(df)), 1.96)
-    half = t * math.sqrt(va + vb)
+    from scipy.stats import t  # the bench extra; imported here so that the rest of this module does not need it
+
+    half = float(t.ppf(0.975, df)) * math.sqrt(va + vb)
     return diff - half, diff + half
 
 
-def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], methods: dict[str, dict[str, Any]],
-             smooth_window: int, *, n_boot: int = 10_000) -> dict[str, Any]:
+def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], methods: dict[str, dict[str, Any]], *,
+             n_boot: int = 10_000) -> dict[str, Any]:
     """``name`` against ``reference`` (neither need be GRPO): the answer to "did LOPD beat OPSD with the same
     experience as text", "did the learned composer beat the frozen one".
 
@@ -195,11 +198,11 @@ def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], m
 
     Returns:
         ``method``, ``reference``, ``reason`` (null, or which side has no run: then every number is null),
-        ``final_reward_difference`` (mean over seeds of each seed's final training reward, trailing mean over
-        ``smooth_window`` steps: ``final_reward_per_seed``, method minus reference), ``final_reward_difference_ci`` (:func:`welch_interval`)
+        ``final_reward_difference`` (the mean over seeds of each seed's final training reward,
+        ``final_reward_per_seed``, method minus reference), ``final_reward_difference_ci`` (:func:`welch_interval`)
         with ``final_reward_difference_ci_reason``, and ``heldout_two_level`` (:func:`two_level_paired` of the
-        final held-out success per question; null with ``heldout_two_level_reason`` where a side has no
-        per-question evaluation).
+        final held-out success per question; null with ``heldout_two_level_reason`` where a seed of a side has
+        no held-out evaluation or the two sides share no question).
     """
     out: dict[str, Any] = {"method": name, "reference": reference, "reason": None, "final_reward_difference": None,
                            "final_reward_difference_ci": None, "final_reward_difference_ci_reason": None,
@@ -213,8 +216,10 @@ def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], m
         out["final_reward_difference"] = statistics.fmean(finals[0]) - statistics.fmean(finals[1])
         ci = welch_interval(*finals)
         out["final_reward_difference_ci"] = list(ci) if ci else None
-        out["final_reward_difference_ci_reason"] = None if ci else (
-            f"fewer than two seeds a side ({len(finals[0])} vs {len(finals[1])})")
+        if ci is None:
+            out["final_reward_difference_ci_reason"] = (
+                "a final training reward is not finite" if all(len(f) > 1 for f in finals) else
+                f"fewer than two seeds a side, {len(finals[0])} against {len(finals[1])}")
     else:
         out["final_reward_difference_ci_reason"] = "a side has no training reward curve"
     per_question = [_final_per_question(runs[k]) for k in (name, reference)]
@@ -223,8 +228,8 @@ def contrast(name: str, reference: str, runs: dict[str, list[dict[str, Any]]], m
         return out
     try:
         out["heldout_two_level"] = two_level_paired(*per_question, n_boot=n_boot)
-    except ValueError as error:  # no question every seed of both has
-        out["heldout_two_level_reason"] = str(error)
+    except ValueError:  # no question every seed of both has
+        out["heldout_two_level_reason"] = "the two sides' final evaluations share no question"
     return out
 
 
@@ -528,7 +533,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
     beside ``paired_vs_grpo``; not for GRPO). Top level: ``val_examples``, ``start_val_success`` (mean over
     runs of the step-0 evaluation), the efficiency keys of :func:`_efficiency` and of
     :func:`heldout_efficiency`, ``contrasts`` (:func:`contrast` for each ``(method, reference)`` pair of
-    ``contrasts``, in that order), ``task``, ``model``,
+    ``contrasts``, in that order; empty for a plan without them), ``task``, ``model``,
     ``budget_trajectories``, ``smooth_window``, ``intervals`` (how each interval is made) and ``seeds``.
     """
     methods = {name: method_summary(seed_runs, smooth_window, val_before) for name, seed_runs in runs.items()}
@@ -551,7 +556,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], *, task: str, model: str, b
         "start_val_success_range": [min(starts), max(starts)] if starts else None,
         **_efficiency(methods, smooth_window, n_boot),
         **heldout_efficiency(methods, (statistics.fmean(starts) if starts else None, len(starts)), n_boot),
-        "contrasts": [contrast(a, b, runs, methods, smooth_window, n_boot=n_boot) for a, b in contrasts],
+        "contrasts": [contrast(a, b, runs, methods, n_boot=n_boot) for a, b in contrasts],
         "task": task,
         "model": model,
         "budget_trajectories": budget,

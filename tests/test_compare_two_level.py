@@ -162,15 +162,30 @@ def test_summarise_reports_both_beside_the_existing_keys(stats):
 
 
 # ---------------------------------------------------------------------- method against method (contrasts)
+def naive_t975(df):
+    """t's 0.975 quantile by integrating its density (trapezoids of 1e-4) from 0 until 0.475 is reached."""
+    import math
+
+    c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    x = np.arange(0.0, 40.0, 1e-4)
+    density = c * (1 + x**2 / df) ** (-(df + 1) / 2)
+    area = np.concatenate([[0.0], np.cumsum((density[1:] + density[:-1]) / 2 * 1e-4)])
+    return float(x[np.searchsorted(area, 0.475)])
+
+
 def test_welch_interval_matches_hand_derived_values(stats):
+    # equal variances and sizes: a 0.5, 0.6, 0.7 and b 0.1, 0.2, 0.3 have var 0.01 each, se^2 = 2 x 0.01/3, and the
+    # Welch df is exactly 4 (t 2.776): 0.4 +- 2.776 x 0.081650 = [0.17334, 0.62666]
+    assert stats.welch_interval([0.5, 0.6, 0.7], [0.1, 0.2, 0.3]) == pytest.approx((0.17334, 0.62666), abs=1e-4)
     # a: mean 0.6, var 0.01 (/3); b: mean 0.3, var 0.02 (/2); se^2 = 0.01/3 + 0.01 = 0.013333;
-    # df = 0.013333^2 / ((0.01/3)^2 / 2 + 0.01^2 / 1) = 1.684 -> 1, t = 12.706; half = 12.706 * 0.115470 = 1.46716
+    # df = 0.013333^2 / ((0.01/3)^2 / 2 + 0.01^2 / 1) = 1.6842, not rounded (rounding down to 1 gave t 12.706)
+    df = (0.04 / 3) ** 2 / ((0.01 / 3) ** 2 / 2 + 0.01**2)
+    half = naive_t975(df) * (0.04 / 3) ** 0.5
     lo, hi = stats.welch_interval([0.5, 0.7, 0.6], [0.2, 0.4])
-    assert (lo, hi) == pytest.approx((0.3 - 1.46716, 0.3 + 1.46716), abs=1e-4)
-    # var 5/3 and 20/3 over 4 each: se^2 = 2.08333, df = 4.41 -> 4, t = 2.776; half = 2.776 * 1.443376 = 4.00681
-    assert stats.welch_interval([1, 2, 3, 4], [2, 4, 6, 8]) == pytest.approx((-2.5 - 4.00681, -2.5 + 4.00681), abs=1e-4)
+    assert (lo, hi) == pytest.approx((0.3 - half, 0.3 + half), abs=2e-3)  # t 5.18, half 0.598
     assert stats.welch_interval([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.25)  # neither side varies
     assert stats.welch_interval([0.5], [0.1, 0.2]) is None
+    assert stats.welch_interval([0.5, float("nan")], [0.1, 0.2]) is None
 
 
 def contrast_run(method, seed, rewards, final):
@@ -190,27 +205,29 @@ def test_a_contrast_compares_two_methods_on_training_reward_and_held_out_success
     opsd = [contrast_run("opsd", s, [0.0, 0.1, r], {k: i < 1 for i, k in enumerate(q)}) for s, r in enumerate([0.2, 0.4])]
     runs = {"lopd": lopd, "opsd": opsd}
     methods = {name: stats.method_summary(r, 2, None) for name, r in runs.items()}
-    c = stats.contrast("lopd", "opsd", runs, methods, smooth_window=2, n_boot=500)
+    c = stats.contrast("lopd", "opsd", runs, methods, n_boot=500)
     # final reward per seed = mean of the last 2 steps: lopd 0.55, 0.65, 0.60; opsd 0.15, 0.25
     assert methods["lopd"]["final_reward_per_seed"] == pytest.approx([0.55, 0.65, 0.60])
     assert c["reason"] is None and c["final_reward_difference"] == pytest.approx(0.60 - 0.20)
     a, b = [0.55, 0.65, 0.60], [0.15, 0.25]
     assert c["final_reward_difference_ci"] == pytest.approx(list(stats.welch_interval(a, b)))
+    assert c["final_reward_difference_ci"][0] > 0  # 0.4 +- t(2.47 df) 4.11 x 0.0707: [0.10, 0.70]
     h = c["heldout_two_level"]  # every seed solves the same questions: 4/6 against 1/6, whatever is resampled
     assert (h["method_seeds"], h["reference_seeds"], h["n_questions"]) == (3, 2, 6)
     assert h["mean_difference"] == pytest.approx(0.5) and h["excludes_zero"]
-    missing = stats.contrast("lopd", "lopd_frozen", runs, methods, smooth_window=2)
+    missing = stats.contrast("lopd", "lopd_frozen", runs, methods)
     assert missing["reason"] == "lopd_frozen has no run" and missing["heldout_two_level"] is None
     assert missing["final_reward_difference"] is None
     one = stats.contrast("lopd", "opsd", {"lopd": lopd, "opsd": opsd[:1]},
-                         {**methods, "opsd": stats.method_summary(opsd[:1], 2, None)}, smooth_window=2, n_boot=50)
+                         {**methods, "opsd": stats.method_summary(opsd[:1], 2, None)}, n_boot=50)
     assert one["final_reward_difference_ci"] is None
-    assert one["final_reward_difference_ci_reason"] == "fewer than two seeds a side (3 vs 1)"
+    assert one["final_reward_difference_ci_reason"] == "fewer than two seeds a side, 3 against 1"
     doc = stats.summarise(runs, task="t", model="m", budget=12, smooth_window=2, n_boot=50,
                           contrasts=(("lopd", "opsd"), ("lopd", "lopd_frozen")))
     assert [(c["method"], c["reference"]) for c in doc["contrasts"]] == [("lopd", "opsd"), ("lopd", "lopd_frozen")]
     assert doc["contrasts"][0]["final_reward_difference"] == pytest.approx(0.4)
     apart = [contrast_run("opsd", 0, [0.1, 0.2], {"other": True})]  # no question in common
     cut = stats.contrast("lopd", "opsd", {"lopd": lopd, "opsd": apart},
-                         {**methods, "opsd": stats.method_summary(apart, 2, None)}, smooth_window=2, n_boot=50)
-    assert cut["heldout_two_level"] is None and "share no question" in cut["heldout_two_level_reason"]
+                         {**methods, "opsd": stats.method_summary(apart, 2, None)}, n_boot=50)
+    assert cut["heldout_two_level"] is None
+    assert cut["heldout_two_level_reason"] == "the two sides' final evaluations share no question"
