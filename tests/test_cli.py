@@ -495,9 +495,12 @@ def test_the_post_step_checkpoint_warning_of_manual_optimisation_is_dropped_and_
 
     def caught_messages(filtered):
         with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()  # no filter left from an earlier main() in this process
             warnings.simplefilter("always")
             if filtered:
                 configure_logging()
+                configure_logging()  # a second call adds no second filter (each change resets "shown once")
+                assert sum(f[1] is not None and "pre-optimization" in f[1].pattern for f in warnings.filters) == 1
             fit(tmp_path / str(filtered))
             warnings.warn("another warning", UserWarning)
         return [str(w.message) for w in caught]

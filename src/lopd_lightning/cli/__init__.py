@@ -113,7 +113,10 @@ CHECKPOINT_AFTER_STEP_WARNING = r"Using ModelCheckpoint with manual optimization
 def configure_logging() -> None:
     """INFO logs on stderr, each line once; no Lightning tips; faiss's loader quiet; Lightning's warning that a
     manual-optimisation checkpoint holds the post-step state (:data:`CHECKPOINT_AFTER_STEP_WARNING`) dropped."""
-    warnings.filterwarnings("ignore", message=CHECKPOINT_AFTER_STEP_WARNING, category=UserWarning)
+    # once: every change to the filters resets Python's "already shown" registries, so that a warning shown
+    # once per location (a FutureWarning of transformers) would print again at every later main()
+    if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == CHECKPOINT_AFTER_STEP_WARNING for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=CHECKPOINT_AFTER_STEP_WARNING, category=UserWarning)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs a missing AVX2 build at INFO
     # Lightning's "lightning" logger has its own handler ("INFO: ..."); propagating to the root one as
