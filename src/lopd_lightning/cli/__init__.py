@@ -107,7 +107,8 @@ class _DropLightningTips(logging.Filter):
 #: here) that the checkpoint holds the state *after* the optimiser step, with a 12-line code example. That
 #: state is the one an exact resume needs (``global_step`` N and the weights after N steps), so the warning
 #: says nothing to act on; it is dropped by its exact opening.
-CHECKPOINT_AFTER_STEP_WARNING = r"Using ModelCheckpoint with manual optimization and every_n_train_steps, but no pre-optimization"
+CHECKPOINT_AFTER_STEP_WARNING = (r"Using ModelCheckpoint with manual optimization and every_n_train_steps, "
+                                 r"but no pre-optimization")
 
 
 def configure_logging() -> None:
@@ -115,7 +116,8 @@ def configure_logging() -> None:
     manual-optimisation checkpoint holds the post-step state (:data:`CHECKPOINT_AFTER_STEP_WARNING`) dropped."""
     # once: every change to the filters resets Python's "already shown" registries, so that a warning shown
     # once per location (a FutureWarning of transformers) would print again at every later main()
-    if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == CHECKPOINT_AFTER_STEP_WARNING for f in warnings.filters):
+    if not any(action == "ignore" and message is not None and message.pattern == CHECKPOINT_AFTER_STEP_WARNING
+               for action, message, *_ in warnings.filters):
         warnings.filterwarnings("ignore", message=CHECKPOINT_AFTER_STEP_WARNING, category=UserWarning)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs a missing AVX2 build at INFO
