@@ -530,7 +530,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},
                    run_files=[r["path"] for r in runs])
-    if plan.calibration and str(args.calibration).lower() == "none":
+    if plan.calibration and args.calibration is not None and str(args.calibration).lower() == "none":
         results.update(task_calibration=None, task_calibration_reason="not read (--calibration none)")
     elif plan.calibration:
         results.update(task_calibration(args.calibration or REPO_ROOT / plan.calibration, model=str(first["model"])))

@@ -405,6 +405,13 @@ def test_a_student_loaded_by_name_is_not_mixed_with_a_student_folder(compare, tm
     assert list(compare.main([*base, "--student-hash", "name smollm2"])["methods"]) == ["grpo"]
 
 
+def test_the_aggregation_reads_the_default_calibration_without_the_flag(compare, tmp_path):
+    """--calibration left out meant --calibration none: str(None).lower() is "none"."""
+    write_runs(tmp_path / "experience_runs", with_provenance(fake_run("lopd", 0, final={"q0": True, "q1": False})))
+    data = compare.main(["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50"])
+    assert data["task_calibration_reason"] is None and data["task_calibration"]["student_success"] == 0.135
+
+
 def test_task_calibration_reads_the_three_numbers_or_says_why_not(compare, tmp_path):
     plans = compare.compare_plans
     real = plans.task_calibration(ROOT / plans.CALIBRATION, model="runs/hidden_rules/sft_student_in_context")
