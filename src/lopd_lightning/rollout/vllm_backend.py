@@ -65,7 +65,8 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 class DropRotaryReloadWarning(logging.Filter):
-    """Drops vLLM's ``RotaryEmbedding: Failed to load weights`` of every :meth:`VLLMBackend.sync_weights`.
+    """Drops vLLM's ``RotaryEmbedding: Failed to load weights`` of every :meth:`VLLMBackend.sync_weights` (installed
+    on vLLM's reload logger when an engine starts).
 
     A rotary embedding has a cos/sin cache and no checkpoint weights, so a reload loads nothing into it and vLLM
     puts its cache back unchanged, warning at every step. The same warning of any other layer is kept: that one
@@ -418,6 +419,9 @@ class VLLMBackend(GenerationBackend):
         with _environment({**engine_environment, **launch}, restore=("LOCAL_WORLD_SIZE",)):
             self.llm = vllm.LLM(**{k: v for k, v in options.items() if v is not None})
         self._vllm = vllm
+        reload_log = logging.getLogger(RELOAD_LOGGER)  # once per process, not at every sync
+        if not any(isinstance(f, DropRotaryReloadWarning) for f in reload_log.filters):
+            reload_log.addFilter(DropRotaryReloadWarning())
 
     def _write_checkpoint(self, model: Any, folder: Path) -> None:
         """The student's config, tokenizer and merged weights as a Hugging Face folder vLLM can load."""
@@ -435,9 +439,6 @@ class VLLMBackend(GenerationBackend):
 
     def sync_weights(self, model: Any) -> None:
         """Write ``model``'s current weights (the student adapter merged) into the engine; reset its prefix cache."""
-        reload_log = logging.getLogger(RELOAD_LOGGER)
-        if not any(isinstance(f, DropRotaryReloadWarning) for f in reload_log.filters):
-            reload_log.addFilter(DropRotaryReloadWarning())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": merged_weights(model, self.adapter)})
         self.llm.reset_prefix_cache()
 
