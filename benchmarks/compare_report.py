@@ -89,7 +89,11 @@ def _paired(m: dict[str, Any], key: str = "paired_vs_grpo") -> str:
 
 
 def _two_level(m: dict[str, Any]) -> str:
-    p = m.get("paired_vs_grpo_two_level")
+    return _two_level_text(m.get("paired_vs_grpo_two_level"))
+
+
+def _two_level_text(p: dict[str, Any] | None) -> str:
+    """One compare_stats.two_level_paired result: the difference, its interval, the seeds and the verdict."""
     if not p:
         return "-"
     verdict = "excludes 0" if p["excludes_zero"] else "within noise"
@@ -136,9 +140,7 @@ def _contrast_lines(results: dict[str, Any]) -> list[str]:
         else:
             reward = f"{d:+.3f} {_interval(ci)} ({'excludes 0' if ci[0] > 0 or ci[1] < 0 else 'within noise'})"
         p = c["heldout_two_level"]
-        heldout = (f"n/a ({c['heldout_two_level_reason']})" if p is None else f"{p['mean_difference']:+.3f} "
-                   f"{_interval(p['ci'])} ({p['method_seeds']} vs {p['reference_seeds']} seeds; "
-                   f"{'excludes 0' if p['excludes_zero'] else 'within noise'})")
+        heldout = f"n/a ({c['heldout_two_level_reason']})" if p is None else _two_level_text(p)
         lines.append(head + f"final training reward {reward}; final held-out success, two-level, {heldout}.")
     if not lines:
         return []
