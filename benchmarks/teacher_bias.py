@@ -5,8 +5,8 @@
         --questions 48 --out benchmarks/results/teacher_bias_hidden_rules.json
 
 On hidden_rules, LOPD's student learned to write the tool schema's ``"required": [...]`` list inside a call's
-``arguments`` and lost the call format (held-out success 27 -> 0 of 200 in 70 steps), while OPSD and GRPO did
-not. LOPD's student loss is the top-M + tail reverse KL to the teacher on the student's own tokens
+``arguments`` and lost the call format, where GRPO did not (benchmarks/README.md, "The experience
+comparison"). LOPD's student loss is the top-M + tail reverse KL to the teacher on the student's own tokens
 (docs/METHOD.md section 5, Eq. 10), so the student moves where the teacher puts more probability than it does.
 This measures that, on the student's own greedy replies (one per held-out question, a generations file of
 the run), teacher-forced, for each *state* and each teacher *context*:
