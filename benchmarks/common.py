@@ -53,6 +53,18 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def cpu_capability() -> str | None:
+    """The instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
+    ``"AVX2"``, ``"AVX512"``, ...; ``ATEN_CPU_CAPABILITY`` lowers it), or None without torch. Float results on the
+    CPU differ between these, so two results are bit-comparable only with the same capability."""
+    try:
+        import torch
+
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        return None
+
+
 def gpu_name() -> str | None:
     """The name of CUDA device 0 (and the count when more than one), or None without CUDA."""
     try:
@@ -90,7 +102,7 @@ def run_metadata(*, seed: int, argv: list[str] | None = None) -> dict[str, Any]:
         argv: the benchmark's arguments (default ``sys.argv[1:]``), recorded as given.
 
     Returns:
-        ``{"versions", "hardware": {"platform", "cpu", "cpu_count", "gpu"}, "seed", "git_sha",
+        ``{"versions", "hardware": {"platform", "cpu", "cpu_count", "cpu_capability", "gpu"}, "seed", "git_sha",
         "timestamp" (UTC, ISO 8601), "argv"}``.
     """
     return {
@@ -99,6 +111,7 @@ def run_metadata(*, seed: int, argv: list[str] | None = None) -> dict[str, Any]:
             "platform": platform.platform(),
             "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
+            "cpu_capability": cpu_capability(),
             "gpu": gpu_name(),
         },
         "seed": seed,

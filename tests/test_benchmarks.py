@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import load_benchmark
@@ -28,7 +29,7 @@ def test_eval_base_tiny_toy_writes_json(eval_base, tmp_path):
         assert key in data, key
     assert data["argv"] == argv and data["seed"] == 0
     assert {"python", "torch", "transformers", "lightning", "peft", "faiss"} <= set(data["versions"])
-    assert {"platform", "cpu", "cpu_count", "gpu"} <= set(data["hardware"])
+    assert {"platform", "cpu", "cpu_count", "cpu_capability", "gpu"} <= set(data["hardware"])
     assert data["settings"]["decoding"] == "greedy" and data["settings"]["generation_batch_size"] == 8
 
     assert list(data["tasks"]) == ["toy"]
@@ -79,3 +80,17 @@ def test_write_json_atomic_replaces(tmp_path):
     common.write_json_atomic({"a": 2}, path)
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_cpu_capability_reports_the_kernels_that_run(tmp_path):
+    """hardware.cpu_capability names the instruction set torch dispatches to: ATEN_CPU_CAPABILITY=default (no
+    vector kernels) must read back as DEFAULT, so a result run under a lowered capability says so."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    code = "import common; print(common.cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1] / "benchmarks", env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    assert out == "DEFAULT"
