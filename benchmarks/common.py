@@ -54,9 +54,10 @@ def cpu_model() -> str | None:
 
 
 def cpu_capability() -> str | None:
-    """The instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
-    ``"AVX2"``, ``"AVX512"``, ...; ``ATEN_CPU_CAPABILITY`` lowers it), or None without torch. Float results on the
-    CPU differ between these, so two results are bit-comparable only with the same capability."""
+    """The instruction set torch's vectorised ATen kernels dispatch to on the CPU
+    (``torch.backends.cpu.get_cpu_capability()``: ``"DEFAULT"``, ``"AVX2"``, ``"AVX512"``; ``ATEN_CPU_CAPABILITY``
+    lowers it), or None without torch. Float results differ between capabilities, so two results are
+    bit-comparable only with the same one; it is not enough (MKL and oneDNN choose their own kernels)."""
     try:
         import torch
 
