@@ -101,7 +101,7 @@ from compare_runs import (  # noqa: E402
     select_runs,
     src_provenance,
 )
-from compare_stats import budget_fraction, smooth, summarise  # noqa: E402,F401  (re-exported for the tests)
+from compare_stats import budget_fraction, heldout_by_category, smooth, summarise  # noqa: E402,F401  (re-exported for the tests)
 from compare_sweep import (  # noqa: E402
     learning_rates_for,
     parse_rates,
@@ -501,10 +501,26 @@ def plan_specs(args: argparse.Namespace, configs: dict[str, dict[str, Any]]) -> 
     return [RunSpec(m, s, args.budget, learning_rate=rates.get(m), evaluations=args.evaluations) for m, s in runs]
 
 
+def heldout_categories(run: dict[str, Any]) -> dict[str, str | None]:
+    """Question id -> ``Task.example_category`` for the held-out questions ``run`` evaluated (its task, with its
+    config's ``data.init_args.task_options``); {} when the task has no categories or the run no evaluations."""
+    from lopd_lightning.tasks import get_task
+
+    if not run.get("evaluations"):
+        return {}
+    options = (((run.get("config") or {}).get("data") or {}).get("init_args") or {}).get("task_options") or {}
+    task = get_task(str(run["task"]), **options)
+    asked = set(run["evaluations"][0]["per_question"])
+    categories = {e.id: task.example_category(e) for e in task.examples("val") if e.id in asked}
+    return categories if any(c is not None for c in categories.values()) else {}
+
+
 def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     """``<results>.{json,png,md}`` (compare.*, or experience_compare.* for the experience plan) from every run
     file in ``--runs-dir`` (those of the ``--src-tree``, ``--backend``, ``--budget`` and provenance flags when
-    given; after a plan, of the plan's budget); the experience plan's also carries ``task_calibration``.
+    given; after a plan, of the plan's budget); the experience plan's also carries ``task_calibration``. ``heldout_by_category``: held-out questions solved
+    per ``Task.example_category`` at the first and last evaluation (:func:`compare_stats.heldout_by_category`;
+    None for a task without categories).
 
     Raises:
         SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
@@ -530,6 +546,8 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},
                    run_files=[r["path"] for r in runs])
+    categories = heldout_categories(first)
+    results["heldout_by_category"] = heldout_by_category(by_method, categories) if categories else None
     if plan.calibration and args.calibration is not None and str(args.calibration).lower() == "none":
         results.update(task_calibration=None, task_calibration_reason="not read (--calibration none)")
     elif plan.calibration:

@@ -172,12 +172,28 @@ def _efficiency_line(results: dict[str, Any]) -> list[str]:
     return line
 
 
+def _category_lines(results: dict[str, Any]) -> list[str]:
+    """Held-out questions solved per category, start -> end (means over seeds), one row per method."""
+    by = results.get("heldout_by_category")
+    if not by or not by["methods"]:
+        return []
+    categories = list(by["categories"])
+    lines = ["", "Held-out solved per category (the task's `example_category`), first -> last evaluation, mean over seeds:",
+             "", "| method | " + " | ".join(f"{c} ({by['categories'][c]})" for c in categories) + " |",
+             "|---|" + "---|" * len(categories)]
+    for name, cells in by["methods"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{cells[c]['start_solved']:g} -> {cells[c]['final_solved']:g}"
+                                                  for c in categories) + " |")
+    return lines
+
+
 def table(results: dict[str, Any]) -> str:
     """The Markdown table of the results: per method the seeds, the final training reward, held-out
     success before and after (with its interval over seeds), the paired differences against the method's
     own start and against GRPO (over questions, and two-level: questions and seeds), wall time and peak memory;
     then the efficiency numbers (training reward and, where compare.json has it, held-out success), the
-    contrasts (method against a reference other than GRPO) and, for the experience plan, the task calibration."""
+    contrasts (method against a reference other than GRPO), held-out success per category (tasks with
+    ``example_category``) and, for the experience plan, the task calibration."""
     lines = [
         f"Task `{results['task']}`, student `{results['model']}`, budget {results['budget_trajectories']} "
         f"trajectories per run, {results.get('val_examples')} held-out questions (greedy, start "
@@ -201,4 +217,4 @@ def table(results: dict[str, Any]) -> str:
             f"{m['wall_s']:.0f} | {m['peak_mem_mb']:.0f} |"
         )
     return "\n".join(lines + _efficiency_line(results) + _heldout_efficiency_line(results)
-                     + _contrast_lines(results) + _calibration_line(results)) + "\n"
+                     + _contrast_lines(results) + _category_lines(results) + _calibration_line(results)) + "\n"

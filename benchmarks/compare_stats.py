@@ -358,6 +358,44 @@ def _final_per_question(seed_runs: list[dict[str, Any]]) -> list[dict[str, Any]]
     return [r["evaluations"][-1]["per_question"] for r in seed_runs]
 
 
+def heldout_by_category(runs: dict[str, list[dict[str, Any]]], category_of: dict[str, str | None]) -> dict[str, Any]:
+    """Held-out questions solved per category at each method's first and last evaluation.
+
+    Args:
+        runs: method -> its seeds' run files (each with ``evaluations[i].per_question``: question id -> solved).
+        category_of: question id -> category (``Task.example_category``); None or a missing id: not counted.
+
+    Returns:
+        ``{"categories": {category: number of held-out questions}, "methods": {method: {category: {"start_solved",
+        "final_solved" (means over seeds), "final_solved_per_seed"}}}}``; a method whose seeds lack evaluations
+        is left out. Categories are sorted by name.
+    """
+    counts: dict[str, int] = {}
+    for category in category_of.values():
+        if category is not None:
+            counts[category] = counts.get(category, 0) + 1
+    categories = sorted(counts)
+
+    def solved(per_question: dict[str, bool]) -> dict[str, int]:
+        out = dict.fromkeys(categories, 0)
+        for question, ok in per_question.items():
+            category = category_of.get(question)
+            if ok and category is not None:
+                out[category] += 1
+        return out
+
+    methods: dict[str, Any] = {}
+    for name, seed_runs in runs.items():
+        if not seed_runs or not all(r.get("evaluations") for r in seed_runs):
+            continue
+        start = [solved(r["evaluations"][0]["per_question"]) for r in seed_runs]
+        final = [solved(r["evaluations"][-1]["per_question"]) for r in seed_runs]
+        methods[name] = {c: {"start_solved": sum(s[c] for s in start) / len(start),
+                             "final_solved": sum(f[c] for f in final) / len(final),
+                             "final_solved_per_seed": [f[c] for f in final]} for c in categories}
+    return {"categories": {c: counts[c] for c in categories}, "methods": methods}
+
+
 def method_summary(seed_runs: list[dict[str, Any]], smooth_window: int, val_before: float | None) -> dict[str, Any]:
     """One method's entry of compare.json (:func:`summarise` lists the keys)."""
     xs, per_seed = aligned([r["curve"] for r in seed_runs])

@@ -469,3 +469,42 @@ def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compa
     assert len(banks - {None}) == 1 and len(composers - {None}) == 1  # one bank, one composer for every run
     expected = hashlib.sha256((work / "composer" / "composer.pt").read_bytes()).hexdigest()[:16]
     assert composers - {None} == {expected}
+
+
+# ---------------------------------------------------------------------- held-out success per category
+def test_heldout_by_category_counts_by_hand(compare):
+    category_of = {"q0": "a", "q1": "a", "q2": "b", "q3": None}  # q3: no category, never counted
+    runs = {"m": [fake_run("m", 0, start={"q0": True, "q1": False, "q2": False, "q3": True},
+                           final={"q0": True, "q1": True, "q2": False, "q3": True}),
+                  fake_run("m", 1, final={"q0": False, "q1": True, "q2": True, "q3": True})],
+            "no_evaluations": [{**fake_run("x", 0, final={"q0": True}), "evaluations": []}]}
+    by = compare.heldout_by_category(runs, category_of)
+    assert by["categories"] == {"a": 2, "b": 1}
+    assert list(by["methods"]) == ["m"]  # a method without evaluations is left out
+    # start: seed 0 solved q0 (a), seed 1 nothing -> a: (1 + 0) / 2; final: a: seed 0 q0, q1 = 2, seed 1 q1 = 1
+    assert by["methods"]["m"]["a"] == {"start_solved": 0.5, "final_solved": 1.5, "final_solved_per_seed": [2, 1]}
+    assert by["methods"]["m"]["b"] == {"start_solved": 0.0, "final_solved": 0.5, "final_solved_per_seed": [0, 1]}
+
+
+def test_the_aggregation_breaks_hidden_rules_down_by_rule_kind(compare, tmp_path):
+    """On hidden_rules the experience aggregate counts held-out solves per rule kind ("none": plain tools), the
+    kinds read from the task itself; a task without categories (toy) gets None."""
+    from lopd_lightning.tasks import get_task
+
+    task = get_task("hidden_rules", seed=0, references="rules")
+    heldout = task.examples("val")[:12]
+    final = {e.id: i % 3 != 0 for i, e in enumerate(heldout)}
+    run = with_provenance(fake_run("grpo", 0, final=final))
+    run.update(task="hidden_rules", config={"data": {"init_args": {"task_options": {"seed": 0, "references": "rules"}}}})
+    write_runs(tmp_path / "experience_runs", run)
+    data = compare.main(["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50",
+                         "--calibration", "none"])
+    kinds = [e.data["rule"]["kind"] for e in heldout]
+    assert data["heldout_by_category"]["categories"] == {k: kinds.count(k) for k in sorted(set(kinds))}
+    for kind in set(kinds):
+        solved = sum(final[e.id] for e in heldout if e.data["rule"]["kind"] == kind)
+        assert data["heldout_by_category"]["methods"]["grpo"][kind]["final_solved"] == solved
+    assert "Held-out solved per category" in (tmp_path / "experience_compare.md").read_text()
+    write_runs(tmp_path / "experience_runs", with_provenance(fake_run("grpo", 0, final={"q0": True})))
+    assert compare.main(["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50",
+                         "--calibration", "none"])["heldout_by_category"] is None

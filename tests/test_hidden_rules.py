@@ -419,3 +419,16 @@ def test_verify_gives_full_marks_for_any_rule_offset(offset):
 def test_a_bad_rule_offset_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match=r"^rule_offset must be an int >= 0 .*got"):
         get_task("hidden_rules", rule_offset=bad)
+
+
+def test_example_category_is_the_tools_rule_kind_and_none_elsewhere(task):
+    """hidden_rules' held-out breakdown key: a rule tool's kind, "none" for a plain tool (the rule table's), every
+    kind present in the held-out split; a task without categories (toy) answers None."""
+    table = task.rule_table()
+    heldout = task.examples("val")
+    categories = [task.example_category(e) for e in heldout]
+    assert categories == [table[e.data["tool"]]["kind"] for e in heldout]
+    assert set(categories) == {*RULE_KINDS, PLAIN}
+    assert all((c == PLAIN) == is_plain(e) for c, e in zip(categories, heldout))
+    toy = get_task("toy")
+    assert {toy.example_category(e) for e in toy.examples("val")} == {None}

@@ -242,6 +242,14 @@ class Task(abc.ABC):
         For multi-turn tasks this is the replies of :meth:`reference_replies` joined by blank lines.
         """
 
+    def example_category(self, example: Example) -> str | None:
+        """The category ``example`` belongs to, for per-category breakdowns of held-out success
+        (``benchmarks/compare.py``'s ``heldout_by_category``), or None (the default: no categories).
+
+        ``hidden_rules`` returns the kind of its tool's hidden rule (``"none"`` for a plain tool).
+        """
+        return None
+
     def reference_replies(self, example: Example) -> list[str]:
         """The assistant replies that replay the ground truth through :meth:`start`'s episode.
 

@@ -230,6 +230,11 @@ class HiddenRulesTask(Task):
         key = "expected" if self.references == "rules" else "format_only"
         return self.format_calls(example.data[key])
 
+    def example_category(self, example: Example) -> str:
+        """The kind of the request's tool's hidden rule (:data:`~lopd_lightning.tasks.hidden_rules.tools.RULE_KINDS`),
+        or ``"none"`` for a plain tool: the categories of held-out breakdowns."""
+        return example.data["rule"]["kind"]
+
     def rule_reply(self, example: Example) -> str:
         """The reply that satisfies the request and keeps the hidden rule, whatever ``references`` says."""
         return self.format_calls(example.data["expected"])
