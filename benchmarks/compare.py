@@ -520,7 +520,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     file in ``--runs-dir`` (those of the ``--src-tree``, ``--backend``, ``--budget`` and provenance flags when
     given; after a plan, of the plan's budget); the experience plan's also carries ``task_calibration``. ``heldout_by_category``: held-out questions solved
     per ``Task.example_category`` at the first and last evaluation (:func:`compare_stats.heldout_by_category`;
-    None for a task without categories).
+    None, with ``heldout_by_category_reason``, for a task without categories or one that cannot be loaded).
 
     Raises:
         SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
@@ -546,8 +546,12 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},
                    run_files=[r["path"] for r in runs])
-    categories = heldout_categories(first)
+    try:
+        categories, reason = heldout_categories(first), "the task defines no example_category"
+    except Exception as error:  # an optional breakdown: the aggregate stands without it, and says why
+        categories, reason = {}, f"task {first['task']!r} could not be loaded: {type(error).__name__}: {error}"
     results["heldout_by_category"] = heldout_by_category(by_method, categories) if categories else None
+    results["heldout_by_category_reason"] = None if categories else reason
     if plan.calibration and args.calibration is not None and str(args.calibration).lower() == "none":
         results.update(task_calibration=None, task_calibration_reason="not read (--calibration none)")
     elif plan.calibration:

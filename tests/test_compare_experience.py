@@ -505,6 +505,11 @@ def test_the_aggregation_breaks_hidden_rules_down_by_rule_kind(compare, tmp_path
         solved = sum(final[e.id] for e in heldout if e.data["rule"]["kind"] == kind)
         assert data["heldout_by_category"]["methods"]["grpo"][kind]["final_solved"] == solved
     assert "Held-out solved per category" in (tmp_path / "experience_compare.md").read_text()
+    assert data["heldout_by_category_reason"] is None
+    base = ["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50", "--calibration", "none"]
     write_runs(tmp_path / "experience_runs", with_provenance(fake_run("grpo", 0, final={"q0": True})))
-    assert compare.main(["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50",
-                         "--calibration", "none"])["heldout_by_category"] is None
+    toy = compare.main(base)
+    assert toy["heldout_by_category"] is None and toy["heldout_by_category_reason"] == "the task defines no example_category"
+    write_runs(tmp_path / "experience_runs", with_provenance({**fake_run("grpo", 0, final={"q0": True}), "task": "no_such_task"}))
+    unknown = compare.main(base)  # the aggregate stands without the breakdown and says why
+    assert unknown["heldout_by_category"] is None and "task 'no_such_task' could not be loaded" in unknown["heldout_by_category_reason"]
