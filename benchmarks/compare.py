@@ -501,18 +501,37 @@ def plan_specs(args: argparse.Namespace, configs: dict[str, dict[str, Any]]) -> 
     return [RunSpec(m, s, args.budget, learning_rate=rates.get(m), evaluations=args.evaluations) for m, s in runs]
 
 
-def heldout_categories(run: dict[str, Any]) -> dict[str, str | None]:
-    """Question id -> ``Task.example_category`` for the held-out questions ``run`` evaluated (its task, with its
-    config's ``data.init_args.task_options``); {} when the task has no categories or the run no evaluations."""
+def heldout_categories(run: dict[str, Any]) -> tuple[dict[str, str | None], str | None]:
+    """The category (``Task.example_category``) of each question ``run``'s first held-out evaluation asked, read
+    from its task with its config's ``data.init_args.task_options`` (any split: a dev slice's questions are
+    train examples).
+
+    Returns:
+        ``(question id -> category (str, or None: not counted), None)``, or ``({}, why there is no breakdown)``:
+        the run has no evaluation, the task does not override ``example_category``, a question is not an example of
+        the task, or no question has a category.
+
+    Raises:
+        Whatever loading the task or ``example_category`` raises (``aggregate`` reports it as the reason).
+    """
     from lopd_lightning.tasks import get_task
+    from lopd_lightning.tasks.base import Task
 
     if not run.get("evaluations"):
-        return {}
+        return {}, "the run has no held-out evaluation"
     options = (((run.get("config") or {}).get("data") or {}).get("init_args") or {}).get("task_options") or {}
     task = get_task(str(run["task"]), **options)
+    if type(task).example_category is Task.example_category:
+        return {}, "the task defines no example_category"
     asked = set(run["evaluations"][0]["per_question"])
-    categories = {e.id: task.example_category(e) for e in task.examples("val") if e.id in asked}
-    return categories if any(c is not None for c in categories.values()) else {}
+    found = {e.id: e for e in task.examples("all") if e.id in asked}
+    if missing := sorted(asked - set(found)):
+        return {}, (f"{len(missing)} of {len(asked)} evaluated questions are not examples of task {run['task']!r} "
+                    f"with task_options {options} (e.g. {missing[0]!r})")
+    categories = {q: task.example_category(e) for q, e in found.items()}
+    if all(c is None for c in categories.values()):
+        return {}, "no evaluated question has a category"
+    return {q: None if c is None else str(c) for q, c in categories.items()}, None
 
 
 def aggregate(args: argparse.Namespace) -> dict[str, Any]:
@@ -520,7 +539,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     file in ``--runs-dir`` (those of the ``--src-tree``, ``--backend``, ``--budget`` and provenance flags when
     given; after a plan, of the plan's budget); the experience plan's also carries ``task_calibration``. ``heldout_by_category``: held-out questions solved
     per ``Task.example_category`` at the first and last evaluation (:func:`compare_stats.heldout_by_category`;
-    None, with ``heldout_by_category_reason``, for a task without categories or one that cannot be loaded).
+    None, with ``heldout_by_category_reason`` saying why: :func:`heldout_categories`, or the error loading the task).
 
     Raises:
         SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
@@ -547,11 +566,11 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},
                    run_files=[r["path"] for r in runs])
     try:
-        categories, reason = heldout_categories(first), "the task defines no example_category"
+        categories, reason = heldout_categories(first)
+        by_category = heldout_by_category(by_method, categories) if categories else None
     except Exception as error:  # an optional breakdown: the aggregate stands without it, and says why
-        categories, reason = {}, f"task {first['task']!r} could not be loaded: {type(error).__name__}: {error}"
-    results["heldout_by_category"] = heldout_by_category(by_method, categories) if categories else None
-    results["heldout_by_category_reason"] = None if categories else reason
+        by_category, reason = None, f"task {first['task']!r} gave no categories: {type(error).__name__}: {error}"
+    results.update(heldout_by_category=by_category, heldout_by_category_reason=reason)
     if plan.calibration and args.calibration is not None and str(args.calibration).lower() == "none":
         results.update(task_calibration=None, task_calibration_reason="not read (--calibration none)")
     elif plan.calibration:

@@ -178,11 +178,15 @@ def _category_lines(results: dict[str, Any]) -> list[str]:
     if not by or not by["methods"]:
         return []
     categories = list(by["categories"])
+
+    def cell(text: str) -> str:  # a user's category or method name must not open a table cell
+        return str(text).replace("|", "\\|")
+
     lines = ["", "Held-out solved per category (the task's `example_category`), first -> last evaluation, mean over seeds:",
-             "", "| method | " + " | ".join(f"{c} ({by['categories'][c]})" for c in categories) + " |",
+             "", "| method | " + " | ".join(f"{cell(c)} ({by['categories'][c]})" for c in categories) + " |",
              "|---|" + "---|" * len(categories)]
     for name, cells in by["methods"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{cells[c]['start_solved']:g} -> {cells[c]['final_solved']:g}"
+        lines.append(f"| {cell(name)} | " + " | ".join(f"{cells[c]['start_solved']:g} -> {cells[c]['final_solved']:g}"
                                                   for c in categories) + " |")
     return lines
 

@@ -366,9 +366,10 @@ def heldout_by_category(runs: dict[str, list[dict[str, Any]]], category_of: dict
         category_of: question id -> category (``Task.example_category``); None or a missing id: not counted.
 
     Returns:
-        ``{"categories": {category: number of held-out questions}, "methods": {method: {category: {"start_solved",
-        "final_solved" (means over seeds), "final_solved_per_seed"}}}}``; a method whose seeds lack evaluations
-        is left out. Categories are sorted by name.
+        ``{"categories": {category: number of questions in category_of}, "methods": {method: {category:
+        {"start_solved", "final_solved" (means over seeds), "start_solved_per_seed", "final_solved_per_seed"}}}}``,
+        start = each seed's first evaluation, final = its last; a question a seed did not evaluate counts as
+        not solved. A method any of whose seeds has no evaluation is left out. Categories are sorted by name.
     """
     counts: dict[str, int] = {}
     for category in category_of.values():
@@ -392,6 +393,7 @@ def heldout_by_category(runs: dict[str, list[dict[str, Any]]], category_of: dict
         final = [solved(r["evaluations"][-1]["per_question"]) for r in seed_runs]
         methods[name] = {c: {"start_solved": sum(s[c] for s in start) / len(start),
                              "final_solved": sum(f[c] for f in final) / len(final),
+                             "start_solved_per_seed": [s[c] for s in start],
                              "final_solved_per_seed": [f[c] for f in final]} for c in categories}
     return {"categories": {c: counts[c] for c in categories}, "methods": methods}
 

@@ -473,43 +473,67 @@ def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compa
 
 # ---------------------------------------------------------------------- held-out success per category
 def test_heldout_by_category_counts_by_hand(compare):
-    category_of = {"q0": "a", "q1": "a", "q2": "b", "q3": None}  # q3: no category, never counted
-    runs = {"m": [fake_run("m", 0, start={"q0": True, "q1": False, "q2": False, "q3": True},
-                           final={"q0": True, "q1": True, "q2": False, "q3": True}),
-                  fake_run("m", 1, final={"q0": False, "q1": True, "q2": True, "q3": True})],
-            "no_evaluations": [{**fake_run("x", 0, final={"q0": True}), "evaluations": []}]}
+    category_of = {"q0": "a", "q1": "a", "q2": "b", "q3": None}  # q3: no category; q4: not in category_of
+    seed_0 = fake_run("m", 0, start={"q0": True, "q1": False, "q2": False, "q3": True, "q4": True},
+                      final={"q0": True, "q1": True, "q2": False, "q3": True, "q4": True})
+    seed_1 = fake_run("m", 1, final={"q0": False, "q1": True, "q2": True, "q3": True, "q4": True})
+    middle = {**seed_1["evaluations"][0], "step": 1, "per_question": {"q0": True, "q1": True, "q2": True}}
+    seed_1["evaluations"].insert(1, middle)  # three evaluations: the last one counts, not the second
+    runs = {"m": [seed_0, seed_1], "no_evaluations": [fake_run("x", 0, final={"q0": True}),
+                                                       {**fake_run("x", 1, final={"q0": True}), "evaluations": []}]}
     by = compare.heldout_by_category(runs, category_of)
     assert by["categories"] == {"a": 2, "b": 1}
-    assert list(by["methods"]) == ["m"]  # a method without evaluations is left out
-    # start: seed 0 solved q0 (a), seed 1 nothing -> a: (1 + 0) / 2; final: a: seed 0 q0, q1 = 2, seed 1 q1 = 1
-    assert by["methods"]["m"]["a"] == {"start_solved": 0.5, "final_solved": 1.5, "final_solved_per_seed": [2, 1]}
-    assert by["methods"]["m"]["b"] == {"start_solved": 0.0, "final_solved": 0.5, "final_solved_per_seed": [0, 1]}
+    assert list(by["methods"]) == ["m"]  # a method with a seed without evaluations is left out
+    # start: seed 0 solved q0 (a), seed 1 nothing; final: a: seed 0 q0 and q1 = 2, seed 1 q1 = 1; b: seed 1 q2
+    assert by["methods"]["m"]["a"] == {"start_solved": 0.5, "final_solved": 1.5, "start_solved_per_seed": [1, 0],
+                                       "final_solved_per_seed": [2, 1]}
+    assert by["methods"]["m"]["b"] == {"start_solved": 0.0, "final_solved": 0.5, "start_solved_per_seed": [0, 0],
+                                       "final_solved_per_seed": [0, 1]}
+    table = compare.table({"task": "t", "model": "m", "budget_trajectories": 8, "smooth_window": 1,
+                                          "methods": {}, "heldout_by_category": {
+                                              "categories": {"x|y": 1}, "methods": {"m|n": {"x|y": {
+                                                  "start_solved": 0, "final_solved": 1}}}}})
+    assert "| method | x\\|y (1) |" in table and "| m\\|n | 0 -> 1 |" in table  # a "|" in a name is escaped
 
 
 def test_the_aggregation_breaks_hidden_rules_down_by_rule_kind(compare, tmp_path):
     """On hidden_rules the experience aggregate counts held-out solves per rule kind ("none": plain tools), the
-    kinds read from the task itself; a task without categories (toy) gets None."""
+    kinds read from the task with the run's own task_options; a task without categories (toy), questions that
+    are not the task's and a task that cannot be loaded give None and the reason."""
     from lopd_lightning.tasks import get_task
 
-    task = get_task("hidden_rules", seed=0, references="rules")
-    heldout = task.examples("val")[:12]
+    options = {"seed": 0, "n_heldout": 150}  # not the defaults: the run's own options must be read (below)
+    task = get_task("hidden_rules", **options)
+    heldout = task.examples("val")[:12] + task.examples("train")[:3]  # a dev slice's questions are train ones
+    kind = {e.id: e.data["rule"]["kind"] for e in heldout}
+    start = {e.id: i % 4 == 1 for i, e in enumerate(heldout)}
     final = {e.id: i % 3 != 0 for i, e in enumerate(heldout)}
-    run = with_provenance(fake_run("grpo", 0, final=final))
-    run.update(task="hidden_rules", config={"data": {"init_args": {"task_options": {"seed": 0, "references": "rules"}}}})
-    write_runs(tmp_path / "experience_runs", run)
-    data = compare.main(["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50",
-                         "--calibration", "none"])
-    kinds = [e.data["rule"]["kind"] for e in heldout]
-    assert data["heldout_by_category"]["categories"] == {k: kinds.count(k) for k in sorted(set(kinds))}
-    for kind in set(kinds):
-        solved = sum(final[e.id] for e in heldout if e.data["rule"]["kind"] == kind)
-        assert data["heldout_by_category"]["methods"]["grpo"][kind]["final_solved"] == solved
-    assert "Held-out solved per category" in (tmp_path / "experience_compare.md").read_text()
-    assert data["heldout_by_category_reason"] is None
+    run = with_provenance(fake_run("grpo", 0, start=start, final=final))
+    run.update(task="hidden_rules", config={"data": {"init_args": {"task_options": options}}})
+    runs_dir = tmp_path / "experience_runs"
+    write_runs(runs_dir, run)
     base = ["--plan", "experience", "--aggregate-only", "--out-dir", str(tmp_path), "--bootstrap", "50", "--calibration", "none"]
-    write_runs(tmp_path / "experience_runs", with_provenance(fake_run("grpo", 0, final={"q0": True})))
-    toy = compare.main(base)
-    assert toy["heldout_by_category"] is None and toy["heldout_by_category_reason"] == "the task defines no example_category"
-    write_runs(tmp_path / "experience_runs", with_provenance({**fake_run("grpo", 0, final={"q0": True}), "task": "no_such_task"}))
-    unknown = compare.main(base)  # the aggregate stands without the breakdown and says why
-    assert unknown["heldout_by_category"] is None and "task 'no_such_task' could not be loaded" in unknown["heldout_by_category_reason"]
+    data = compare.main(base)
+    assert data["heldout_by_category_reason"] is None
+    assert data["heldout_by_category"]["categories"] == {k: list(kind.values()).count(k) for k in sorted(set(kind.values()))}
+    for k in set(kind.values()):
+        cells = data["heldout_by_category"]["methods"]["grpo"][k]
+        assert cells["start_solved"] == sum(start[q] for q in kind if kind[q] == k)
+        assert cells["final_solved"] == sum(final[q] for q in kind if kind[q] == k)
+    assert "Held-out solved per category" in (tmp_path / "experience_compare.md").read_text()
+
+    def reason_for(**changes):
+        write_runs(runs_dir, with_provenance({**fake_run("grpo", 0, final={"q0": True}), **changes}))
+        result = compare.main(base)
+        assert result["heldout_by_category"] is None
+        return result["heldout_by_category_reason"]
+
+    assert reason_for() == "the task defines no example_category"  # toy
+    assert reason_for(task="hidden_rules").startswith("1 of 1 evaluated questions are not examples of task "
+                                                      "'hidden_rules' with task_options {} (e.g. 'q0')")
+    assert reason_for(task="no_such_task").startswith("task 'no_such_task' gave no categories: ")
+    beyond = "hidden_rules/val/170"  # a held-out question of the default 200, not of the run's 150
+    assert beyond in {e.id for e in get_task("hidden_rules").examples("val")}
+    assert reason_for(task="hidden_rules", evaluations=[{**run["evaluations"][0], "per_question": {beyond: True}}],
+                      config=run["config"]).startswith(f"1 of 1 evaluated questions are not examples of task "
+                                                       f"'hidden_rules' with task_options {options} (e.g. '{beyond}')")
