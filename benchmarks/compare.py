@@ -101,7 +101,12 @@ from compare_runs import (  # noqa: E402
     select_runs,
     src_provenance,
 )
-from compare_stats import budget_fraction, heldout_by_category, smooth, summarise  # noqa: E402,F401  (re-exported for the tests)
+from compare_stats import (  # noqa: E402,F401  (re-exported for the tests)
+    budget_fraction,
+    heldout_by_category,
+    smooth,
+    summarise,
+)
 from compare_sweep import (  # noqa: E402
     learning_rates_for,
     parse_rates,
@@ -537,9 +542,10 @@ def heldout_categories(run: dict[str, Any]) -> tuple[dict[str, str | None], str 
 def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     """``<results>.{json,png,md}`` (compare.*, or experience_compare.* for the experience plan) from every run
     file in ``--runs-dir`` (those of the ``--src-tree``, ``--backend``, ``--budget`` and provenance flags when
-    given; after a plan, of the plan's budget); the experience plan's also carries ``task_calibration``. ``heldout_by_category``: held-out questions solved
-    per ``Task.example_category`` at the first and last evaluation (:func:`compare_stats.heldout_by_category`;
-    None, with ``heldout_by_category_reason`` saying why: :func:`heldout_categories`, or the error loading the task).
+    given; after a plan, of the plan's budget); the experience plan's also carries ``task_calibration``.
+    ``heldout_by_category``: held-out questions solved per ``Task.example_category`` at the first and last
+    evaluation (:func:`compare_stats.heldout_by_category`); None, with ``heldout_by_category_reason`` saying why
+    (:func:`heldout_categories`, or the error loading the task).
 
     Raises:
         SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
