@@ -387,10 +387,11 @@ def heldout_by_category(runs: dict[str, list[dict[str, Any]]], category_of: dict
 
     methods: dict[str, Any] = {}
     for name, seed_runs in runs.items():
-        if not seed_runs or not all(r.get("evaluations") for r in seed_runs):
+        finals = _final_per_question(seed_runs)  # None: a seed has no evaluation (the method is left out)
+        if finals is None:
             continue
         start = [solved(r["evaluations"][0]["per_question"]) for r in seed_runs]
-        final = [solved(r["evaluations"][-1]["per_question"]) for r in seed_runs]
+        final = [solved(per_question) for per_question in finals]
         methods[name] = {c: {"start_solved": sum(s[c] for s in start) / len(start),
                              "final_solved": sum(f[c] for f in final) / len(final),
                              "start_solved_per_seed": [s[c] for s in start],
