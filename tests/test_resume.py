@@ -173,3 +173,63 @@ def test_a_checkpoint_this_version_cannot_restore_is_refused_in_one_line(tmp_pat
         code, err = run_main(["export", str(other), "--out", str(tmp_path / f"student_{change}")], capsys)
         assert code == 1
         assert_one_line_error(err, expected)
+
+
+def test_a_resumed_run_keeps_its_validation_history_and_its_summary_its_before(tmp_path):
+    """The step-0 validation ran in the first process; the resumed process's summary still reports it as
+    "before" (the checkpoint carries val_history), and its history lists every validation once, in order."""
+    import torch
+
+    from lopd_lightning.callbacks import RunSummary
+    from lopd_lightning.modules import GRPOModule
+    from helpers import ParityToy, quiet_trainer
+
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+    def run(name, max_steps, ckpt_path=None, extra=()):
+        L.seed_everything(0)
+        module = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4, validate_before_training=True)
+        dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
+        summary = RunSummary()
+        trainer = quiet_trainer(tmp_path / name, max_steps=max_steps, enable_checkpointing=True,
+                                limit_val_batches=None, val_check_interval=2, check_val_every_n_epoch=None,
+                                callbacks=[ModelCheckpoint(dirpath=tmp_path / name / "ck", every_n_train_steps=1,
+                                                           save_last=True), summary, *extra])
+        trainer.fit(module, dm, ckpt_path=ckpt_path)
+        return summary.summary(trainer, module)
+
+    straight = run("straight", 4)
+    assert [step for step, _ in straight["history"]] == [0, 2, 4]
+    with pytest.raises(Interrupt):
+        run("first", 4, extra=[InterruptAt(3)])
+    last = tmp_path / "first" / "ck" / "last.ckpt"  # written after step 3
+    saved = torch.load(last, weights_only=False)["lopd_state"]["val_history"]
+    assert [step for step, _ in saved] == [0, 2]
+    resumed = run("resumed", 4, ckpt_path=str(last))
+    assert [step for step, _ in resumed["history"]] == [0, 2, 4]
+    for (_, got), (_, want) in zip(resumed["history"], straight["history"]):  # val/success_rate at each
+        assert got == pytest.approx(float(want))
+    assert resumed["before"] is not None
+    assert resumed["before"] == pytest.approx(float(straight["before"]))
+    assert resumed["after"] == pytest.approx(float(straight["after"]))
+
+
+def test_a_checkpoint_without_a_validation_history_still_resumes(tmp_path):
+    """Checkpoints written before val_history was saved resume with an empty history (nothing refused)."""
+    import torch
+
+    from lopd_lightning.modules import GRPOModule
+    from helpers import ParityToy, quiet_trainer
+
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
+    trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
+    trainer.fit(GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4), dm)
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    old = torch.load(path, weights_only=False)
+    del old["lopd_state"]["val_history"]
+    torch.save(old, tmp_path / "old.ckpt")
+    module = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
+    quiet_trainer(tmp_path / "resumed", max_steps=2).fit(module, dm, ckpt_path=str(tmp_path / "old.ckpt"))
+    assert module.global_step == 2 and module.val_history == []

@@ -559,6 +559,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         checkpoint["lopd_state"] = {
             "rollouts_consumed": self.rollouts_consumed,
             "non_finite_steps": self.non_finite_steps,
+            # every validation so far, so that a resumed run's summary still has its step-0 "before"
+            "val_history": [(int(step), {k: float(v) for k, v in values.items()})
+                            for step, values in getattr(self, "val_history", [])],
             **self.method_state(),
         }
 
@@ -569,6 +572,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         state = checkpoint["lopd_state"]
         self.rollouts_consumed = int(state["rollouts_consumed"])
         self.non_finite_steps = int(state["non_finite_steps"])
+        # optional: a checkpoint written before val_history was saved restores an empty history
+        self.val_history = [(int(step), dict(values)) for step, values in state.get("val_history", [])]
         self.load_method_state(state)
 
     def method_state(self) -> dict[str, Any]:
