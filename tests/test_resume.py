@@ -132,6 +132,18 @@ def test_resume_after_an_interruption_matches_the_uninterrupted_run(tmp_path):
     assert reference.steps[TOTAL_STEPS]["beta"] > 0
 
 
+def one_step_grpo_checkpoint(tmp_path):
+    """``(path, datamodule)``: the checkpoint of a one-step GRPO run on the tiny model and ParityToy."""
+    from lopd_lightning.modules import GRPOModule
+    from helpers import ParityToy, quiet_trainer
+
+    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
+    trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
+    trainer.fit(GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=4), dm)
+    return next((tmp_path / "ck").glob("*.ckpt")), dm
+
+
 def test_a_checkpoint_this_version_cannot_restore_is_refused_in_one_line(tmp_path, capsys):
     """Weights under names the module does not have (here: a composer adapter, which a GRPO of another
     version carried) or a state without an entry the module writes: resuming, load_from_checkpoint and
@@ -139,14 +151,9 @@ def test_a_checkpoint_this_version_cannot_restore_is_refused_in_one_line(tmp_pat
     import torch
 
     from lopd_lightning.modules import GRPOModule
-    from helpers import ParityToy, assert_one_line_error, quiet_trainer, run_main
+    from helpers import assert_one_line_error, quiet_trainer, run_main
 
-    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
-    trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
-                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
-    trainer.fit(GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4), dm)
-    path = next((tmp_path / "ck").glob("*.ckpt"))
+    path, dm = one_step_grpo_checkpoint(tmp_path)
     checkpoint = torch.load(path, weights_only=False)
     extra = {k.replace(".student.", ".composer."): torch.zeros_like(v) for k, v in checkpoint["state_dict"].items()
              if ".student." in k}
@@ -164,7 +171,7 @@ def test_a_checkpoint_this_version_cannot_restore_is_refused_in_one_line(tmp_pat
         other = tmp_path / f"{change}.ckpt"
         torch.save(broken, other)
         with pytest.raises(ValueError) as caught:
-            resumed = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
+            resumed = GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=4)
             quiet_trainer(tmp_path / change, max_steps=2).fit(resumed, dm, ckpt_path=str(other))
         assert str(caught.value) == expected
         with pytest.raises(ValueError) as caught:
@@ -184,11 +191,9 @@ def test_a_resumed_run_keeps_its_validation_history_and_its_summary_its_before(t
     from lopd_lightning.modules import GRPOModule
     from helpers import ParityToy, quiet_trainer
 
-    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-
     def run(name, max_steps, ckpt_path=None, extra=()):
         L.seed_everything(0)
-        module = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4, validate_before_training=True)
+        module = GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=4, validate_before_training=True)
         dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
         summary = RunSummary()
         trainer = quiet_trainer(tmp_path / name, max_steps=max_steps, enable_checkpointing=True,
@@ -219,17 +224,12 @@ def test_a_checkpoint_without_a_validation_history_still_resumes(tmp_path):
     import torch
 
     from lopd_lightning.modules import GRPOModule
-    from helpers import ParityToy, quiet_trainer
+    from helpers import quiet_trainer
 
-    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    dm = OnPolicyDataModule(ParityToy(), examples_per_step=2, val_limit=2, val_batch_size=2)
-    trainer = quiet_trainer(tmp_path, max_steps=1, enable_checkpointing=True,
-                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1)])
-    trainer.fit(GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4), dm)
-    path = next((tmp_path / "ck").glob("*.ckpt"))
+    path, dm = one_step_grpo_checkpoint(tmp_path)
     old = torch.load(path, weights_only=False)
     del old["lopd_state"]["val_history"]
     torch.save(old, tmp_path / "old.ckpt")
-    module = GRPOModule("tiny", lora=lora, group_size=2, max_new_tokens=4)
+    module = GRPOModule("tiny", lora=LORA, group_size=2, max_new_tokens=4)
     quiet_trainer(tmp_path / "resumed", max_steps=2).fit(module, dm, ckpt_path=str(tmp_path / "old.ckpt"))
     assert module.global_step == 2 and module.val_history == []
