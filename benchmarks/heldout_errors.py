@@ -3,11 +3,12 @@
 ``benchmarks/compare.py`` counts the held-out questions each run solves; this script reads the same
 ``<runs-root>/<method>/seed_<s>/generations/val_step_<k>.jsonl`` files (one JSON line per greedy episode,
 written by ``lopd_lightning.modules.observability``) and sorts every unsolved episode by the first reason
-the BFCL checker gave (:func:`failure_kind`), so a fall in success can be traced to what changed in the
-replies. Three counts cut across the kinds: replies that copy the system prompt's format example
-instead of the tools' schemas (:func:`copies_format_example`: ``{"argument1": ...}`` where the schema
-names ``todo``), repetition loops (:func:`has_repetition_loop`) and replies cut at the token limit
-(:func:`cut_at_length`).
+the checker gave (:func:`failure_kind`; BFCL's and hidden_rules'), so a fall in success can be traced to
+what changed in the replies. Four counts cut across the kinds: replies that copy the system prompt's format
+example instead of the tools' schemas (:func:`copies_format_example`: ``{"argument1": ...}`` where the schema
+names ``todo``), replies that copy a keyword of the tools' schemas as a key (:func:`copies_tool_schema`:
+``"required": [...]`` inside ``arguments``), repetition loops (:func:`has_repetition_loop`) and replies cut at
+the token limit (:func:`cut_at_length`).
 
 Writes ``<out>.json`` (every run's evaluations, plus :func:`common.run_metadata`) and ``<out>.md`` (the
 mean over seeds per method at its first and last evaluation, each seed's counts at every evaluation, and
@@ -39,16 +40,20 @@ from compare_runs import generation_files, heldout_evaluations  # noqa: E402
 FAILURE_KINDS: dict[str, str] = {
     "no call": r"no function call|no tool call|empty reply",
     "malformed": r"malformed",
-    "wrong function": r"function name |wrong number of functions",
+    "wrong function": r"function name |wrong number of functions|no call to |unexpected calls besides",
     "no matching call": r"no model call matches",  # parallel categories: some expected call has no match
-    "missing argument": r"missing required parameter|parameter '.*' not provided",
+    "missing argument": r"missing required parameter|parameter '.*' not provided|missing parameter ",
     "unexpected argument": r"unexpected parameter",
     "wrong type": r"wrong type for",
     "wrong value": r"invalid value for",
+    # hidden_rules (lopd_lightning.tasks.hidden_rules.checker): a call that breaks its tool's undocumented rule
+    "hidden rule": r"hidden rule of ",
 }
 KINDS = ("solved", *FAILURE_KINDS, "other")
 #: The counts that cut across :data:`KINDS` (each episode at most once in each).
-FLAGS = ("copies_format_example", "repetition_loop", "cut_at_length")
+FLAGS = ("copies_format_example", "copies_tool_schema", "repetition_loop", "cut_at_length")
+#: The JSON-schema keywords of the offered tools' schemas that :func:`copies_tool_schema` looks for.
+SCHEMA_KEYWORDS = ("required", "properties", "parameters")
 
 
 def failure_kind(record: dict[str, Any]) -> str:
@@ -99,6 +104,43 @@ def copies_format_example(record: dict[str, Any]) -> bool:
     return any(m.get("role") == "assistant" and found.search(str(m.get("content") or "")) for m in messages)
 
 
+def tool_parameter_names(system_text: str) -> set[str] | None:
+    """The parameter names of every tool in a system message's ``<tools>[...]</tools>`` JSON list (the
+    BFCL prompt's, which hidden_rules shares); None when there is no such list or it does not parse."""
+    start, end = system_text.find("<tools>"), system_text.find("</tools>")
+    if start < 0 or end < start:
+        return None
+    try:
+        tools = json.loads(system_text[start + len("<tools>"):end])
+    except ValueError:
+        return None
+    if not isinstance(tools, list):
+        return None
+    names: set[str] = set()
+    for tool in tools:
+        properties = ((tool or {}).get("parameters") or {}).get("properties") if isinstance(tool, dict) else None
+        if isinstance(properties, dict):
+            names.update(str(k) for k in properties)
+    return names
+
+
+def copies_tool_schema(record: dict[str, Any]) -> bool | None:
+    """Whether an assistant reply writes a keyword of the tools' JSON schemas (:data:`SCHEMA_KEYWORDS`, e.g.
+    the schema's ``"required": [...]`` list) as a JSON key, where no offered tool has a parameter of that
+    name. Reads the raw reply text, so a reply that does not parse still counts; None when the system
+    message has no tool list that parses (see :func:`tool_parameter_names`)."""
+    messages = record.get("messages") or []
+    system = next((m.get("content") or "" for m in messages if m.get("role") == "system"), "")
+    parameters = tool_parameter_names(str(system))
+    if parameters is None:
+        return None
+    keywords = [k for k in SCHEMA_KEYWORDS if k not in parameters]
+    if not keywords:
+        return False
+    found = re.compile(r'"(?:' + "|".join(map(re.escape, keywords)) + r')"\s*:')
+    return any(m.get("role") == "assistant" and found.search(str(m.get("content") or "")) for m in messages)
+
+
 #: A unit of 3-40 characters, not starting with whitespace, that occurs at least 5 times in a row.
 REPETITION = re.compile(r"(\S.{2,39}?)\1{4,}", re.S)
 
@@ -129,9 +171,9 @@ def cut_at_length(record: dict[str, Any], count_tokens: Callable[[str], int] | N
 
 def evaluation_counts(path: Path, count_tokens: Callable[[str], int] | None = None,
                       max_new_tokens: int | None = None) -> dict[str, int | None]:
-    """``{kind: episodes}`` over :data:`KINDS`, plus ``questions``, ``copies_format_example``,
-    ``repetition_loop`` and ``cut_at_length`` (episodes, each counted once; these three cut across the
-    kinds; ``cut_at_length`` is None when some record cannot tell, see :func:`cut_at_length`).
+    """``{kind: episodes}`` over :data:`KINDS`, plus ``questions`` and the :data:`FLAGS` (episodes, each
+    counted once; these four cut across the kinds; a flag is None when some record cannot tell, see
+    :func:`copies_tool_schema` and :func:`cut_at_length`).
 
     Raises:
         json.JSONDecodeError: a line that is not JSON (a file still being written)."""
@@ -142,10 +184,11 @@ def evaluation_counts(path: Path, count_tokens: Callable[[str], int] | None = No
         record = json.loads(line)
         counts[failure_kind(record)] += 1
         counts["questions"] += 1
-        counts["copies_format_example"] += copies_format_example(record)
-        counts["repetition_loop"] += has_repetition_loop(record)
-        cut = cut_at_length(record, count_tokens, max_new_tokens)
-        counts["cut_at_length"] = None if cut is None or counts["cut_at_length"] is None else counts["cut_at_length"] + cut
+        flags = {"copies_format_example": copies_format_example(record), "copies_tool_schema": copies_tool_schema(record),
+                 "repetition_loop": has_repetition_loop(record),
+                 "cut_at_length": cut_at_length(record, count_tokens, max_new_tokens)}
+        for flag, value in flags.items():  # unknown for one record: unknown for the evaluation
+            counts[flag] = None if value is None or counts[flag] is None else counts[flag] + value
     return counts
 
 

@@ -65,6 +65,74 @@ def test_every_checker_reason_gets_its_kind(he, error, kind):
     assert he.failure_kind(record("...", error=error())) == kind
 
 
+def hidden_rules_records():
+    """The hidden_rules task's own records: (record, the reply's calls as dicts) for a rule tool's request."""
+    from lopd_lightning.tasks import get_task
+
+    task = get_task("hidden_rules")
+    example = next(e for e in task.examples("val") if task.example_category(e) == "date_format")
+    return task, example
+
+
+def hidden_rules_record(task, example, calls: list[dict] | str) -> dict:
+    reply = calls if isinstance(calls, str) else task.format_calls(calls)
+    reward, info = task.score_with_info(example, reply)
+    return {"example_id": example.id, "success": reward >= 1.0, "errors": [info["error"]] if info else [],
+            "info": info, "messages": [*task.initial_messages(example), {"role": "assistant", "content": reply}]}
+
+
+def test_hidden_rules_checker_reasons_get_their_kinds(he):
+    """The hidden_rules checker's messages (the task's own verdicts, not copies of them) each get a kind."""
+    task, example = hidden_rules_records()
+    expected = example.data["expected"]
+    tool = expected[-1]
+    plain_args = dict(tool["arguments"])
+    argument = task.rule_table()[tool["name"]]["argument"]
+    cases = {
+        "solved": expected,
+        "hidden rule": example.data["format_only"],
+        # the rule's own argument left out is the rule broken ("it is missing"); another one left out is not
+        "missing argument": [*expected[:-1], dict(tool, arguments={k: v for k, v in plain_args.items()
+                                                                  if k != next(a for a in plain_args if a != argument)})],
+        "unexpected argument": [*expected[:-1], dict(tool, arguments={**plain_args, "argument9": 1})],
+        "wrong function": [{"name": "no_such_tool", "arguments": {}}],
+        "malformed": "<tool_call>[{oops</tool_call>",
+    }
+    for kind, calls in cases.items():
+        rec = hidden_rules_record(task, example, calls)
+        assert he.failure_kind(rec) == kind, (kind, rec["errors"])
+    rec = hidden_rules_record(task, example, [*expected[:-1], dict(tool, arguments={k: v for k, v in plain_args.items()
+                                                                                     if k != argument})])
+    assert he.failure_kind(rec) == "hidden rule" and "it is missing" in rec["errors"][0]
+    wrong = {k: (v + "x" if isinstance(v, str) else v) for k, v in plain_args.items() if k != argument}
+    rec = hidden_rules_record(task, example, [*expected[:-1], dict(tool, arguments={**plain_args, **wrong})])
+    assert he.failure_kind(rec) == "wrong value", rec["errors"]
+
+
+def test_schema_keywords_copied_into_the_arguments_are_counted(he):
+    """The broken replies of the experience comparison's LOPD runs: the schema's "required" list inside
+    arguments; a clean call, prose, or a tool with a parameter named "required" is not a copy."""
+    task, example = hidden_rules_records()
+    tool = example.data["expected"][-1]
+    required = [*tool["arguments"]]
+    copy = task.format_calls([dict(tool, arguments={**tool["arguments"], "required": required})])
+    assert he.copies_tool_schema(hidden_rules_record(task, example, copy))
+    cut = copy[: copy.index('"required"') + 14]  # cut at the token limit: the text does not parse
+    assert he.copies_tool_schema(hidden_rules_record(task, example, cut))
+    assert not he.copies_tool_schema(hidden_rules_record(task, example, example.data["expected"]))
+    assert not he.copies_tool_schema(hidden_rules_record(task, example, "Every parameter is required: date."))
+    assert not he.copies_format_example(hidden_rules_record(task, example, copy))  # a flag of its own
+    own = [dict(FUNCTIONS[0], parameters={"type": "dict", "required": ["required"],
+                                          "properties": {"required": {"type": "boolean"}}})]
+    rec = record('<tool_call>[{"name": "todo_add", "arguments": {"required": true}}]</tool_call>')
+    rec["messages"][0]["content"] = tools_system_text(DEFAULT_SYSTEM_PROMPT, own)
+    assert not he.copies_tool_schema(rec)
+    rec["messages"][0]["content"] = "no tool list here"
+    assert he.copies_tool_schema(rec) is None
+    assert he.tool_parameter_names(tools_system_text(DEFAULT_SYSTEM_PROMPT, FUNCTIONS)) == {"content", "urgent"}
+    assert he.tool_parameter_names("<tools>[{broken</tools>") is None
+
+
 def test_solved_and_info_only_records(he):
     assert he.failure_kind(record("...", success=True, error="ignored")) == "solved"
     assert he.failure_kind({"success": False, "errors": [], "info": {"error": "malformed reply"}}) == "malformed"
@@ -131,6 +199,7 @@ def test_the_grid_is_read_where_it_matches_the_run_files_and_the_report_is_writt
     last = result["summary"]["lopd"]["last"]
     assert last["solved"] == 0.5 and last["malformed"] == 0.5 and last["missing argument"] == 1.0
     assert last["copies_format_example"] == 1.0 and result["summary"]["lopd"]["steps"] == [0, 4]
+    assert last["copies_tool_schema"] == 0.0
     assert last["cut_at_length"] is None  # old records, no tokenizer: unknown
     assert result["runs_without_generations"] == ["grpo/seed_1"]
     assert set(result["run_folders_not_used"]) == {"grpo/seed_0"}  # lopd/seed_1 was found in the new root
@@ -138,7 +207,7 @@ def test_the_grid_is_read_where_it_matches_the_run_files_and_the_report_is_writt
     assert saved["summary"] == result["summary"] and saved["runs"]["lopd"]["seed_1"][1]["step"] == 4
     report = (tmp_path / "he.md").read_text()
     assert "| lopd | 2 | 0 -> 4 | 1.0 -> 0.5 |" in report and "grpo/seed_1" in report
-    assert report.count("n/a -> n/a") == 1 and "- lopd seed_1: 0: 1 / 1 / 0 / 0 / n/a, 4: 1 / 0 / 1 / 0 / n/a" in report
+    assert report.count("n/a -> n/a") == 1 and "- lopd seed_1: 0: 1 / 1 / 0 / 0 / 0 / n/a, 4: 1 / 0 / 1 / 0 / 0 / n/a" in report
     assert "grpo/seed_0: " in report and "no run file" in report
 
 
