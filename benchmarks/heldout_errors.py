@@ -36,7 +36,9 @@ from common import run_metadata, write_json_atomic  # noqa: E402
 from compare_runs import generation_files, heldout_evaluations  # noqa: E402
 
 #: Failure kinds, in report order: an unsolved episode gets the first whose pattern matches the start of
-#: its first error (the messages of ``lopd_lightning.tasks.bfcl.checker`` and ``.calls``).
+#: its first error (the messages of ``lopd_lightning.tasks.bfcl.checker``, ``.calls`` and
+#: ``lopd_lightning.tasks.hidden_rules.checker``, which joins every problem of a reply in one message: a rule
+#: broken after another problem counts as that problem).
 FAILURE_KINDS: dict[str, str] = {
     "no call": r"no function call|no tool call|empty reply",
     "malformed": r"malformed",
@@ -118,16 +120,25 @@ def tool_parameter_names(system_text: str) -> set[str] | None:
         return None
     names: set[str] = set()
     for tool in tools:
-        properties = ((tool or {}).get("parameters") or {}).get("properties") if isinstance(tool, dict) else None
+        parameters = tool.get("parameters") if isinstance(tool, dict) else None
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
         if isinstance(properties, dict):
             names.update(str(k) for k in properties)
     return names
 
 
+#: A call's ``"name": "...", "parameters":`` (the parser reads ``parameters`` as ``arguments``): not a copy.
+CALL_PARAMETERS_KEY = re.compile(r'("name"\s*:\s*"[^"]*"\s*,\s*)"parameters"(\s*:)')
+
+
 def copies_tool_schema(record: dict[str, Any]) -> bool | None:
     """Whether an assistant reply writes a keyword of the tools' JSON schemas (:data:`SCHEMA_KEYWORDS`, e.g.
-    the schema's ``"required": [...]`` list) as a JSON key, where no offered tool has a parameter of that
-    name. Reads the raw reply text, so a reply that does not parse still counts; None when the system
+    the schema's ``"required": [...]`` list) as a JSON key, inside a call's arguments or beside them, where
+    no offered tool has a parameter of that name.
+
+    Reads the raw reply text, so a reply that does not parse (e.g. cut at the token limit) still counts; a
+    call that names its arguments ``"parameters"`` right after its ``"name"`` (BFCL's parser accepts it, as
+    does OpenAI's ``{"function": {"name": ..., "parameters": ...}}``) is not a copy. None when the system
     message has no tool list that parses (see :func:`tool_parameter_names`)."""
     messages = record.get("messages") or []
     system = next((m.get("content") or "" for m in messages if m.get("role") == "system"), "")
@@ -138,7 +149,9 @@ def copies_tool_schema(record: dict[str, Any]) -> bool | None:
     if not keywords:
         return False
     found = re.compile(r'"(?:' + "|".join(map(re.escape, keywords)) + r')"\s*:')
-    return any(m.get("role") == "assistant" and found.search(str(m.get("content") or "")) for m in messages)
+    return any(m.get("role") == "assistant"
+               and found.search(CALL_PARAMETERS_KEY.sub(r'\1"arguments"\2', str(m.get("content") or "")))
+               for m in messages)
 
 
 #: A unit of 3-40 characters, not starting with whitespace, that occurs at least 5 times in a row.

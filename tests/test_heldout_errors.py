@@ -96,11 +96,12 @@ def test_hidden_rules_checker_reasons_get_their_kinds(he):
                                                                   if k != next(a for a in plain_args if a != argument)})],
         "unexpected argument": [*expected[:-1], dict(tool, arguments={**plain_args, "argument9": 1})],
         "wrong function": [{"name": "no_such_tool", "arguments": {}}],
+        "wrong function ": [*expected, *expected],  # "unexpected calls besides ...": the call made twice
         "malformed": "<tool_call>[{oops</tool_call>",
     }
     for kind, calls in cases.items():
         rec = hidden_rules_record(task, example, calls)
-        assert he.failure_kind(rec) == kind, (kind, rec["errors"])
+        assert he.failure_kind(rec) == kind.strip(), (kind, rec["errors"])
     rec = hidden_rules_record(task, example, [*expected[:-1], dict(tool, arguments={k: v for k, v in plain_args.items()
                                                                                      if k != argument})])
     assert he.failure_kind(rec) == "hidden rule" and "it is missing" in rec["errors"][0]
@@ -119,6 +120,24 @@ def test_schema_keywords_copied_into_the_arguments_are_counted(he):
     assert he.copies_tool_schema(hidden_rules_record(task, example, copy))
     cut = copy[: copy.index('"required"') + 14]  # cut at the token limit: the text does not parse
     assert he.copies_tool_schema(hidden_rules_record(task, example, cut))
+    # beside the arguments, in a call that parses (the checker ignores the key, so it even solves): a copy too
+    beside = copy.replace(', "required"', '}, "required"', 1)[:-len("}]</tool_call>")] + "]</tool_call>"
+    rec = hidden_rules_record(task, example, beside)
+    assert rec["success"] and he.copies_tool_schema(rec)
+    # the schema itself inside arguments (step 63-70 replies): "properties" below "parameters"
+    nested = task.format_calls([dict(tool, arguments={**tool["arguments"], "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}}})])
+    assert he.copies_tool_schema(hidden_rules_record(task, example, nested))
+    assert he.copies_tool_schema(hidden_rules_record(task, example, nested[:-30]))  # cut: read as text
+    # a right reply whose calls name their arguments "parameters" (the parser reads it as "arguments"),
+    # in BFCL's format and OpenAI's: solved, not a copy; cut short it is not a copy either
+    for calls in ([{"name": c["name"], "parameters": c["arguments"]} for c in example.data["expected"]],
+                  [{"type": "function", "function": {"name": c["name"], "parameters": c["arguments"]}}
+                   for c in example.data["expected"]]):
+        text = "<tool_call>" + json.dumps(calls) + "</tool_call>"
+        rec = hidden_rules_record(task, example, text)
+        assert rec["success"] and not he.copies_tool_schema(rec)
+        assert not he.copies_tool_schema(hidden_rules_record(task, example, text[:-20]))
     assert not he.copies_tool_schema(hidden_rules_record(task, example, example.data["expected"]))
     assert not he.copies_tool_schema(hidden_rules_record(task, example, "Every parameter is required: date."))
     assert not he.copies_format_example(hidden_rules_record(task, example, copy))  # a flag of its own
@@ -131,6 +150,9 @@ def test_schema_keywords_copied_into_the_arguments_are_counted(he):
     assert he.copies_tool_schema(rec) is None
     assert he.tool_parameter_names(tools_system_text(DEFAULT_SYSTEM_PROMPT, FUNCTIONS)) == {"content", "urgent"}
     assert he.tool_parameter_names("<tools>[{broken</tools>") is None
+    assert he.tool_parameter_names('<tools>{"name": "f"}</tools>') is None  # not a list
+    odd = '<tools>[null, 3, {"name": "f", "parameters": "x"}, {"name": "g", "parameters": ["a"]}]</tools>'
+    assert he.tool_parameter_names(odd) == set()
 
 
 def test_solved_and_info_only_records(he):

@@ -77,7 +77,8 @@ def check_checkpoint(module: OnPolicyModule, checkpoint: dict[str, Any]) -> None
     """Refuse, in one line, a checkpoint ``module`` cannot restore as it is: called before anything loads.
 
     Raises:
-        ValueError: its ``lopd_state`` lacks an entry that :meth:`OnPolicyModule.on_save_checkpoint` writes,
+        ValueError: its ``lopd_state`` lacks an entry that :meth:`OnPolicyModule.on_save_checkpoint` writes
+            (but ``val_history``, which older checkpoints lack and restore as empty),
             or (with ``strict_loading``) the names of its weights differ from the module's (e.g. another
             LoRA, composer or version); the message counts the names and shows one of each kind.
     """

@@ -47,8 +47,10 @@ class EvaluationMixin(ObservabilityMixin):
     Attributes (after an evaluation):
         last_val, last_test: the values :meth:`log_evaluation` returned for the last validation / test.
         val_history: ``(training steps done, values)`` of every validation of this run; checkpoints carry it,
-            so a resumed run keeps its step-0 validation. A validation at a checkpoint's own step runs after
-            Lightning writes that checkpoint: a run resumed from it lacks that one entry (the logs have it).
+            so a resumed run keeps its step-0 validation. A checkpoint written at a training step
+            (``every_n_train_steps``, ``last.ckpt``) is written before that step's validation: a run resumed
+            from it lacks that one entry, which is not run again (the logs have it). One written when a
+            validation ends (compare.py's ``evaluated.ckpt``) has it.
     """
 
     def _init_evaluation(self) -> None:
