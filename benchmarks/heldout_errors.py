@@ -89,15 +89,20 @@ def format_example_names(system_text: str) -> tuple[set[str], set[str]]:
     return functions, arguments
 
 
+def system_message(record: dict[str, Any]) -> str:
+    """The text of the record's first system message ("" without one)."""
+    return str(next((m.get("content") or "" for m in record.get("messages") or [] if m.get("role") == "system"), ""))
+
+
 def copies_format_example(record: dict[str, Any]) -> bool:
     """Whether an assistant reply names a function or argument of the system prompt's format example
     (as a JSON key ``"argument1":`` or ``"name": "func_name1"``) that none of the offered tools has.
 
     Reads the raw reply text, so a reply that does not parse still counts."""
     messages = record.get("messages") or []
-    system = next((m.get("content") or "" for m in messages if m.get("role") == "system"), "")
-    functions, arguments = format_example_names(str(system))
-    tools = str(system).partition("</tools>")[0]
+    system = system_message(record)
+    functions, arguments = format_example_names(system)
+    tools = system.partition("</tools>")[0]
     patterns = [rf'"name"\s*:\s*"{re.escape(f)}"' for f in functions if f'"{f}"' not in tools]
     patterns += [rf'"{re.escape(a)}"\s*:' for a in arguments if f'"{a}"' not in tools]
     if not patterns:
@@ -141,8 +146,8 @@ def copies_tool_schema(record: dict[str, Any]) -> bool | None:
     does OpenAI's ``{"function": {"name": ..., "parameters": ...}}``) is not a copy. None when the system
     message has no tool list that parses (see :func:`tool_parameter_names`)."""
     messages = record.get("messages") or []
-    system = next((m.get("content") or "" for m in messages if m.get("role") == "system"), "")
-    parameters = tool_parameter_names(str(system))
+    system = system_message(record)
+    parameters = tool_parameter_names(system)
     if parameters is None:
         return None
     keywords = [k for k in SCHEMA_KEYWORDS if k not in parameters]
