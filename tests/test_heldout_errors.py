@@ -66,7 +66,7 @@ def test_every_checker_reason_gets_its_kind(he, error, kind):
 
 
 def hidden_rules_records():
-    """The hidden_rules task's own records: (record, the reply's calls as dicts) for a rule tool's request."""
+    """``(task, example)``: the hidden_rules task and its first held-out request whose tool hides a date format."""
     from lopd_lightning.tasks import get_task
 
     task = get_task("hidden_rules")
