@@ -32,21 +32,29 @@ update, the frameworks' own work). Peak RSS: the child's ``ru_maxrss`` (model lo
 ``--methods`` may add ``lopd`` (this project's LOPD with ``step_cost``'s settings, ``--group`` rollouts per
 task, reported beside TRL's SDPO: LOPD has no TRL counterpart).
 
+Resuming: each finished child's result is kept as ``<--runs-dir>/p<k>_<method>_<side>.json`` (default
+``runs/vs_trl``) with the key it ran under (:func:`resume_fields`: the child's settings, the code's hash, the
+CPU model and torch's CPU capability, the interpreter). A run that is cut (a session's end) starts again where
+it stopped: a kept result whose key matches is read back instead of run again; one whose key differs is run
+again (a line names what differs). ``--no-resume`` runs every child again. Both sides of a pairing therefore
+always ran on the same code and the same kind of CPU.
+
 Run (in the environment of ``make bench-peer``, which holds trl; the library never imports it)::
 
     python benchmarks/vs_trl.py [--student smollm2-135m-instruct|FOLDER] [--task bfcl_live_simple]
                                 [--methods grpo,sdpo,lopd] [--pairings 3] [--steps 3] [--warmup 1]
                                 [--tasks-per-step 2] [--group 4] [--max-new-tokens 96] [--threads 1]
-                                [--out benchmarks/results/vs_trl.json]
+                                [--runs-dir runs/vs_trl] [--no-resume] [--out benchmarks/results/vs_trl.json]
 
 The JSON is ``{"benchmark": "vs_trl", "student", "task", "settings", "speedup_over_trl": {method: {"median",
 "per_pairing"}}, "peak_rss_mb": {method: {"ours", "trl"}}, "trajectories_per_s", "lopd_beside_trl_sdpo",
-"reward_curves", "runs"}`` plus :func:`common.run_metadata`.
+"reward_curves", "runs", "resumed_runs"}`` plus :func:`common.run_metadata`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -60,9 +68,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common`, `step_cost` next to this file
-from common import run_metadata, write_json_atomic  # noqa: E402
+from common import REPO_ROOT, cpu_capability, cpu_model, run_metadata, write_json_atomic  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "vs_trl.json"
+DEFAULT_RUNS_DIR = REPO_ROOT / "runs" / "vs_trl"
+#: the benchmark's own files whose bytes enter the code hash beside src/ (:func:`code_hash`).
+BENCHMARK_FILES = ("vs_trl.py", "step_cost.py", "common.py")
 METHODS = ("grpo", "sdpo", "lopd")
 #: methods with a TRL side (lopd is reported beside TRL's SDPO).
 PEERS = ("grpo", "sdpo")
@@ -113,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="per reply (default 96; 16 for tiny)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of every run")
     p.add_argument("--seed", type=int, default=0, help="pairing k runs both sides with seed + k")
+    p.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR,
+                   help="each finished child's result, read back by a later call with the same key (resuming)")
+    p.add_argument("--no-resume", action="store_true", help="run every child again, whatever --runs-dir holds")
     p.add_argument("--quick", action="store_true", help="tests: tiny student, toy task, 1 pairing, 1+1 steps")
     p.add_argument("--child", nargs=2, metavar=("SIDE", "METHOD"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -477,6 +491,93 @@ def child_main(args: argparse.Namespace) -> None:
     write_json_atomic(result, args.child_out)
 
 
+# ------------------------------------------------------------------------------------- running and resuming
+def code_hash(root: Path = REPO_ROOT) -> str:
+    """16 hex digits over ``src/`` (``compare_runs.src_provenance``'s ``src_hash``: committed or not) and the
+    bytes of :data:`BENCHMARK_FILES`: the code a child runs."""
+    from compare_runs import src_provenance
+
+    digest = hashlib.sha256(src_provenance(root)["src_hash"].encode())
+    for name in BENCHMARK_FILES:
+        digest.update(name.encode() + b"\0" + (root / "benchmarks" / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def machine_fields(student: str) -> dict[str, Any]:
+    """The part of :func:`resume_fields` that is the same for every child of a call: :func:`code_hash`, the
+    start student's weights (``compare_provenance.student_hash``: None for a packaged name), the CPU model and
+    torch's CPU capability (float kernels and speed differ between them)."""
+    from compare_provenance import student_hash
+
+    return {"code_hash": code_hash(), "student_hash": student_hash(student),
+            "cpu": cpu_model(), "cpu_capability": cpu_capability()}
+
+
+def resume_fields(cmd: list[str], machine: dict[str, Any]) -> dict[str, Any]:
+    """What a kept child result must share with a child about to run to stand in for it: the interpreter
+    (``cmd[0]``), the child's arguments (``cmd`` without the interpreter, the script's path and ``--child-out``)
+    and :func:`machine_fields`."""
+    settings = list(cmd[2:])
+    if "--child-out" in settings:
+        i = settings.index("--child-out")
+        del settings[i:i + 2]
+    return {"python": cmd[0], "child_argv": settings, **machine}
+
+
+def kept_result(path: Path, fields: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """``(result, why)``: the kept result at ``path`` when its ``resume`` fields equal ``fields``; else None
+    and why it cannot stand in (no file, unreadable, or which fields differ)."""
+    if not path.is_file():
+        return None, "no kept result"
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        return None, f"{path} is unreadable ({error})"
+    before = kept.get("resume") if isinstance(kept, dict) else None
+    if not isinstance(before, dict):
+        return None, f"{path} has no resume key"
+    differ = [name for name in fields if before.get(name) != fields[name]]
+    if differ:
+        return None, f"{path} ran with another {', '.join(differ)}"
+    return kept, "same settings, code and CPU"
+
+
+def run_children(args: argparse.Namespace, env: dict[str, str], launch=subprocess.run) -> list[dict[str, Any]]:
+    """Every child of :func:`run_order`, each result read back from ``--runs-dir`` when a kept one matches
+    (:func:`kept_result`; never with ``--no-resume``), else run (``launch(cmd, env=env)``, a fresh process) and
+    kept there with its ``resume`` fields. Returns the results, each with ``pairing`` and ``resumed``.
+
+    Raises:
+        SystemExit: a child fails (the message names it and its command line).
+    """
+    runs: list[dict[str, Any]] = []
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    machine = machine_fields(str(args.student))
+    for k, method, side in run_order(args.pairings, args.method_list):
+        path = args.runs_dir / f"p{k}_{method}_{side}.json"
+        fresh = path.with_suffix(".running.json")
+        cmd = child_argv(args, side, method, args.seed + k, fresh)
+        fields = resume_fields(cmd, machine)
+        kept, why = (None, "--no-resume") if args.no_resume else kept_result(path, fields)
+        if kept is not None:
+            print(f"pairing {k}: {side} {method}: read back from {path} ({why})", file=sys.stderr, flush=True)
+            runs.append({**kept, "pairing": k, "resumed": True})
+            continue
+        print(f"pairing {k}: {side} {method} ({why})", file=sys.stderr, flush=True)
+        fresh.unlink(missing_ok=True)
+        done = launch(cmd, env=env)
+        if done.returncode != 0 or not fresh.is_file():
+            raise SystemExit(f"the {side} {method} run of pairing {k} failed (exit {done.returncode}): {' '.join(cmd)}")
+        result = {**json.loads(fresh.read_text()), "resume": fields}
+        write_json_atomic(result, path)
+        fresh.unlink()
+        runs.append({**result, "pairing": k, "resumed": False})
+        print({"pairing": k, "side": side, "method": method, "trajectories_per_s": result["trajectories_per_s"],
+               "peak_rss_mb": result["peak_rss_mb"]}, file=sys.stderr, flush=True)
+    return runs
+
+
+
 # ------------------------------------------------------------------------------------- the report
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
@@ -543,19 +644,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     t_start = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="vs_trl_runs_") as tmp:
-        for k, method, side in run_order(args.pairings, args.method_list):
-            out = Path(tmp) / f"{k}_{method}_{side}.json"
-            cmd = child_argv(args, side, method, args.seed + k, out)
-            print(f"pairing {k}: {side} {method}", file=sys.stderr, flush=True)
-            done = subprocess.run(cmd, env=env)
-            if done.returncode != 0:
-                raise SystemExit(f"the {side} {method} run of pairing {k} failed (exit {done.returncode}): {' '.join(cmd)}")
-            result = json.loads(out.read_text())
-            runs.append({"pairing": k, **result})
-            print({"pairing": k, "side": side, "method": method, "trajectories_per_s": result["trajectories_per_s"],
-                   "peak_rss_mb": result["peak_rss_mb"]}, file=sys.stderr, flush=True)
+    runs = run_children(args, env)
     summary = summarize(runs, args)
     report: dict[str, Any] = {
         "benchmark": "vs_trl", "student": str(args.student), "task": args.task,
@@ -563,7 +652,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                      "prompt_tokens_equal": next((r["settings"].get("prompt_tokens_equal") for r in runs
                                                   if r["side"] == "trl"), None)},
         **summary,
-        "runs": [{k: v for k, v in r.items() if k != "settings"} for r in runs],
+        "runs": [{k: v for k, v in r.items() if k not in ("settings", "resume")} for r in runs],
+        "resumed_runs": sum(bool(r.get("resumed")) for r in runs),
         "wall_seconds": round(time.perf_counter() - t_start, 1),
         **run_metadata(seed=args.seed, argv=argv),
     }

@@ -152,6 +152,83 @@ def test_summarize_shape_and_ratios(vs_trl):
     json.dumps(s)
 
 
+class FakeLaunch:
+    """Stands in for ``subprocess.run`` of a child: writes a result to its ``--child-out`` and counts the calls;
+    ``fail_at`` makes that call (0-based) exit 1 without a result, as a cut session or a crash would."""
+
+    def __init__(self, vs_trl, fail_at=None):
+        self.vs_trl, self.fail_at, self.calls = vs_trl, fail_at, []
+
+    def __call__(self, cmd, env):
+        child = self.vs_trl.parse_args(cmd[2:])
+        self.calls.append((child.child_seed, *child.child))
+        if self.fail_at == len(self.calls) - 1:
+            return type("Done", (), {"returncode": 1})()
+        side, method = child.child
+        out = {"side": side, "method": method, "seed": child.child_seed, "trajectories_per_s": 1.0 + len(self.calls),
+               "peak_rss_mb": 100.0, "mean_reward_per_step": [0.0], "settings": {}}
+        child.child_out.write_text(json.dumps(out))
+        return type("Done", (), {"returncode": 0})()
+
+
+def test_runs_resume_from_kept_results(vs_trl, tmp_path):
+    argv = ["--student", "tiny", "--pairings", "2", "--methods", "grpo,lopd", "--runs-dir", str(tmp_path / "runs")]
+    args = vs_trl.parse_args(argv)
+    expected = [(k, side, method) for k, method, side in vs_trl.run_order(2, ["grpo", "lopd"])]
+    # a session cut after two children: their results are kept, the third left nothing
+    cut = FakeLaunch(vs_trl, fail_at=2)
+    with pytest.raises(SystemExit, match="the ours lopd run of pairing 0 failed"):
+        vs_trl.run_children(args, {}, launch=cut)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["p0_grpo_ours.json", "p0_grpo_trl.json"]
+    # the next call reads those two back and runs only the rest, each once
+    again = FakeLaunch(vs_trl)
+    runs = vs_trl.run_children(args, {}, launch=again)
+    assert again.calls == expected[2:]
+    assert [(r["pairing"], r["side"], r["method"], r["resumed"]) for r in runs] == [
+        (k, side, method, k == 0 and method == "grpo") for k, side, method in expected]
+    assert [r["trajectories_per_s"] for r in runs[:2]] == [2.0, 3.0]  # the first call's, not run again
+    assert all(r["resume"]["code_hash"] == runs[0]["resume"]["code_hash"] for r in runs)
+    # everything kept: nothing runs; --no-resume runs everything
+    none = FakeLaunch(vs_trl)
+    assert len(vs_trl.run_children(args, {}, launch=none)) == len(expected) and none.calls == []
+    forced = FakeLaunch(vs_trl)
+    vs_trl.run_children(vs_trl.parse_args([*argv, "--no-resume"]), {}, launch=forced)
+    assert forced.calls == expected
+
+
+def test_kept_result_with_another_key_runs_again(vs_trl, tmp_path, capsys):
+    argv = ["--quick", "--methods", "lopd", "--runs-dir", str(tmp_path)]
+    vs_trl.run_children(vs_trl.parse_args(argv), {}, launch=FakeLaunch(vs_trl))
+    capsys.readouterr()
+    # other settings (more tokens), another CPU capability, or a broken file: run again, saying why
+    other = FakeLaunch(vs_trl)
+    vs_trl.run_children(vs_trl.parse_args([*argv, "--max-new-tokens", "9"]), {}, launch=other)
+    assert len(other.calls) == 1 and "ran with another child_argv" in capsys.readouterr().err
+    kept = tmp_path / "p0_lopd_ours.json"
+    data = json.loads(kept.read_text())
+    kept.write_text(json.dumps({**data, "resume": {**data["resume"], "cpu_capability": "OTHER"}}))
+    again = FakeLaunch(vs_trl)
+    vs_trl.run_children(vs_trl.parse_args([*argv, "--max-new-tokens", "9"]), {}, launch=again)
+    assert len(again.calls) == 1 and "ran with another cpu_capability" in capsys.readouterr().err
+    kept.write_text("{not json")
+    broken = FakeLaunch(vs_trl)
+    vs_trl.run_children(vs_trl.parse_args([*argv, "--max-new-tokens", "9"]), {}, launch=broken)
+    assert len(broken.calls) == 1 and "unreadable" in capsys.readouterr().err
+
+
+def test_code_hash_follows_the_benchmark_files(vs_trl, tmp_path):
+    for name in vs_trl.BENCHMARK_FILES:
+        (tmp_path / "benchmarks").mkdir(exist_ok=True)
+        (tmp_path / "benchmarks" / name).write_text(name)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text("x = 1\n")
+    before = vs_trl.code_hash(tmp_path)
+    (tmp_path / "benchmarks" / "step_cost.py").write_text("changed")
+    after = vs_trl.code_hash(tmp_path)
+    (tmp_path / "src" / "m.py").write_text("x = 2\n")
+    assert len({before, after, vs_trl.code_hash(tmp_path)}) == 3
+
+
 @pytest.mark.skipif(HAS_TRL, reason="trl is installed here: the refusal is for environments without it")
 def test_refuses_without_trl(vs_trl, tmp_path):
     with pytest.raises(SystemExit, match="make bench-peer"):
@@ -162,11 +239,11 @@ def test_refuses_without_trl(vs_trl, tmp_path):
 def test_quick_end_to_end_both_sides(vs_trl, tmp_path):
     out = tmp_path / "vs_trl.json"
     argv = ["--quick", "--tasks-per-step", "1", "--group", "2", "--out", str(out)]
-    report = vs_trl.main(argv)
+    report = vs_trl.main([*argv, "--runs-dir", str(tmp_path / "runs")])
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(report))
     for key in ("benchmark", "student", "task", "settings", "speedup_over_trl", "peak_rss_mb", "trajectories_per_s",
-                "lopd_beside_trl_sdpo", "reward_curves", "runs", "versions", "hardware", "seed", "git_sha", "argv"):
+                "lopd_beside_trl_sdpo", "reward_curves", "runs", "resumed_runs", "versions", "hardware", "seed", "git_sha", "argv"):
         assert key in data, key
     for method in ("grpo", "sdpo"):
         assert data["speedup_over_trl"][method]["median"] > 0
