@@ -4,11 +4,12 @@
 ``<runs-root>/<method>/seed_<s>/generations/val_step_<k>.jsonl`` files (one JSON line per greedy episode,
 written by ``lopd_lightning.modules.observability``) and sorts every unsolved episode by the first reason
 the checker gave (:func:`failure_kind`; BFCL's and hidden_rules'), so a fall in success can be traced to
-what changed in the replies. Four counts cut across the kinds: replies that copy the system prompt's format
+what changed in the replies. Five counts cut across the kinds: replies that copy the system prompt's format
 example instead of the tools' schemas (:func:`copies_format_example`: ``{"argument1": ...}`` where the schema
 names ``todo``), replies that copy a keyword of the tools' schemas as a key (:func:`copies_tool_schema`:
-``"required": [...]`` inside ``arguments``), repetition loops (:func:`has_repetition_loop`) and replies cut at
-the token limit (:func:`cut_at_length`).
+``"required": [...]`` inside ``arguments``), repetition loops (:func:`has_repetition_loop`), replies cut at
+the token limit (:func:`cut_at_length`) and, on hidden_rules, replies that break the hidden rule whatever
+problem the checker names first (:func:`breaks_hidden_rule`).
 
 Writes ``<out>.json`` (every run's evaluations, plus :func:`common.run_metadata`) and ``<out>.md`` (the
 mean over seeds per method at its first and last evaluation, each seed's counts at every evaluation, and
@@ -53,7 +54,10 @@ FAILURE_KINDS: dict[str, str] = {
 }
 KINDS = ("solved", *FAILURE_KINDS, "other")
 #: The counts that cut across :data:`KINDS` (each episode at most once in each).
-FLAGS = ("copies_format_example", "copies_tool_schema", "repetition_loop", "cut_at_length")
+FLAGS = ("copies_format_example", "copies_tool_schema", "repetition_loop", "cut_at_length", "breaks_hidden_rule")
+#: The example-id prefix of the tasks whose checker marks a broken hidden rule in ``info["rule"]``
+#: (``hidden_rules`` and ``hidden_rules_multi_turn``, which share its examples).
+HIDDEN_RULES_ID = "hidden_rules/"
 #: The JSON-schema keywords of the offered tools' schemas that :func:`copies_tool_schema` looks for.
 SCHEMA_KEYWORDS = ("required", "properties", "parameters")
 
@@ -159,6 +163,16 @@ def copies_tool_schema(record: dict[str, Any]) -> bool | None:
                for m in messages)
 
 
+def breaks_hidden_rule(record: dict[str, Any]) -> bool | None:
+    """Whether the checker marked the episode's hidden rule as broken (``info["rule"]``, set by
+    ``lopd_lightning.tasks.hidden_rules.checker`` whenever the rule is broken, even when another problem comes
+    first in the error and so decides :func:`failure_kind`); None for an episode of a task without hidden
+    rules (its ``example_id`` does not start with :data:`HIDDEN_RULES_ID`)."""
+    if not str(record.get("example_id", "")).startswith(HIDDEN_RULES_ID):
+        return None
+    return bool((record.get("info") or {}).get("rule"))
+
+
 #: A unit of 3-40 characters, not starting with whitespace, that occurs at least 5 times in a row.
 REPETITION = re.compile(r"(\S.{2,39}?)\1{4,}", re.S)
 
@@ -190,8 +204,8 @@ def cut_at_length(record: dict[str, Any], count_tokens: Callable[[str], int] | N
 def evaluation_counts(path: Path, count_tokens: Callable[[str], int] | None = None,
                       max_new_tokens: int | None = None) -> dict[str, int | None]:
     """``{kind: episodes}`` over :data:`KINDS`, plus ``questions`` and the :data:`FLAGS` (episodes, each
-    counted once; these four cut across the kinds; a flag is None when some record cannot tell, see
-    :func:`copies_tool_schema` and :func:`cut_at_length`).
+    counted once; these five cut across the kinds; a flag is None when some record cannot tell, see
+    :func:`copies_tool_schema`, :func:`cut_at_length` and :func:`breaks_hidden_rule`).
 
     Raises:
         json.JSONDecodeError: a line that is not JSON (a file still being written)."""
@@ -204,7 +218,8 @@ def evaluation_counts(path: Path, count_tokens: Callable[[str], int] | None = No
         counts["questions"] += 1
         flags = {"copies_format_example": copies_format_example(record), "copies_tool_schema": copies_tool_schema(record),
                  "repetition_loop": has_repetition_loop(record),
-                 "cut_at_length": cut_at_length(record, count_tokens, max_new_tokens)}
+                 "cut_at_length": cut_at_length(record, count_tokens, max_new_tokens),
+                 "breaks_hidden_rule": breaks_hidden_rule(record)}
         for flag, value in flags.items():  # unknown for one record: unknown for the evaluation
             counts[flag] = None if value is None or counts[flag] is None else counts[flag] + value
     return counts

@@ -110,6 +110,24 @@ def test_hidden_rules_checker_reasons_get_their_kinds(he):
     assert he.failure_kind(rec) == "wrong value", rec["errors"]
 
 
+def test_a_broken_rule_is_counted_whatever_problem_comes_first(he):
+    """``breaks_hidden_rule`` reads the checker's ``info["rule"]``: a reply that breaks the rule and also adds an
+    argument gets the kind of the first problem ("unexpected argument") but still counts as breaking the rule."""
+    task, example = hidden_rules_records()
+    expected = example.data["expected"]
+    tool = expected[-1]
+    both = hidden_rules_record(task, example, [*example.data["format_only"][:-1],
+                                               dict(example.data["format_only"][-1], arguments={
+                                                   **example.data["format_only"][-1]["arguments"], "argument9": 1})])
+    assert he.failure_kind(both) == "unexpected argument" and "hidden rule of" in both["errors"][0]
+    assert he.breaks_hidden_rule(both) is True
+    assert he.breaks_hidden_rule(hidden_rules_record(task, example, example.data["format_only"])) is True
+    assert he.breaks_hidden_rule(hidden_rules_record(task, example, expected)) is False
+    extra = hidden_rules_record(task, example, [*expected[:-1], dict(tool, arguments={**tool["arguments"], "argument9": 1})])
+    assert he.breaks_hidden_rule(extra) is False and he.failure_kind(extra) == "unexpected argument"
+    assert he.breaks_hidden_rule(record("x", success=True)) is None  # not a hidden_rules episode
+
+
 def test_schema_keywords_copied_into_the_arguments_are_counted(he):
     """The broken replies of the experience comparison's LOPD runs: the schema's "required" list inside
     arguments; a clean call, prose, or a tool with a parameter named "required" is not a copy."""
@@ -229,7 +247,9 @@ def test_the_grid_is_read_where_it_matches_the_run_files_and_the_report_is_writt
     assert saved["summary"] == result["summary"] and saved["runs"]["lopd"]["seed_1"][1]["step"] == 4
     report = (tmp_path / "he.md").read_text()
     assert "| lopd | 2 | 0 -> 4 | 1.0 -> 0.5 |" in report and "grpo/seed_1" in report
-    assert report.count("n/a -> n/a") == 1 and "- lopd seed_1: 0: 1 / 1 / 0 / 0 / 0 / n/a, 4: 1 / 0 / 1 / 0 / 0 / n/a" in report
+    assert last["breaks_hidden_rule"] is None  # BFCL-style records: no hidden rule to break
+    assert report.count("n/a -> n/a") == 2
+    assert "- lopd seed_1: 0: 1 / 1 / 0 / 0 / 0 / n/a / n/a, 4: 1 / 0 / 1 / 0 / 0 / n/a / n/a" in report
     assert "grpo/seed_0: " in report and "no run file" in report
 
 
