@@ -77,15 +77,19 @@ def _interval(pair: list[float | None] | None) -> str:
     return "[" + ", ".join("n/a" if v is None else f"{v:.3f}" for v in pair) + "]"
 
 
+def _verdict(excludes_zero: bool) -> str:
+    """How a difference's interval reads: ``"excludes 0"`` or ``"within noise"``."""
+    return "excludes 0" if excludes_zero else "within noise"
+
+
 def _paired(m: dict[str, Any], key: str = "paired_vs_grpo") -> str:
     p = m.get(key)
     if not p:
         return "-"
     if p["won"] == p["lost"] == 0:
         return f"no change ({p['n_questions']} questions tied)"
-    verdict = "excludes 0" if p["excludes_zero"] else "within noise"
     return (f"{p['mean_difference']:+.3f} {_interval(p['ci'])} (+{p['won']} / -{p['lost']} of "
-            f"{p['n_questions']}; {verdict})")
+            f"{p['n_questions']}; {_verdict(p['excludes_zero'])})")
 
 
 def _two_level(m: dict[str, Any]) -> str:
@@ -96,8 +100,8 @@ def _two_level_text(p: dict[str, Any] | None) -> str:
     """One compare_stats.two_level_paired result: the difference, its interval, the seeds and the verdict."""
     if not p:
         return "-"
-    verdict = "excludes 0" if p["excludes_zero"] else "within noise"
-    return f"{p['mean_difference']:+.3f} {_interval(p['ci'])} ({p['method_seeds']} vs {p['reference_seeds']} seeds; {verdict})"
+    return (f"{p['mean_difference']:+.3f} {_interval(p['ci'])} ({p['method_seeds']} vs {p['reference_seeds']} seeds; "
+            f"{_verdict(p['excludes_zero'])})")
 
 
 def _heldout_efficiency_line(results: dict[str, Any]) -> list[str]:
@@ -138,7 +142,7 @@ def _contrast_lines(results: dict[str, Any]) -> list[str]:
         elif ci is None:
             reward = f"{d:+.3f} (no interval: {why})"
         else:
-            reward = f"{d:+.3f} {_interval(ci)} ({'excludes 0' if ci[0] > 0 or ci[1] < 0 else 'within noise'})"
+            reward = f"{d:+.3f} {_interval(ci)} ({_verdict(ci[0] > 0 or ci[1] < 0)})"
         p = c["heldout_two_level"]
         heldout = f"n/a ({c['heldout_two_level_reason']})" if p is None else _two_level_text(p)
         lines.append(head + f"final training reward {reward}; final held-out success, two-level, {heldout}.")
