@@ -27,8 +27,8 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
   on, its generation backend, its config, its curves, its per-question held-out results and ``provenance``
   (compare_provenance.py: the start student's weights hash, the pretrained composer's and the bank's hashes,
   the library versions of the interpreter that ran ``lopd``, taken when the run starts and checked again when
-  it ends), and each attempt's start, step, src and machine (CPU model and torch's CPU capability: a run resumed
-  in another session may land on another kind of CPU; recorded, not refused). The aggregation reads every run
+  it ends), and each attempt's start, step, src and machine (the CPU model, and the CPU capability of the torch
+  that runs ``lopd``: a run resumed in another session may land on another kind of CPU; recorded, not refused). The aggregation reads every run
   file there and refuses to mix src trees, backends, budgets, held-out sets, start students, banks, composers
   or library versions unless ``--src-tree`` / ``--backend`` / ``--budget`` / ``--student-hash`` /
   ``--bank-hash`` / ``--composer-hash`` / ``--versions`` choose (compare_runs.py).
@@ -71,7 +71,7 @@ import compare_provenance  # noqa: E402,F401
 import compare_runs  # noqa: E402,F401  (the helpers, reachable as compare.compare_runs...)
 import compare_stats  # noqa: E402,F401
 import compare_sweep  # noqa: E402,F401
-from common import REPO_ROOT, cpu_capability, cpu_model, run_metadata, write_json_atomic  # noqa: E402
+from common import REPO_ROOT, cpu_model, run_metadata, write_json_atomic  # noqa: E402
 from compare_plans import (  # noqa: E402,F401  (re-exported: compare.evidence_plan, compare.ALL_METHODS...)
     ALL_METHODS,
     EVIDENCE_BUDGET,
@@ -87,7 +87,13 @@ from compare_plans import (  # noqa: E402,F401  (re-exported: compare.evidence_p
 )
 from compare_args import parse_args  # noqa: E402
 from compare_args import start_student as _student  # noqa: E402
-from compare_provenance import changed_files, missing_composers, run_provenance  # noqa: E402
+from compare_provenance import (  # noqa: E402
+    changed_files,
+    cpu_capability_of,
+    interpreter_of,
+    missing_composers,
+    run_provenance,
+)
 from compare_report import plot, table  # noqa: E402,F401  (plot and table: part of this script's interface)
 from compare_runs import (  # noqa: E402
     MixedRuns,
@@ -410,8 +416,10 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
         attempts[-1]["wall_s_to_checkpoint"] = max(0.0, last_ckpt.stat().st_mtime - attempts[-1]["started_unix"])
     attempts.append({"start_step": start or 0, "src": src, "wall_s": None, "started_unix": time.time(),
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                     # the machine of this attempt (a run resumed in a later session may land on another kind)
-                     "cpu": cpu_model(), "cpu_capability": cpu_capability()})
+                     # the machine of this attempt (a run resumed in a later session may land on another kind),
+                     # and the capability of the torch that runs lopd (its interpreter's, e.g. .venv-vllm's)
+                     "cpu": cpu_model(),
+                     "cpu_capability": cpu_capability_of(None if in_process else interpreter_of(lopd_command()))})
     path = write_config(config, run_dir / "run.yaml")  # (LightningCLI saves its resolved config.yaml there)
     write_json_atomic(attempts, run_dir / "attempts.json")
     prepare_bank(config, path, in_process=in_process, threads=threads, log_dir=run_dir)

@@ -155,7 +155,8 @@ def bank_hash(config: dict[str, Any]) -> str | None:
 
 
 # ---------------------------------------------------------------------- library versions
-_VERSIONS: dict[str, dict[str, str | None]] = {}
+_VERSIONS: dict[tuple[str, tuple[str, ...]], dict[str, str | None]] = {}
+_CAPABILITIES: dict[str, str | None] = {}
 
 
 def interpreter_of(command: list[str]) -> str:
@@ -172,23 +173,40 @@ def interpreter_of(command: list[str]) -> str:
     return line[2:].strip().split()[0] if line.startswith("#!") and line[2:].strip() else sys.executable
 
 
-def library_versions(python: str | None = None) -> dict[str, str | None]:
-    """``{"python": version, library: version}`` of :data:`LIBRARIES` importable by ``python`` (default this
-    interpreter), read from package metadata in a subprocess of that interpreter (nothing is imported);
-    cached per interpreter.
+def library_versions(python: str | None = None, libraries: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
+    """``{"python": version, library: version}`` of ``libraries`` (default :data:`LIBRARIES`) importable by
+    ``python`` (default this interpreter), read from package metadata in a subprocess of that interpreter
+    (nothing is imported); cached per interpreter and list.
 
     Raises:
         RuntimeError: the interpreter cannot run the script (the message names it).
     """
     python = python or sys.executable
-    if python not in _VERSIONS:
-        script = f"LIBS = {list(LIBRARIES)!r}\n{VERSIONS_SCRIPT}"
+    key = (python, tuple(libraries))
+    if key not in _VERSIONS:
+        script = f"LIBS = {list(libraries)!r}\n{VERSIONS_SCRIPT}"
         try:
             out = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
         except (OSError, subprocess.SubprocessError) as error:
             raise RuntimeError(f"cannot read the library versions of {python}: {error}") from None
-        _VERSIONS[python] = json.loads(out.strip().splitlines()[-1])
-    return dict(_VERSIONS[python])
+        _VERSIONS[key] = json.loads(out.strip().splitlines()[-1])
+    return dict(_VERSIONS[key])
+
+
+def cpu_capability_of(python: str | None = None) -> str | None:
+    """``torch.backends.cpu.get_cpu_capability()`` as the interpreter ``python`` (default this one) sees it, in
+    this process's environment (``ATEN_CPU_CAPABILITY`` lowers it): the instruction set its float kernels
+    dispatch to. Read in a subprocess (torch is imported there, not here), cached per interpreter; None when
+    that interpreter has no torch or cannot run (a run is never failed over it)."""
+    python = python or sys.executable
+    if python not in _CAPABILITIES:
+        try:
+            out = subprocess.run([python, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                                 capture_output=True, text=True, timeout=300, check=True).stdout
+            _CAPABILITIES[python] = out.strip().splitlines()[-1] or None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            _CAPABILITIES[python] = None
+    return _CAPABILITIES[python]
 
 
 def versions_key(versions: dict[str, Any] | None) -> str | None:

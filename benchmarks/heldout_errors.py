@@ -164,10 +164,11 @@ def copies_tool_schema(record: dict[str, Any]) -> bool | None:
 
 
 def breaks_hidden_rule(record: dict[str, Any]) -> bool | None:
-    """Whether the checker marked the episode's hidden rule as broken (``info["rule"]``, set by
-    ``lopd_lightning.tasks.hidden_rules.checker`` whenever the rule is broken, even when another problem comes
-    first in the error and so decides :func:`failure_kind`); None for an episode of a task without hidden
-    rules (its ``example_id`` does not start with :data:`HIDDEN_RULES_ID`)."""
+    """Whether the checker marked the hidden rule as broken by the episode's last reply (``info["rule"]``, set
+    by ``lopd_lightning.tasks.hidden_rules.checker`` whenever the rule is broken, even when another problem comes
+    first in the error and so decides :func:`failure_kind`; a multi-turn episode's record keeps its last
+    attempt's info); None for an episode of a task without hidden rules (its ``example_id`` does not start with
+    :data:`HIDDEN_RULES_ID`)."""
     if not str(record.get("example_id", "")).startswith(HIDDEN_RULES_ID):
         return None
     return bool((record.get("info") or {}).get("rule"))

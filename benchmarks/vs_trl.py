@@ -32,12 +32,14 @@ update, the frameworks' own work). Peak RSS: the child's ``ru_maxrss`` (model lo
 ``--methods`` may add ``lopd`` (this project's LOPD with ``step_cost``'s settings, ``--group`` rollouts per
 task, reported beside TRL's SDPO: LOPD has no TRL counterpart).
 
-Resuming: each finished child's result is kept as ``<--runs-dir>/p<k>_<method>_<side>.json`` (default
-``runs/vs_trl``) with the key it ran under (:func:`resume_fields`: the child's settings, the code's hash, the
-CPU model and torch's CPU capability, the interpreter). A run that is cut (a session's end) starts again where
-it stopped: a kept result whose key matches is read back instead of run again; one whose key differs is run
-again (a line names what differs). ``--no-resume`` runs every child again. Both sides of a pairing therefore
-always ran on the same code and the same kind of CPU.
+Resuming: each finished child's result is kept as ``<--runs-dir>/p<k>_<method>_<side>_<key hash>.json``
+(default ``runs/vs_trl``) with the key it ran under (:func:`resume_fields`: the interpreter, the child's
+arguments, a hash of ``src/`` and the benchmark's files, the start student's weights hash, the library
+versions, the CPU model and torch's CPU capability) and the id of the call that ran it. A call that is cut (a
+session's end) is continued by the same command: a pairing's method whose sides are all kept with a matching
+key from one call is read back; otherwise both sides run again, back to back (:func:`run_children`; a line
+says why). ``--no-resume`` runs every child again. A child during which the code or the student changed is
+not kept.
 
 Run (in the environment of ``make bench-peer``, which holds trl; the library never imports it)::
 
@@ -64,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +141,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.student not in ("tiny", "smollm2-135m-instruct") and not Path(args.student).is_dir():
         p.error(f"--student {args.student!r} is no folder; give a Hugging Face or adapter folder (make quickstart "
                 "writes runs/quickstart/sft_student), 'smollm2-135m-instruct' or 'tiny'")
+    if Path(args.student).is_dir():  # one absolute path: the children and the resume key's weights hash read it
+        args.student = str(Path(args.student).resolve())
+    if args.runs_dir.exists() and not args.runs_dir.is_dir():
+        p.error(f"--runs-dir {args.runs_dir} is a file: give a folder (default {DEFAULT_RUNS_DIR})")
     tiny = args.student == "tiny"
     args.task = args.task or ("toy" if tiny else "bfcl_live_simple")
     args.max_new_tokens = args.max_new_tokens or (16 if tiny else 96)
@@ -162,9 +169,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def child_argv(args: argparse.Namespace, side: str, method: str, seed: int, out: Path) -> list[str]:
-    """The command line of one run: this script with the parent's settings and ``--child SIDE METHOD``."""
+    """The command line of one run: this script with the parent's settings (``--methods``: the child's own
+    method) and ``--child SIDE METHOD``."""
     return [sys.executable, str(Path(__file__).resolve()), "--student", str(args.student), "--task", args.task,
-            "--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--methods", method, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--tasks-per-step", str(args.tasks_per_step), "--group", str(args.group),
             "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--seed", str(args.seed),
             "--child", side, method, "--child-out", str(out), "--child-seed", str(seed)]
@@ -503,14 +511,20 @@ def code_hash(root: Path = REPO_ROOT) -> str:
     return digest.hexdigest()[:16]
 
 
+#: what the versions in a resume key cover: the provenance's libraries plus TRL and accelerate (TRL's side).
+KEY_LIBRARIES = ("torch", "transformers", "lightning", "peft", "faiss", "vllm", "trl", "accelerate")
+
+
 def machine_fields(student: str) -> dict[str, Any]:
-    """The part of :func:`resume_fields` that is the same for every child of a call: :func:`code_hash`, the
-    start student's weights (``compare_provenance.student_hash``: None for a packaged name), the CPU model and
-    torch's CPU capability (float kernels and speed differ between them)."""
-    from compare_provenance import student_hash
+    """The part of :func:`resume_fields` that every child of a call shares: :func:`code_hash`, the start
+    student's weights (``compare_provenance.student_hash``: None for a packaged name), the library versions of
+    this interpreter (:data:`KEY_LIBRARIES`, from package metadata), the CPU model and torch's CPU capability
+    (float kernels and speed differ between them)."""
+    from compare_provenance import library_versions, student_hash
 
     return {"code_hash": code_hash(), "student_hash": student_hash(student),
-            "cpu": cpu_model(), "cpu_capability": cpu_capability()}
+            "versions": library_versions(sys.executable, KEY_LIBRARIES), "cpu": cpu_model(),
+            "cpu_capability": cpu_capability()}
 
 
 def resume_fields(cmd: list[str], machine: dict[str, Any]) -> dict[str, Any]:
@@ -524,10 +538,28 @@ def resume_fields(cmd: list[str], machine: dict[str, Any]) -> dict[str, Any]:
     return {"python": cmd[0], "child_argv": settings, **machine}
 
 
+def kept_path(runs_dir: Path, k: int, method: str, side: str, fields: dict[str, Any]) -> Path:
+    """``<runs_dir>/p<k>_<method>_<side>_<12 hex of fields>.json``: results of other settings (a ``--quick``
+    check, another student) live beside it instead of replacing it."""
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    return runs_dir / f"p{k}_{method}_{side}_{digest}.json"
+
+
 def kept_result(path: Path, fields: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """``(result, why)``: the kept result at ``path`` when its ``resume`` fields equal ``fields``; else None
-    and why it cannot stand in (no file, unreadable, or which fields differ)."""
+    """``(result, why)``: the kept result at ``path`` when it is a JSON object whose ``resume`` fields equal
+    ``fields``; else None and why it cannot stand in: no file (then what the newest kept result of the same
+    pairing, method and side ran with differently, if there is one), unreadable, no ``resume`` key, or which
+    fields differ."""
     if not path.is_file():
+        prefix = path.name.rsplit("_", 1)[0]
+        others = sorted(path.parent.glob(f"{prefix}_*.json"), key=lambda q: q.stat().st_mtime)
+        if others:
+            try:
+                before = json.loads(others[-1].read_text()).get("resume") or {}
+                differ = [name for name in fields if before.get(name) != fields[name]]
+                return None, f"{others[-1].name} ran with another {', '.join(differ) or 'key'}"
+            except (OSError, ValueError, AttributeError):
+                pass
         return None, "no kept result"
     try:
         kept = json.loads(path.read_text())
@@ -539,43 +571,71 @@ def kept_result(path: Path, fields: dict[str, Any]) -> tuple[dict[str, Any] | No
     differ = [name for name in fields if before.get(name) != fields[name]]
     if differ:
         return None, f"{path} ran with another {', '.join(differ)}"
-    return kept, "same settings, code and CPU"
+    return kept, "same settings, code, libraries and CPU"
+
+
+def run_units(pairings: int, methods: list[str]) -> list[tuple[int, str, list[str]]]:
+    """:func:`run_order` grouped into what is kept or run again together: ``(pairing, method, sides)``, both sides
+    of a method's pairing (one for lopd)."""
+    units: list[tuple[int, str, list[str]]] = []
+    for k, method, side in run_order(pairings, methods):
+        if units and units[-1][:2] == (k, method):
+            units[-1][2].append(side)
+        else:
+            units.append((k, method, [side]))
+    return units
 
 
 def run_children(args: argparse.Namespace, env: dict[str, str], launch=subprocess.run) -> list[dict[str, Any]]:
-    """Every child of :func:`run_order`, each result read back from ``--runs-dir`` when a kept one matches
-    (:func:`kept_result`; never with ``--no-resume``), else run (``launch(cmd, env=env)``, a fresh process) and
-    kept there with its ``resume`` fields. Returns the results, each with ``pairing`` and ``resumed``.
+    """Every child of :func:`run_order`. A pairing's method (both sides, :func:`run_units`) is read back from
+    ``--runs-dir`` when every side has a kept result whose key matches (:func:`kept_result`) and all were run by
+    the same call (never with ``--no-resume``); else all its sides run again, one after the other, each in a
+    fresh process (``launch(cmd, env=env)``), and are kept there with their ``resume`` fields and this call's id.
+    So the two sides of a pairing always ran back to back. Returns the results, each with ``pairing`` and
+    ``resumed``.
 
     Raises:
-        SystemExit: a child fails (the message names it and its command line).
+        SystemExit: a child fails, or the code or the student changed while it ran (its result is not kept).
     """
-    runs: list[dict[str, Any]] = []
     args.runs_dir.mkdir(parents=True, exist_ok=True)
-    machine = machine_fields(str(args.student))
-    for k, method, side in run_order(args.pairings, args.method_list):
-        path = args.runs_dir / f"p{k}_{method}_{side}.json"
-        fresh = path.with_suffix(".running.json")
-        cmd = child_argv(args, side, method, args.seed + k, fresh)
-        fields = resume_fields(cmd, machine)
-        kept, why = (None, "--no-resume") if args.no_resume else kept_result(path, fields)
-        if kept is not None:
-            print(f"pairing {k}: {side} {method}: read back from {path} ({why})", file=sys.stderr, flush=True)
-            runs.append({**kept, "pairing": k, "resumed": True})
+    call = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    runs: list[dict[str, Any]] = []
+    for k, method, sides in run_units(args.pairings, args.method_list):
+        machine = machine_fields(str(args.student))
+        children = []
+        for side in sides:
+            fields = resume_fields(child_argv(args, side, method, args.seed + k, Path("-")), machine)
+            path = kept_path(args.runs_dir, k, method, side, fields)
+            children.append((side, fields, path, *((None, "--no-resume") if args.no_resume else kept_result(path, fields))))
+        kept = [c[3] for c in children]
+        if all(kept) and len({r.get("call") for r in kept}) == 1:
+            for side, _, path, result, why in children:
+                print(f"pairing {k}: {side} {method}: read back from {path} ({why})", file=sys.stderr, flush=True)
+                runs.append({**result, "pairing": k, "resumed": True})
             continue
-        print(f"pairing {k}: {side} {method} ({why})", file=sys.stderr, flush=True)
-        fresh.unlink(missing_ok=True)
-        done = launch(cmd, env=env)
-        if done.returncode != 0 or not fresh.is_file():
-            raise SystemExit(f"the {side} {method} run of pairing {k} failed (exit {done.returncode}): {' '.join(cmd)}")
-        result = {**json.loads(fresh.read_text()), "resume": fields}
-        write_json_atomic(result, path)
-        fresh.unlink()
-        runs.append({**result, "pairing": k, "resumed": False})
-        print({"pairing": k, "side": side, "method": method, "trajectories_per_s": result["trajectories_per_s"],
-               "peak_rss_mb": result["peak_rss_mb"]}, file=sys.stderr, flush=True)
+        for side, fields, path, result, why in children:
+            if result is not None:
+                why = "its other side is not kept from the same call"
+            print(f"pairing {k}: {side} {method} ({why})", file=sys.stderr, flush=True)
+            fresh = path.with_suffix(".running.json")
+            fresh.unlink(missing_ok=True)  # a cut child's leftover must not pass for this one's result
+            cmd = child_argv(args, side, method, args.seed + k, fresh)
+            done = launch(cmd, env=env)
+            if done.returncode != 0 or not fresh.is_file():
+                raise SystemExit(f"the {side} {method} run of pairing {k} failed (exit {done.returncode}): {' '.join(cmd)}")
+            after = {key: value for key, value in machine_fields(str(args.student)).items()
+                     if key in ("code_hash", "student_hash") and value != fields[key]}
+            if after:
+                fresh.unlink()
+                raise SystemExit(f"the {side} {method} run of pairing {k}: {', '.join(after)} changed while it ran; its "
+                                 "result is not kept (run the same command again once the files stay put)")
+            result = {**json.loads(fresh.read_text()), "resume": fields, "call": call}
+            write_json_atomic(result, path)
+            fresh.unlink()
+            runs.append({**result, "pairing": k, "resumed": False})
+            print({"pairing": k, "side": side, "method": method, "trajectories_per_s": result["trajectories_per_s"],
+                   "peak_rss_mb": result["peak_rss_mb"]}, file=sys.stderr, flush=True)
     return runs
-
 
 
 # ------------------------------------------------------------------------------------- the report

@@ -416,7 +416,8 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(compare, tmp_path, monke
     result = json.loads((tmp_path / "resumed" / "compare_runs" / "grpo" / "seed_0.json").read_text())
     assert [a["start_step"] for a in result["attempts"]] == [0, 2]  # continued at step 2, not from 0
     first, second = result["attempts"]
-    assert first["cpu_capability"] == second["cpu_capability"] == compare.cpu_capability() is not None
+    assert first["cpu_capability"] == second["cpu_capability"] == compare.compare_provenance.cpu_capability_of() is not None
+    assert first["cpu"] == second["cpu"] == compare.cpu_model()
     assert first["wall_s"] is None and result["wall_s"] == pytest.approx(first["wall_s_to_checkpoint"] + second["wall_s"])
     assert compare.checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 3 and result["summary"]["steps"] == 3
     newest = max(run_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns)

@@ -338,6 +338,11 @@ def test_the_files_a_run_reads_are_hashed_as_streams_and_cached(compare, tmp_pat
     record = prov.run_provenance(grpo)
     assert record["versions"] == versions and record["versions_key"] == prov.versions_key(versions)
     assert (record["student_hash"], record["bank_hash"], record["composer_hash"]) == (None, None, None)
+    assert set(prov.library_versions(None, ("torch", "no_such_library"))) == {"python", "torch"}
+    import torch
+
+    assert prov.cpu_capability_of() == torch.backends.cpu.get_cpu_capability()
+    assert prov.cpu_capability_of(str(tmp_path / "no_python")) is None  # never fails a run over it
 
 
 def with_provenance(run, *, student="s1", bank=None, composer=None, transformers="5.24.0"):

@@ -153,67 +153,117 @@ def test_summarize_shape_and_ratios(vs_trl):
 
 
 class FakeLaunch:
-    """Stands in for ``subprocess.run`` of a child: writes a result to its ``--child-out`` and counts the calls;
-    ``fail_at`` makes that call (0-based) exit 1 without a result, as a cut session or a crash would."""
+    """Stands in for ``subprocess.run`` of a child: writes a result to its ``--child-out`` and counts the calls
+    ``(seed, side, method)``; ``fail_at`` makes that call (0-based) exit 1 without a result, as a cut session or
+    a crash would; ``silent`` makes every call exit 0 without one; ``during`` runs while the child "runs"."""
 
-    def __init__(self, vs_trl, fail_at=None):
-        self.vs_trl, self.fail_at, self.calls = vs_trl, fail_at, []
+    def __init__(self, vs_trl, fail_at=None, silent=False, during=None):
+        self.vs_trl, self.fail_at, self.silent, self.during, self.calls = vs_trl, fail_at, silent, during, []
 
     def __call__(self, cmd, env):
         child = self.vs_trl.parse_args(cmd[2:])
         self.calls.append((child.child_seed, *child.child))
+        if self.during:
+            self.during()
         if self.fail_at == len(self.calls) - 1:
             return type("Done", (), {"returncode": 1})()
-        side, method = child.child
-        out = {"side": side, "method": method, "seed": child.child_seed, "trajectories_per_s": 1.0 + len(self.calls),
-               "peak_rss_mb": 100.0, "mean_reward_per_step": [0.0], "settings": {}}
-        child.child_out.write_text(json.dumps(out))
+        if not self.silent:
+            side, method = child.child
+            out = {"side": side, "method": method, "seed": child.child_seed, "peak_rss_mb": 100.0,
+                   "trajectories_per_s": 1.0 + len(self.calls), "mean_reward_per_step": [0.0], "settings": {}}
+            child.child_out.write_text(json.dumps(out))
         return type("Done", (), {"returncode": 0})()
 
 
-def test_runs_resume_from_kept_results(vs_trl, tmp_path):
+def _calls(vs_trl, argv, **fake):
+    launch = FakeLaunch(vs_trl, **fake)
+    runs = vs_trl.run_children(vs_trl.parse_args(argv), {}, launch=launch)
+    return launch.calls, runs
+
+
+def test_runs_resume_from_kept_results(vs_trl, tmp_path, capsys):
     argv = ["--student", "tiny", "--pairings", "2", "--methods", "grpo,lopd", "--runs-dir", str(tmp_path / "runs")]
-    args = vs_trl.parse_args(argv)
     expected = [(k, side, method) for k, method, side in vs_trl.run_order(2, ["grpo", "lopd"])]
-    # a session cut after two children: their results are kept, the third left nothing
-    cut = FakeLaunch(vs_trl, fail_at=2)
-    with pytest.raises(SystemExit, match="the ours lopd run of pairing 0 failed"):
-        vs_trl.run_children(args, {}, launch=cut)
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["p0_grpo_ours.json", "p0_grpo_trl.json"]
-    # the next call reads those two back and runs only the rest, each once
-    again = FakeLaunch(vs_trl)
-    runs = vs_trl.run_children(args, {}, launch=again)
-    assert again.calls == expected[2:]
+    # a session cut at the fourth child (pairing 1's first GRPO side): pairing 0 is kept, nothing of pairing 1
+    with pytest.raises(SystemExit, match="the trl grpo run of pairing 1 failed"):
+        _calls(vs_trl, argv, fail_at=3)
+    assert len(list((tmp_path / "runs").glob("p0_*.json"))) == 3 and not list((tmp_path / "runs").glob("p1_*"))
+    # the next call reads pairing 0 back and runs only pairing 1, each child once
+    calls, runs = _calls(vs_trl, argv)
+    assert calls == expected[3:]
     assert [(r["pairing"], r["side"], r["method"], r["resumed"]) for r in runs] == [
-        (k, side, method, k == 0 and method == "grpo") for k, side, method in expected]
-    assert [r["trajectories_per_s"] for r in runs[:2]] == [2.0, 3.0]  # the first call's, not run again
-    assert all(r["resume"]["code_hash"] == runs[0]["resume"]["code_hash"] for r in runs)
-    # everything kept: nothing runs; --no-resume runs everything
-    none = FakeLaunch(vs_trl)
-    assert len(vs_trl.run_children(args, {}, launch=none)) == len(expected) and none.calls == []
-    forced = FakeLaunch(vs_trl)
-    vs_trl.run_children(vs_trl.parse_args([*argv, "--no-resume"]), {}, launch=forced)
-    assert forced.calls == expected
+        (k, side, method, k == 0) for k, side, method in expected]
+    assert [r["trajectories_per_s"] for r in runs[:3]] == [2.0, 3.0, 4.0]  # the first call's, not run again
+    assert len({r["call"] for r in runs[:3]}) == 1 and runs[0]["call"] != runs[3]["call"]
+    # everything kept: nothing runs, also for a call with fewer methods; --no-resume runs everything
+    assert _calls(vs_trl, argv)[0] == [] and _calls(vs_trl, [*argv, "--methods", "lopd"])[0] == []
+    assert _calls(vs_trl, [*argv, "--no-resume"])[0] == expected
 
 
-def test_kept_result_with_another_key_runs_again(vs_trl, tmp_path, capsys):
-    argv = ["--quick", "--methods", "lopd", "--runs-dir", str(tmp_path)]
-    vs_trl.run_children(vs_trl.parse_args(argv), {}, launch=FakeLaunch(vs_trl))
+def test_a_pairing_cut_between_its_sides_runs_both_again(vs_trl, tmp_path, capsys):
+    argv = ["--student", "tiny", "--pairings", "1", "--methods", "grpo", "--runs-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="the trl grpo run of pairing 0 failed"):
+        _calls(vs_trl, argv, fail_at=1)
     capsys.readouterr()
-    # other settings (more tokens), another CPU capability, or a broken file: run again, saying why
-    other = FakeLaunch(vs_trl)
-    vs_trl.run_children(vs_trl.parse_args([*argv, "--max-new-tokens", "9"]), {}, launch=other)
-    assert len(other.calls) == 1 and "ran with another child_argv" in capsys.readouterr().err
-    kept = tmp_path / "p0_lopd_ours.json"
-    data = json.loads(kept.read_text())
-    kept.write_text(json.dumps({**data, "resume": {**data["resume"], "cpu_capability": "OTHER"}}))
-    again = FakeLaunch(vs_trl)
-    vs_trl.run_children(vs_trl.parse_args([*argv, "--max-new-tokens", "9"]), {}, launch=again)
-    assert len(again.calls) == 1 and "ran with another cpu_capability" in capsys.readouterr().err
-    kept.write_text("{not json")
-    broken = FakeLaunch(vs_trl)
-    vs_trl.run_children(vs_trl.parse_args([*argv, "--max-new-tokens", "9"]), {}, launch=broken)
-    assert len(broken.calls) == 1 and "unreadable" in capsys.readouterr().err
+    calls, runs = _calls(vs_trl, argv)
+    assert calls == [(0, "ours", "grpo"), (0, "trl", "grpo")] and runs[0]["call"] == runs[1]["call"]
+    assert "its other side is not kept from the same call" in capsys.readouterr().err
+
+
+def test_kept_results_of_other_settings_stay_and_are_not_used(vs_trl, tmp_path, capsys, monkeypatch):
+    argv = ["--student", "tiny", "--pairings", "1", "--methods", "lopd", "--runs-dir", str(tmp_path)]
+    _calls(vs_trl, argv)
+    capsys.readouterr()
+    # other settings run again, beside the first result, and say what differs; the first is still used after
+    assert len(_calls(vs_trl, [*argv, "--max-new-tokens", "9"])[0]) == 1
+    assert "ran with another child_argv" in capsys.readouterr().err
+    assert len(list(tmp_path.glob("p0_lopd_ours_*.json"))) == 2 and _calls(vs_trl, argv)[0] == []
+    # another CPU capability or model: run again
+    monkeypatch.setattr(vs_trl, "cpu_capability", lambda: "OTHER")
+    assert len(_calls(vs_trl, argv)[0]) == 1 and "cpu_capability" in capsys.readouterr().err
+    monkeypatch.setattr(vs_trl, "cpu_model", lambda: "another CPU")
+    assert len(_calls(vs_trl, argv)[0]) == 1 and "ran with another cpu)" in capsys.readouterr().err
+    # an unreadable or foreign kept file
+    (kept,) = [q for q in tmp_path.glob("p0_lopd_ours_*.json") if "another CPU" in q.read_text()]
+    for text in ("{not json", "[1, 2]", json.dumps({"resume": None})):
+        kept.write_text(text)
+        assert len(_calls(vs_trl, argv)[0]) == 1
+
+
+def test_the_student_weights_are_in_the_key(vs_trl, tmp_path, monkeypatch, capsys):
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "model.safetensors").write_bytes(b"weights 1")
+    monkeypatch.chdir(tmp_path)  # a relative --student, resolved once (the hash reads the folder the child loads)
+    argv = ["--student", "student", "--pairings", "1", "--methods", "lopd", "--runs-dir", str(tmp_path / "runs")]
+    assert vs_trl.parse_args(argv).student == str(student.resolve())
+    _calls(vs_trl, argv)
+    (student / "model.safetensors").write_bytes(b"weights 2")
+    capsys.readouterr()
+    assert len(_calls(vs_trl, argv)[0]) == 1 and "ran with another student_hash" in capsys.readouterr().err
+    # weights rewritten while a child runs: its result is not kept
+    with pytest.raises(SystemExit, match="student_hash changed while it ran"):
+        _calls(vs_trl, [*argv, "--seed", "7"], during=lambda: (student / "model.safetensors").write_bytes(b"weights 3"))
+    assert not list((tmp_path / "runs").glob("p0_lopd_ours_*.running.json"))
+    assert len(list((tmp_path / "runs").glob("p0_lopd_ours_*.json"))) == 2
+
+
+def test_a_stale_running_file_is_not_taken_for_a_result(vs_trl, tmp_path):
+    argv = ["--student", "tiny", "--pairings", "1", "--methods", "lopd", "--runs-dir", str(tmp_path)]
+    args = vs_trl.parse_args(argv)
+    fields = vs_trl.resume_fields(vs_trl.child_argv(args, "ours", "lopd", 0, tmp_path / "x"),
+                                  vs_trl.machine_fields(args.student))
+    stale = vs_trl.kept_path(tmp_path, 0, "lopd", "ours", fields).with_suffix(".running.json")
+    stale.write_text(json.dumps({"trajectories_per_s": 99.0, "peak_rss_mb": 1.0}))  # a cut child's leftover
+    with pytest.raises(SystemExit, match="the ours lopd run of pairing 0 failed"):
+        _calls(vs_trl, argv, silent=True)
+
+
+def test_runs_dir_that_is_a_file_is_refused(vs_trl, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--runs-dir", str(tmp_path / "f")])
+    assert "--runs-dir" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_code_hash_follows_the_benchmark_files(vs_trl, tmp_path):
