@@ -72,7 +72,7 @@ quickstart-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/lopd fit -c configs/quickstart/lopd.yaml --model.init_args.generation_backend=vllm
 
 # TRL in its own environment (benchmarks/vs_trl.py), so that .venv never holds it; same torch pin and the same
-# transformers as .venv (trl 1.16.0 accepts transformers 5.24).
+# transformers range as .venv (trl 1.16.0 accepts transformers 5.x).
 $(PEER_STAMP): pyproject.toml Makefile
 	$(call extra-venv,$(PEER_VENV),$(PEER_BIN),peer)
 	touch $(PEER_STAMP)
