@@ -28,10 +28,11 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
   (compare_provenance.py: the start student's weights hash, the pretrained composer's and the bank's hashes,
   the library versions of the interpreter that ran ``lopd``, taken when the run starts and checked again when
   it ends), and each attempt's start, step, src and machine (the CPU model, and the CPU capability of the torch
-  that runs ``lopd``: a run resumed in another session may land on another kind of CPU; recorded, not refused). The aggregation reads every run
-  file there and refuses to mix src trees, backends, budgets, held-out sets, start students, banks, composers
-  or library versions unless ``--src-tree`` / ``--backend`` / ``--budget`` / ``--student-hash`` /
-  ``--bank-hash`` / ``--composer-hash`` / ``--versions`` choose (compare_runs.py).
+  that runs ``lopd``: a run resumed in another session may land on another kind of CPU; recorded, not
+  refused). The aggregation reads every run file there and refuses to mix src trees, backends, budgets,
+  held-out sets, start students, banks, composers or library versions unless ``--src-tree`` / ``--backend``
+  / ``--budget`` / ``--student-hash`` / ``--bank-hash`` / ``--composer-hash`` / ``--versions`` choose
+  (compare_runs.py).
 - **Plans** (compare_plans.py): ``grid`` (``--methods`` x ``--seeds``, seed-major), ``evidence``
   (:func:`evidence_plan`: LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD,
   lopd_balanced and lopd_m0_balanced; 192 trajectories a run; the start student of
