@@ -511,19 +511,22 @@ def code_hash(root: Path = REPO_ROOT) -> str:
     return digest.hexdigest()[:16]
 
 
-#: what the versions in a resume key cover: the provenance's libraries plus TRL and accelerate (TRL's side).
-KEY_LIBRARIES = ("torch", "transformers", "lightning", "peft", "faiss", "vllm", "trl", "accelerate")
+def _key_libraries() -> tuple[str, ...]:
+    """What the versions in a resume key cover: ``compare_provenance.LIBRARIES`` plus TRL and accelerate."""
+    from compare_provenance import LIBRARIES
+
+    return (*LIBRARIES, "trl", "accelerate")
 
 
 def machine_fields(student: str) -> dict[str, Any]:
     """The part of :func:`resume_fields` that every child of a call shares: :func:`code_hash`, the start
     student's weights (``compare_provenance.student_hash``: None for a packaged name), the library versions of
-    this interpreter (:data:`KEY_LIBRARIES`, from package metadata), the CPU model and torch's CPU capability
+    this interpreter (:func:`_key_libraries`, from package metadata), the CPU model and torch's CPU capability
     (float kernels and speed differ between them)."""
     from compare_provenance import library_versions, student_hash
 
     return {"code_hash": code_hash(), "student_hash": student_hash(student),
-            "versions": library_versions(sys.executable, KEY_LIBRARIES), "cpu": cpu_model(),
+            "versions": library_versions(sys.executable, _key_libraries()), "cpu": cpu_model(),
             "cpu_capability": cpu_capability()}
 
 
@@ -545,6 +548,11 @@ def kept_path(runs_dir: Path, k: int, method: str, side: str, fields: dict[str, 
     return runs_dir / f"p{k}_{method}_{side}_{digest}.json"
 
 
+def _differing(before: dict[str, Any], fields: dict[str, Any]) -> list[str]:
+    """The names of ``fields`` whose values ``before`` does not share."""
+    return [name for name in fields if before.get(name) != fields[name]]
+
+
 def kept_result(path: Path, fields: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """``(result, why)``: the kept result at ``path`` when it is a JSON object whose ``resume`` fields equal
     ``fields``; else None and why it cannot stand in: no file (then what the newest kept result of the same
@@ -555,8 +563,7 @@ def kept_result(path: Path, fields: dict[str, Any]) -> tuple[dict[str, Any] | No
         others = sorted(path.parent.glob(f"{prefix}_*.json"), key=lambda q: q.stat().st_mtime)
         if others:
             try:
-                before = json.loads(others[-1].read_text()).get("resume") or {}
-                differ = [name for name in fields if before.get(name) != fields[name]]
+                differ = _differing(json.loads(others[-1].read_text()).get("resume") or {}, fields)
                 return None, f"{others[-1].name} ran with another {', '.join(differ) or 'key'}"
             except (OSError, ValueError, AttributeError):
                 pass
@@ -568,7 +575,7 @@ def kept_result(path: Path, fields: dict[str, Any]) -> tuple[dict[str, Any] | No
     before = kept.get("resume") if isinstance(kept, dict) else None
     if not isinstance(before, dict):
         return None, f"{path} has no resume key"
-    differ = [name for name in fields if before.get(name) != fields[name]]
+    differ = _differing(before, fields)
     if differ:
         return None, f"{path} ran with another {', '.join(differ)}"
     return kept, "same settings, code, libraries and CPU"
