@@ -7,49 +7,85 @@
 #   benchmarks/experience_prereqs.sh CHECKOUT [student|bank|composer ...]   (default: all three, in that order)
 #
 # CHECKOUT: a worktree at the plan's commit whose runs/ is this checkout's, for example
-#   git worktree add --detach /work/wt_exp 151c2ab && ln -sfn "$PWD/runs" /work/wt_exp/runs
+#   git worktree add --detach /work/wt_exp 151c2ab && ln -s "$PWD/runs" /work/wt_exp/runs
 # PYTHON (environment variable, default .venv/bin/python of this checkout): the interpreter, with the library
-# versions start_student recorded (transformers 5.24.0: `.venv/bin/pip install transformers==5.24.0`).
-# Each step is skipped when its output exists. Each output's hash is compared with the plan's: a mismatch stops the
-# script (exit 1) before a later step spends its time on inputs the plan's aggregation would refuse to mix.
+# versions the start student was built with (transformers 5.24.0: `.venv/bin/pip install transformers==5.24.0`).
+# Before any step: CHECKOUT's src/ must be the plan runs' (git tree hash, no uncommitted change) and PYTHON's
+# libraries the start student's. Each step is skipped when its output exists (the composer's pretraining resumes
+# from its last checkpoint). Each output's hash is compared with the plan's: a mismatch stops the script (exit 1)
+# before a later step spends its time on inputs the plan's aggregation would refuse to mix.
 # Times on this 2-core CPU: student about 17 min, bank about 2 min, composer 70-100 min.
 set -euo pipefail
 
+fail() { echo "error: $*"; exit 1; }
+usage="usage: benchmarks/experience_prereqs.sh CHECKOUT [student|bank|composer ...]"
+[ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 here=$(cd "$(dirname "$0")/.." && pwd)
-checkout=${1:?usage: benchmarks/experience_prereqs.sh CHECKOUT [student|bank|composer ...]}
-checkout=$(cd "$checkout" && pwd)
+[ -d "$1" ] || fail "CHECKOUT $1 is not a folder: git worktree add --detach $1 151c2ab (the plan's commit)"
+checkout=$(cd "$1" && pwd)
 shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(student bank composer)
+for step in "${steps[@]}"; do
+    case $step in student | bank | composer) ;; *) fail "unknown step '$step': use student, bank or composer" ;; esac
+done
 python=${PYTHON:-$here/.venv/bin/python}
 reference=$here/benchmarks/results/experience_runs/lopd/seed_1.json  # a plan run that read all three
+built_with=$here/benchmarks/results/start_student_hidden_rules_in_context_rebuilt.json  # the student's libraries
 
-[ -x "$python" ] || { echo "error: PYTHON=$python is not an interpreter; run make install or set PYTHON"; exit 1; }
-[ -f "$reference" ] || { echo "error: $reference is missing: it holds the plan's hashes"; exit 1; }
-[ "$(cd "$checkout/runs" && pwd -P)" = "$(mkdir -p "$here/runs" && cd "$here/runs" && pwd -P)" ] || {
-    echo "error: $checkout/runs is not $here/runs: ln -sfn $here/runs $checkout/runs"; exit 1; }
+"$python" -c "import sys" 2>/dev/null || fail "PYTHON=$python is not a Python interpreter: run make install, or set PYTHON"
+for file in "$reference" "$built_with"; do [ -f "$file" ] || fail "$file is missing: it holds what the plan's inputs were built with"; done
+[ "$(mkdir -p "$here/runs" && cd "$here/runs" && pwd -P)" = "$(cd "$checkout/runs" 2>/dev/null && pwd -P)" ] ||
+    fail "$checkout/runs is not $here/runs: move $checkout/runs away, then ln -s $here/runs $checkout/runs"
+
+# field FILE KEY...: a value of a JSON file ('' when absent)
+field() { "$python" -c 'import json, sys
+value = json.load(open(sys.argv[1]))
+for key in sys.argv[2:]:
+    value = value.get(key) if isinstance(value, dict) else None
+print("" if value is None else value)' "$@"; }
+
+want_tree=$(field "$reference" src src_tree)
+tree=$(git -C "$checkout" rev-parse HEAD:src 2>/dev/null) || fail "$checkout is not a git checkout with src/: git worktree add --detach $checkout 151c2ab"
+[ "$tree" = "$want_tree" ] || fail "$checkout's src/ is tree $tree, the plan's runs had $want_tree: check out the plan's commit (151c2ab)"
+[ -z "$(git -C "$checkout" status --porcelain -- src)" ] || fail "$checkout/src has uncommitted changes: git -C $checkout checkout -- src"
 
 # The kernels the plan's files were built with (the CPU may offer more; the hashes depend on it).
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=$checkout/src HF_HUB_OFFLINE=1
 cd "$checkout"
-"$python" -c "import lopd_lightning, sys; p = lopd_lightning.__file__
-sys.exit(0 if p.startswith('$checkout/') else f'error: lopd_lightning imports from {p}, not $checkout')"
+"$python" - "$checkout" "$here/benchmarks" "$built_with" <<'EOF'
+import json, sys
+checkout, benchmarks, built_with = sys.argv[1:]
+import lopd_lightning
+if not lopd_lightning.__file__.startswith(checkout + "/"):
+    sys.exit(f"error: lopd_lightning imports from {lopd_lightning.__file__}, not from {checkout}/src")
+sys.path.insert(0, benchmarks)
+from common import package_versions
+want, have = json.load(open(built_with))["versions"], package_versions()
+differ = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+if differ:
+    sys.exit("error: PYTHON's libraries differ from the start student's (have, built with): "
+             + ", ".join(f"{k} {h} / {v}" for k, (h, v) in sorted(differ.items()))
+             + ": install those versions (pip install transformers==...), or set PYTHON")
+EOF
 
-# expected NAME -> the plan's hash; actual NAME -> this machine's (compare_provenance, as the runs record them)
-expected() { "$python" -c "import json; print(json.load(open('$reference'))['provenance']['$1_hash'])"; }
-actual() {
-    "$python" -c "import sys; sys.path.insert(0, '$here/benchmarks'); import compare_provenance as p
-print({'student': lambda: p.student_hash('runs/hidden_rules/sft_student_in_context'),
-       'bank': lambda: p.tree_hash('runs/experience/bank'),
-       'composer': lambda: p.composer_hash('runs/experience/composer')}['$1']())"
+# hash NAME: this machine's hash of NAME's output, as the runs record it (compare_provenance)
+hash_of() { "$python" - "$here/benchmarks" "$1" <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[1])
+import compare_provenance as p
+print({"student": lambda: p.student_hash("runs/hidden_rules/sft_student_in_context"),
+       "bank": lambda: p.tree_hash("runs/experience/bank"),
+       "composer": lambda: p.composer_hash("runs/experience/composer")}[sys.argv[2]]() or "")
+EOF
 }
+declare -A output=([student]=runs/hidden_rules/sft_student_in_context [bank]=runs/experience/bank
+                   [composer]=runs/experience/composer)
 check() {
     local want got
-    want=$(expected "$1"); got=$(actual "$1")
-    if [ "$want" != "$got" ]; then
-        echo "error: the rebuilt $1 hashes $got, the plan's runs recorded $want: the plan cannot go on with it"
-        exit 1
-    fi
+    want=$(field "$reference" provenance "$1_hash"); got=$(hash_of "$1")
+    [ -n "$want" ] || fail "$reference records no $1_hash"
+    [ "$want" = "$got" ] || fail "the rebuilt $1 hashes ${got:-nothing}, the plan's runs recorded $want: the plan cannot go on with it (remove ${output[$1]} to build it again; the kernels and libraries above are the plan's)"
     echo "$1: $got, as the plan's runs recorded"
 }
 lopd() { "$python" -c "from lopd_lightning.cli import main; main()" "$@"; }
@@ -62,15 +98,19 @@ for step in "${steps[@]}"; do
         [ -f runs/hidden_rules/sft_student_in_context/model.safetensors ] ||
             MKL_ENABLE_INSTRUCTIONS=AVX2 "$python" benchmarks/start_student.py --task hidden_rules \
                 --task-options '{"references": "format_only"}' --in-context-fraction 0.5 --steps 36 \
-                --out runs/hidden_rules/sft_student_in_context --results runs/hidden_rules/start_student_rebuilt.json
-        ;;
+                --out runs/hidden_rules/sft_student_in_context --results runs/hidden_rules/start_student_rebuilt.json ||
+            fail "building the start student failed (its output above)" ;;
     bank)
-        [ -f runs/experience/bank/meta.json ] || lopd build-memory "${common[@]}" --from-references ;;
+        [ -f runs/experience/bank/meta.json ] || lopd build-memory "${common[@]}" --from-references ||
+            fail "building the bank failed (its output above)" ;;
     composer)
-        resume=(); [ -f runs/experience/composer/checkpoints/last.ckpt ] && resume=(--resume)
-        [ -f runs/experience/composer/composer.pt ] ||
-            lopd pretrain-composer "${common[@]}" --out runs/experience/composer "${resume[@]}" ;;
-    *) echo "error: unknown step '$step': use student, bank or composer"; exit 1 ;;
+        if [ ! -f runs/experience/composer/composer.pt ]; then
+            if [ -f runs/experience/composer/checkpoints/last.ckpt ]; then
+                lopd pretrain-composer "${common[@]}" --out runs/experience/composer --resume
+            else
+                lopd pretrain-composer "${common[@]}" --out runs/experience/composer
+            fi || fail "pretraining the composer failed (its output above; run this again to resume)"
+        fi ;;
     esac
     check "$step"
 done

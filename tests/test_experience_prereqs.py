@@ -24,19 +24,31 @@ SCRIPT = REPO / "benchmarks" / "experience_prereqs.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _layout(tmp_path: Path, recorded: dict[str, str]) -> tuple[Path, Path]:
-    """``(here, checkout)``: a copy of the script and what it reads, a plan run file recording ``recorded``, and a
-    checkout whose ``src`` is the project's and whose ``runs`` is ``here/runs``."""
+def _layout(tmp_path: Path, recorded: dict[str, str], versions: dict[str, str | None] | None = None) -> tuple[Path, Path]:
+    """``(here, checkout)``: a copy of the script and what it reads (a plan run file recording ``recorded`` and the
+    ``src`` tree of the checkout, the start student's record with ``versions``, default this interpreter's), and a
+    git checkout whose ``src`` links to the project's and whose ``runs`` is ``here/runs``."""
     here, checkout = tmp_path / "here", tmp_path / "checkout"
-    (here / "benchmarks" / "results" / "experience_runs" / "lopd").mkdir(parents=True)
+    results = here / "benchmarks" / "results"
+    (results / "experience_runs" / "lopd").mkdir(parents=True)
     for name in ("experience_prereqs.sh", "compare_provenance.py", "common.py"):
         shutil.copy2(REPO / "benchmarks" / name, here / "benchmarks" / name)
-    run = {"provenance": {f"{k}_hash": v for k, v in recorded.items()}}
-    (here / "benchmarks" / "results" / "experience_runs" / "lopd" / "seed_1.json").write_text(json.dumps(run))
     (here / "runs").mkdir()
     checkout.mkdir()
     (checkout / "src").symlink_to(REPO / "src")
-    (checkout / "runs").symlink_to(here / "runs")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "src"], ["commit", "-q", "-m", "src"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    tree = subprocess.run([*git, "rev-parse", "HEAD:src"], check=True, capture_output=True, text=True).stdout.strip()
+    (checkout / "runs").symlink_to(here / "runs")  # after the commit: runs/ is not part of the checkout's tree
+    run = {"src": {"src_tree": tree}, "provenance": {f"{k}_hash": v for k, v in recorded.items()}}
+    (results / "experience_runs" / "lopd" / "seed_1.json").write_text(json.dumps(run))
+    if versions is None:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from common import package_versions
+
+        versions = package_versions()
+    (results / "start_student_hidden_rules_in_context_rebuilt.json").write_text(json.dumps({"versions": versions}))
     return here, checkout
 
 
@@ -48,8 +60,8 @@ def _student(here: Path, content: bytes) -> str:
     return hashlib.sha256(content).hexdigest()[:16]
 
 
-def _run(here: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": sys.executable}
+def _run(here: Path, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": sys.executable, **extra}
     return subprocess.run(["bash", str(here / "benchmarks" / "experience_prereqs.sh"), *args], capture_output=True,
                           text=True, env=env, timeout=120)
 
@@ -72,14 +84,42 @@ def test_a_matching_student_passes_and_a_different_one_stops(tmp_path):
 def test_bad_input_is_one_line(tmp_path):
     here, checkout = _layout(tmp_path, {"student": "0" * 16})
     usage = _run(here)
-    assert usage.returncode != 0 and "usage: benchmarks/experience_prereqs.sh CHECKOUT" in usage.stderr
+    assert usage.returncode == 2 and "usage: benchmarks/experience_prereqs.sh CHECKOUT" in usage.stderr
 
-    unknown = _run(here, str(checkout), "studnet")
-    assert unknown.returncode == 1
-    assert unknown.stdout.strip().splitlines()[-1] == "error: unknown step 'studnet': use student, bank or composer"
+    def last_line(*args: str, **env: str) -> str:
+        done = _run(here, *args, **env)
+        assert done.returncode == 1, done.stdout + done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    # a typo'd step is refused before any step runs (a build can take an hour)
+    assert last_line(str(checkout), "student", "studnet") == "error: unknown step 'studnet': use student, bank or composer"
+    missing = tmp_path / "nowhere"
+    assert last_line(str(missing)) == f"error: CHECKOUT {missing} is not a folder: git worktree add --detach {missing} 151c2ab (the plan's commit)"
+    for python in ("/bin/true_not_there", str(tmp_path)):
+        assert last_line(str(checkout), "student", PYTHON=python) == (
+            f"error: PYTHON={python} is not a Python interpreter: run make install, or set PYTHON")
 
     (checkout / "runs").unlink()
     (checkout / "runs").mkdir()  # a checkout with runs/ of its own: the plan's files would land elsewhere
-    unlinked = _run(here, str(checkout), "student")
-    assert unlinked.returncode == 1
-    assert unlinked.stdout.strip() == f"error: {checkout}/runs is not {here}/runs: ln -sfn {here}/runs {checkout}/runs"
+    assert last_line(str(checkout), "student") == (
+        f"error: {checkout}/runs is not {here}/runs: move {checkout}/runs away, then ln -s {here}/runs {checkout}/runs")
+    (checkout / "runs").rmdir()
+    (checkout / "runs").symlink_to(here / "runs")
+
+
+def test_another_src_tree_or_other_libraries_are_refused_before_any_step(tmp_path):
+    here, checkout = _layout(tmp_path, {"student": "0" * 16})
+    run_file = here / "benchmarks" / "results" / "experience_runs" / "lopd" / "seed_1.json"
+    run = json.loads(run_file.read_text())
+    tree = run["src"]["src_tree"]
+    run["src"]["src_tree"] = "f" * 40
+    run_file.write_text(json.dumps(run))
+    line = _run(here, str(checkout), "student").stdout.strip().splitlines()[-1]
+    assert line == (f"error: {checkout}'s src/ is tree {tree}, the plan's runs had {'f' * 40}: check out the plan's "
+                    "commit (151c2ab)")
+
+    here, checkout = _layout(tmp_path / "versions", {"student": "0" * 16}, versions={"transformers": "0.0.1"})
+    done = _run(here, str(checkout), "student")
+    assert done.returncode == 1
+    assert "error: PYTHON's libraries differ from the start student's (have, built with): transformers " in done.stderr
+    assert " / 0.0.1: install those versions" in done.stderr
