@@ -94,7 +94,9 @@ def test_fsdp2_grad_norm_is_the_whole_gradients(run, fsdp2_runs):
     ranks, single = fsdp2_runs[run]
     for step in range(2):
         assert ranks[0][step]["grad_norm"] == ranks[1][step]["grad_norm"]
-        assert ranks[0][step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-5)
+        # the gradients' own tolerance (rtol 2e-4): float32 reductions in another order differ by about 1e-5 on some
+        # CPUs (1.4e-5 seen on an AVX-512 Xeon); a norm over one rank's shard only would be off by tens of percent
+        assert ranks[0][step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=2e-4)
         assert ranks[0][step]["grad_norm"] > 0
 
 
