@@ -32,7 +32,8 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
   refused). The aggregation reads every run file there and refuses to mix src trees, backends, budgets,
   held-out sets, start students, banks, composers or library versions unless ``--src-tree`` / ``--backend``
   / ``--budget`` / ``--student-hash`` / ``--bank-hash`` / ``--composer-hash`` / ``--versions`` choose
-  (compare_runs.py).
+  (compare_runs.py); ``--same-input KIND:REBUILT=ORIGINAL`` counts a rebuilt student, bank or composer as the
+  original (recorded in the results as ``same_inputs``).
 - **Plans** (compare_plans.py): ``grid`` (``--methods`` x ``--seeds``, seed-major), ``evidence``
   (:func:`evidence_plan`: LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD,
   lopd_balanced and lopd_m0_balanced; 192 trajectories a run; the start student of
@@ -567,7 +568,8 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     try:
         runs = select_runs(read_run_files(args.runs_dir), src_tree=args.src_tree, backend=args.backend,
                            budget=args.budget, student_hash=args.student_hash, bank_hash=args.bank_hash,
-                           composer_hash=args.composer_hash, versions=args.versions)
+                           composer_hash=args.composer_hash, versions=args.versions,
+                           same_inputs=getattr(args, "same_inputs", None))
     except MixedRuns as error:
         raise SystemExit(f"error: {error}") from None
     if not runs:
@@ -583,6 +585,8 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     results.update(val_metric=VAL_METRIC, generation_backend=first["generation_backend"], **first["src"],
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},
+                   # the rebuilt inputs declared the same as the original's (--same-input), None without
+                   same_inputs=getattr(args, "same_inputs", None) or None,
                    run_files=[r["path"] for r in runs])
     try:
         categories, reason = heldout_categories(first)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common import REPO_ROOT
 from compare_plans import EVIDENCE_BUDGET, EVIDENCE_STUDENT, PLANS
+from compare_runs import SAME_INPUT_KINDS
 from compare_sweep import DEV_QUESTIONS, SWEEP_BUDGET
 
 
@@ -60,6 +61,10 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     for flag, what in (("student-hash", "start student weights"), ("bank-hash", "bank"), ("composer-hash", "composer"),
                        ("versions", "library versions (provenance.versions_key)")):
         p.add_argument(f"--{flag}", default=None, help=f"aggregate only runs of this {what} hash prefix")
+    p.add_argument("--same-input", action="append", default=[], metavar="KIND:REBUILT=ORIGINAL",
+                   help="aggregate runs on a rebuilt student, bank or composer (KIND) as if on the original's hash "
+                        "(repeatable; the declaration is recorded in the results, its evidence belongs in "
+                        "benchmarks/README.md)")
     p.add_argument("--calibration", type=Path, default=None, help="the task calibration JSON (experience default: "
                    f"{PLANS['experience'].calibration})")
     p.add_argument("--smooth", type=positive, default=None, help="trailing-mean window (steps) of the final reward "
@@ -82,7 +87,31 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     if args.lr_file is None and plan.seeds is not None:
         args.lr_file = args.out_dir / plan.sweep_file
     args.lr_file = None if str(args.lr_file).lower() == "none" else args.lr_file and Path(args.lr_file).resolve()
+    args.same_inputs = same_inputs(args.same_input)
     return args
+
+
+def same_inputs(declared: list[str]) -> dict[str, dict[str, str]]:
+    """``--same-input KIND:REBUILT=ORIGINAL`` values as ``{provenance key: {rebuilt hash: original hash}}``
+    (compare_runs.select_runs's ``same_inputs``).
+
+    Raises:
+        SystemExit: a value not of that form, an unknown KIND, or one rebuilt hash declared the same as two.
+    """
+    renames: dict[str, dict[str, str]] = {}
+    for value in declared:
+        kind, _, pair = value.partition(":")
+        rebuilt, _, original = pair.partition("=")
+        if kind not in SAME_INPUT_KINDS or not rebuilt or not original or rebuilt == original:
+            raise SystemExit(f"error: --same-input {value}: give KIND:REBUILT=ORIGINAL with KIND one of "
+                             f"{', '.join(SAME_INPUT_KINDS)} and two different hashes (e.g. "
+                             "student:66976bd00baa61a7=3761f00976a961fa)")
+        known = renames.setdefault(SAME_INPUT_KINDS[kind], {})
+        if known.get(rebuilt, original) != original:
+            raise SystemExit(f"error: --same-input: {kind} {rebuilt} is declared the same as both {known[rebuilt]} "
+                             f"and {original}; keep one")
+        known[rebuilt] = original
+    return renames
 
 
 #: the students ``lopd`` loads by name rather than from a folder (lopd_lightning.models.load_student).

@@ -343,8 +343,22 @@ UNIFORM = (
 PROVENANCE_FILTERS = ("student_hash", "bank_hash", "composer_hash", "versions")
 
 
-def _matches(run: dict[str, Any], name: str, wanted: Any) -> bool:
-    """Whether ``run`` passes the filter ``name`` (a :data:`UNIFORM` keyword) set to ``wanted`` (None: no filter)."""
+#: ``--same-input`` kinds -> the provenance key they rename.
+SAME_INPUT_KINDS = {"student": "student_hash", "bank": "bank_hash", "composer": "composer_hash"}
+
+
+def _read_as(read, key: str | None, same_inputs: dict[str, dict[str, str]] | None):
+    """``read``, with a rebuilt input's hash read as the one it was declared the same as (``same_inputs[key]``:
+    ``{rebuilt: original}``); the run file itself keeps the hash it recorded."""
+    renames = (same_inputs or {}).get(key or "") or {}
+    if not renames:
+        return read
+    return lambda r: (lambda v: renames.get(v, v))(read(r))
+
+
+def _matches(run: dict[str, Any], name: str, wanted: Any, same_inputs: dict[str, dict[str, str]] | None = None) -> bool:
+    """Whether ``run`` passes the filter ``name`` (a :data:`UNIFORM` keyword) set to ``wanted`` (None: no filter),
+    a declared rebuilt input read as its original (:func:`_read_as`)."""
     if wanted is None:
         return True
     if name == "src_tree":
@@ -353,7 +367,7 @@ def _matches(run: dict[str, Any], name: str, wanted: Any) -> bool:
         return run["generation_backend"] == wanted
     if name == "budget":
         return int(run["budget_trajectories"]) == int(wanted)
-    value = next(read for _, read, _, key in UNIFORM if key == name)(run)
+    value = _read_as(next(read for _, read, _, key in UNIFORM if key == name), name, same_inputs)(run)
     return value is None or str(value).startswith(str(wanted))  # a run without one is not filtered out
 
 
@@ -371,12 +385,16 @@ def _versions_labels(groups: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 
 def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, backend: str | None = None,
                 budget: int | None = None, student_hash: str | None = None, bank_hash: str | None = None,
-                composer_hash: str | None = None, versions: str | None = None) -> list[dict[str, Any]]:
+                composer_hash: str | None = None, versions: str | None = None,
+                same_inputs: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
     """The runs to aggregate: those of ``src_tree`` (a prefix of the run's ``src_hash`` or ``src_tree``),
     ``backend``, ``budget`` and the provenance prefixes (``student_hash``, ``bank_hash``, ``composer_hash``,
     ``versions``: a run's ``provenance.versions_key``; a run without the value passes) where given, checked
     to share one src tree, backend, budget, held-out set, start student, bank, composer and library versions
-    (:data:`UNIFORM`; runs without a bank or composer are left out of those two checks).
+    (:data:`UNIFORM`; runs without a bank or composer are left out of those two checks). ``same_inputs``
+    (``{"student_hash": {rebuilt: original}, ...}``, compare.py's ``--same-input``): inputs rebuilt on another
+    machine that the user declares the same as the plan's (their evidence in benchmarks/README.md) take part in
+    the check, and in the filters, under the original's hash.
 
     Raises:
         MixedRuns: the selected runs differ in one of those (one line naming the values, the runs of each and
@@ -384,13 +402,14 @@ def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, back
     """
     filters = {"src_tree": src_tree, "backend": backend, "budget": budget, "student_hash": student_hash,
                "bank_hash": bank_hash, "composer_hash": composer_hash, "versions": versions}
-    chosen = [r for r in runs if all(_matches(r, name, wanted) for name, wanted in filters.items())]
+    chosen = [r for r in runs if all(_matches(r, name, wanted, same_inputs) for name, wanted in filters.items())]
     if runs and not chosen:
         given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in filters.items() if v is not None)
         raise MixedRuns(f"no run file matches {given}; the run files "
                         f"have src trees {sorted({r['src']['src_hash'] for r in runs})}, backends "
                         f"{sorted({r['generation_backend'] for r in runs})}, budgets {sorted({r['budget_trajectories'] for r in runs})}")
-    for what, value, flag, _ in UNIFORM:
+    for what, read, flag, key in UNIFORM:
+        value = _read_as(read, key, same_inputs)
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in chosen:
             if value(r) is not None:

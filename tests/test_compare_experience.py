@@ -395,6 +395,36 @@ def test_the_aggregation_refuses_to_mix_students_banks_composers_or_libraries(co
     assert (out / "experience_compare.md").exists() and (out / "experience_compare.png").exists()
 
 
+def test_a_rebuilt_input_declared_the_same_aggregates_under_the_original_and_is_recorded(compare, tmp_path):
+    """A student and bank rebuilt on another CPU (other hashes, the same behaviour) are refused until the user
+    declares them the same (--same-input); then they aggregate, the declaration is in the results, and each run
+    file keeps the hash it recorded."""
+    final = {"q0": True, "q1": False, "q2": True, "q3": False}
+    out, runs = tmp_path / "out", tmp_path / "out" / "experience_runs"
+    base = ["--plan", "experience", "--aggregate-only", "--out-dir", str(out), "--bootstrap", "200", "--calibration", "none"]
+    write_runs(runs, with_provenance(fake_run("opsd", 0, final=final), student="s1", bank="b1"),
+               with_provenance(fake_run("opsd", 1, final=final), student="s1x", bank="b1x"))
+    with pytest.raises(SystemExit, match=r"2 start students \(weights hash\) \(s1: opsd/seed_0\.json; s1x: opsd/seed_1"):
+        compare.main(base)
+    with pytest.raises(SystemExit, match=r"2 experience banks"):  # the student alone is not enough
+        compare.main([*base, "--same-input", "student:s1x=s1"])
+    data = compare.main([*base, "--same-input", "student:s1x=s1", "--same-input", "bank:b1x=b1"])
+    assert data["methods"]["opsd"]["seeds"] == [0, 1]
+    assert data["same_inputs"] == {"student_hash": {"s1x": "s1"}, "bank_hash": {"b1x": "b1"}}
+    assert json.loads((runs / "opsd" / "seed_1.json").read_text())["provenance"]["student_hash"] == "s1x"
+    # the filters read a declared input as its original too
+    declared = ["--same-input", "student:s1x=s1", "--same-input", "bank:b1x=b1"]
+    assert compare.main([*base, *declared, "--student-hash", "s1"])["methods"]["opsd"]["seeds"] == [0, 1]
+    assert compare.main(base + ["--student-hash", "s1x"])["methods"]["opsd"]["seeds"] == [1]  # undeclared: its own
+    assert compare.main([*base, "--student-hash", "s1x", "--bank-hash", "b1x"])["same_inputs"] is None
+    for bad, says in (("student:s1x", "give KIND:REBUILT=ORIGINAL"), ("teacher:a=b", "KIND one of student, bank, composer"),
+                      ("bank:b1=b1", "two different hashes")):
+        with pytest.raises(SystemExit, match=f"^error: --same-input {bad}: .*{says}"):
+            compare.main([*base, "--same-input", bad])
+    with pytest.raises(SystemExit, match=r"^error: --same-input: student s1x is declared the same as both s1 and s0; keep one$"):
+        compare.main([*base, "--same-input", "student:s1x=s1", "--same-input", "student:s1x=s0"])
+
+
 def test_a_student_loaded_by_name_is_not_mixed_with_a_student_folder(compare, tmp_path):
     """A named student (no folder: student_hash None) took no part in the check, so runs from the packaged
     SmolLM2 were aggregated with runs from the in-context student."""
