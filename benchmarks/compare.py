@@ -569,7 +569,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         runs = select_runs(read_run_files(args.runs_dir), src_tree=args.src_tree, backend=args.backend,
                            budget=args.budget, student_hash=args.student_hash, bank_hash=args.bank_hash,
                            composer_hash=args.composer_hash, versions=args.versions,
-                           same_inputs=getattr(args, "same_inputs", None))
+                           same_inputs=args.same_inputs)
     except MixedRuns as error:
         raise SystemExit(f"error: {error}") from None
     if not runs:
@@ -586,7 +586,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},
                    # the rebuilt inputs declared the same as the original's (--same-input), None without
-                   same_inputs=getattr(args, "same_inputs", None) or None,
+                   same_inputs=args.same_inputs or None,
                    run_files=[r["path"] for r in runs])
     try:
         categories, reason = heldout_categories(first)

@@ -353,7 +353,12 @@ def _read_as(read, key: str | None, same_inputs: dict[str, dict[str, str]] | Non
     renames = (same_inputs or {}).get(key or "") or {}
     if not renames:
         return read
-    return lambda r: (lambda v: renames.get(v, v))(read(r))
+
+    def read_as_declared(run: dict[str, Any]) -> Any:
+        value = read(run)
+        return renames.get(value, value)
+
+    return read_as_declared
 
 
 def _matches(run: dict[str, Any], name: str, wanted: Any, same_inputs: dict[str, dict[str, str]] | None = None) -> bool:

@@ -69,23 +69,23 @@ if differ:
              + ": install those versions (pip install transformers==...), or set PYTHON")
 EOF
 
-# hash NAME: this machine's hash of NAME's output, as the runs record it (compare_provenance)
-hash_of() { "$python" - "$here/benchmarks" "$1" <<'EOF'
+# each step's output folder (the plan's configs read them there)
+declare -A output=([student]=runs/hidden_rules/sft_student_in_context [bank]=runs/experience/bank
+                   [composer]=runs/experience/composer)
+# hash_of NAME: this machine's hash of NAME's output, as the runs record it (compare_provenance)
+hash_of() { "$python" - "$here/benchmarks" "$1" "${output[$1]}" <<'EOF'
 import sys
 sys.path.insert(0, sys.argv[1])
 import compare_provenance as p
-print({"student": lambda: p.student_hash("runs/hidden_rules/sft_student_in_context"),
-       "bank": lambda: p.tree_hash("runs/experience/bank"),
-       "composer": lambda: p.composer_hash("runs/experience/composer")}[sys.argv[2]]() or "")
+name, folder = sys.argv[2:]
+print({"student": p.student_hash, "bank": p.tree_hash, "composer": p.composer_hash}[name](folder) or "")
 EOF
 }
-declare -A output=([student]=runs/hidden_rules/sft_student_in_context [bank]=runs/experience/bank
-                   [composer]=runs/experience/composer)
 check() {
     local want got
     want=$(field "$reference" provenance "$1_hash"); got=$(hash_of "$1")
     [ -n "$want" ] || fail "$reference records no $1_hash"
-    [ "$want" = "$got" ] || fail "the rebuilt $1 hashes ${got:-nothing}, the plan's runs recorded $want: the plan cannot go on with it (remove ${output[$1]} to build it again; the kernels and libraries above are the plan's)"
+    [ "$want" = "$got" ] || fail "the rebuilt $1 hashes ${got:-nothing}, the plan's runs recorded $want (remove ${output[$1]} to build it again; or, with evidence that it behaves the same, declare it to the aggregation: compare.py --same-input $1:$got=$want)"
     echo "$1: $got, as the plan's runs recorded"
 }
 lopd() { "$python" -c "from lopd_lightning.cli import main; main()" "$@"; }
@@ -95,21 +95,19 @@ common=(-c configs/experience/common.yaml -c configs/experience/lopd.yaml
 for step in "${steps[@]}"; do
     case $step in
     student)
-        [ -f runs/hidden_rules/sft_student_in_context/model.safetensors ] ||
+        [ -f "${output[student]}/model.safetensors" ] ||
             MKL_ENABLE_INSTRUCTIONS=AVX2 "$python" benchmarks/start_student.py --task hidden_rules \
                 --task-options '{"references": "format_only"}' --in-context-fraction 0.5 --steps 36 \
-                --out runs/hidden_rules/sft_student_in_context --results runs/hidden_rules/start_student_rebuilt.json ||
+                --out "${output[student]}" --results runs/hidden_rules/start_student_rebuilt.json ||
             fail "building the start student failed (its output above)" ;;
     bank)
-        [ -f runs/experience/bank/meta.json ] || lopd build-memory "${common[@]}" --from-references ||
+        [ -f "${output[bank]}/meta.json" ] || lopd build-memory "${common[@]}" --from-references ||
             fail "building the bank failed (its output above)" ;;
     composer)
-        if [ ! -f runs/experience/composer/composer.pt ]; then
-            if [ -f runs/experience/composer/checkpoints/last.ckpt ]; then
-                lopd pretrain-composer "${common[@]}" --out runs/experience/composer --resume
-            else
-                lopd pretrain-composer "${common[@]}" --out runs/experience/composer
-            fi || fail "pretraining the composer failed (its output above; run this again to resume)"
+        if [ ! -f "${output[composer]}/composer.pt" ]; then
+            resume=(); [ -f "${output[composer]}/checkpoints/last.ckpt" ] && resume=(--resume)
+            lopd pretrain-composer "${common[@]}" --out "${output[composer]}" ${resume[@]+"${resume[@]}"} ||
+                fail "pretraining the composer failed (its output above; run this again to resume)"
         fi ;;
     esac
     check "$step"
