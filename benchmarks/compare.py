@@ -504,7 +504,10 @@ def plan_specs(args: argparse.Namespace, configs: dict[str, dict[str, Any]]) -> 
             cannot fall at every ``1 / --evaluations`` of it where the plan wants that (experience).
     """
     plan = PLANS[args.plan]
-    runs = plan_runs(plan, methods=args.methods, seeds=args.seeds, seed_cap=args.seed_cap)
+    try:
+        runs = plan_runs(plan, methods=args.methods, seeds=args.seeds, seed_cap=args.seed_cap, only=args.only)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     rates: dict[str, float] = {}
     if args.lr_file is not None:
         try:

@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     p.add_argument("--methods", nargs="+", default=list(methods), help=f"grid methods (default: {' '.join(methods)})")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="grid seeds (the sweep uses the first)")
     p.add_argument("--seed-cap", type=positive, default=None, help="at most N seeds a method of a fixed plan (smoke tests)")
+    p.add_argument("--only", nargs="+", type=method_seed, default=None, metavar="METHOD:SEED",
+                   help="run only these runs of the plan, in its order (e.g. grpo:1 opsd:1 while another run's input, "
+                        "such as a composer, is still missing); each must be one of the plan's runs")
     p.add_argument("--budget", type=positive, default=None, help="trajectories per run (default: the plan's: 32 for a grid, "
                    f"{EVIDENCE_BUDGET} evidence, {PLANS['experience'].budget} experience)")
     p.add_argument("--config-dir", type=Path, default=None, help="default: the plan's (configs/compare, configs/experience)")
@@ -89,6 +92,18 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     args.lr_file = None if str(args.lr_file).lower() == "none" else args.lr_file and Path(args.lr_file).resolve()
     args.same_inputs = same_inputs(args.same_input)
     return args
+
+
+def method_seed(text: str) -> tuple[str, int]:
+    """``--only``'s ``METHOD:SEED`` as ``(method, seed)``.
+
+    Raises:
+        argparse.ArgumentTypeError: not of that form (one line, with an example).
+    """
+    method, _, seed = text.partition(":")
+    if not method or not seed.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not METHOD:SEED (e.g. grpo:1)")
+    return method, int(seed)
 
 
 def same_inputs(declared: list[str]) -> dict[str, dict[str, str]]:

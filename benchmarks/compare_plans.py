@@ -131,13 +131,26 @@ def grid_plan(methods: list[str], seeds: list[int]) -> list[tuple[str, int]]:
     return [(m, s) for s in seeds for m in methods]
 
 
-def plan_runs(plan: Plan, *, methods: list[str], seeds: list[int], seed_cap: int | None = None) -> list[tuple[str, int]]:
+def plan_runs(plan: Plan, *, methods: list[str], seeds: list[int], seed_cap: int | None = None,
+              only: list[tuple[str, int]] | None = None) -> list[tuple[str, int]]:
     """The ``(method, seed)`` runs of ``plan``: a fixed plan's (at most ``seed_cap`` seeds a method when given:
-    smoke tests, a first pass), or the grid of ``methods`` x ``seeds``."""
+    smoke tests, a first pass), or the grid of ``methods`` x ``seeds``; with ``only``, just those of them, in
+    the plan's order (a run that the rest of the plan waits on can go first).
+
+    Raises:
+        ValueError: a pair of ``only`` that is not one of the plan's runs (the message lists them).
+    """
     if plan.seeds is None:
-        return grid_plan(methods, seeds)
-    counts = {m: min(n, seed_cap) if seed_cap is not None else n for m, n in plan.seeds.items()}
-    return seeded_plan(counts, plan.head, plan.order)
+        runs = grid_plan(methods, seeds)
+    else:
+        counts = {m: min(n, seed_cap) if seed_cap is not None else n for m, n in plan.seeds.items()}
+        runs = seeded_plan(counts, plan.head, plan.order)
+    if only is None:
+        return runs
+    if unknown := [f"{m}:{s}" for m, s in only if (m, s) not in runs]:
+        raise ValueError(f"--only {' '.join(unknown)}: not a run of the {plan.name} plan; its runs are "
+                         f"{' '.join(f'{m}:{s}' for m, s in runs)}")
+    return [run for run in runs if run in only]
 
 
 def check_exact_evaluations(method: str, budget: int, per_step: int, evaluations: int) -> None:

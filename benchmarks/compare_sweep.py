@@ -104,8 +104,9 @@ def sweep_document(results: dict[str, dict[float, dict[str, Any]]], *, smooth_wi
 def learning_rates_for(path: Path, methods: list[str], parents: dict[str, str] | None = None,
                        plan: str = "evidence") -> dict[str, float]:
     """The student learning rate of each method from a sweep file: the rate chosen for its parent in
-    ``parents`` (method -> swept method); without ``parents`` (the evidence plan), LOPD's choice for ``lopd``
-    and its ablations (every method named ``lopd*``) and GRPO's for every other method.
+    ``parents`` (method -> swept method); else the rate the sweep chose for the method itself; else (the
+    evidence plan's convention) LOPD's choice for its ablations (every method named ``lopd*``) and GRPO's for
+    every other method. So a grid run of OPSD on the experience sweep takes OPSD's swept rate, not GRPO's.
 
     Raises:
         FileNotFoundError: no sweep file (the message gives the command that makes it, for ``plan``).
@@ -117,8 +118,9 @@ def learning_rates_for(path: Path, methods: list[str], parents: dict[str, str] |
     chosen = json.loads(Path(path).read_text())["chosen"]
     rates = {}
     for method in methods:
-        # lopd, lopd_m0 and the balanced ablations take LOPD's; the rest GRPO's (evidence plan)
-        source = (parents or {}).get(method) or ("lopd" if method.startswith("lopd") else "grpo")
+        # a swept method takes its own rate; lopd_m0 and the balanced ablations LOPD's; the rest GRPO's (evidence)
+        source = (parents or {}).get(method) or (method if method in chosen else
+                                                 "lopd" if method.startswith("lopd") else "grpo")
         if source not in chosen:
             raise KeyError(f"{path} chose no learning rate for {source} (needed by {method})")
         rates[method] = float(chosen[source])

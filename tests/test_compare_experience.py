@@ -41,6 +41,18 @@ def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path):
     assert [(r["method"], r["run"], r["budget"], r["steps"], r["learning_rate"], r["state"]) for r in rows] == [
         (m, f"seed_{s}", 280, 70, rates[m], "new") for m, s in ORDER]
     assert compare.compare_plans.EXPERIENCE_PARENTS["skill_sd"] == "grpo"
+    # --only: some of the plan's runs, in the plan's order, whatever order they are named in
+    rows = compare.main([*base, "--only", "opsd:1", "grpo:1"])["plan"]
+    assert [(r["method"], r["run"], r["learning_rate"]) for r in rows] == [("grpo", "seed_1", 1e-5), ("opsd", "seed_1", 1e-4)]
+    with pytest.raises(SystemExit, match=r"--only skill_sd:2: not a run of the experience plan; its runs are lopd:0 grpo:0"):
+        compare.main([*base, "--only", "grpo:1", "skill_sd:2"])
+    with pytest.raises(SystemExit):  # argparse: 'grpo' is not METHOD:SEED (e.g. grpo:1)
+        compare.main([*base, "--only", "grpo"])
+    # a grid on this sweep: OPSD takes the rate swept for it, not GRPO's (the evidence plan's fallback)
+    grid = compare.main(["--plan", "grid", "--methods", "opsd", "skill_sd", "--seeds", "1", "--config-dir", str(EXPERIENCE),
+                         "--budget", "280", "--evaluations", "10", "--dry-run", "--out-dir", str(tmp_path),
+                         "--lr-file", str(tmp_path / "experience_lr_sweep.json"), "--root", str(tmp_path / "grid")])["plan"]
+    assert [(r["method"], r["learning_rate"]) for r in grid] == [("opsd", 1e-4), ("skill_sd", 1e-5)]
     # the sweep: LOPD, GRPO and OPSD at each rate, 64 trajectories on the dev slice
     sweep = compare.main([*base, "--sweep-lr", "3e-5,1e-4,3e-4"])["plan"]
     assert [(r["method"], r["run"], r["steps"]) for r in sweep] == [
