@@ -13,7 +13,9 @@ the events come from more than one session, ``pretrain_sessions``), ``final`` (t
 order; a resumed run's later session replaces the earlier one's values of the same step), ``curve_means`` and
 ``window`` (means of the first and the last ``--window`` steps of each tag), ``composer_hash`` and
 ``student_hash`` (first 16 hex of the SHA-256 of ``composer.pt`` and of the student's weights:
-``compare_provenance``'s, the values the comparison's run files record), and ``common.run_metadata``.
+``compare_provenance``'s, the values the comparison's run files record), and ``common.run_metadata``; with
+``--compare-to RECORD``, ``compared_to`` (:func:`compare_curves`: how closely the curve follows that record's,
+step by step).
 
 The three inputs are checked against each other: the log line's folder must be ``--composer-dir``, the curve
 must hold one value per step of the log line, and the log line's final numbers must be the curve's last.
@@ -118,6 +120,43 @@ def curve_means(curve: dict[str, list[float]], window: int) -> dict[str, dict[st
             for tag, v in curve.items() if v}
 
 
+def compare_curves(curve: dict[str, list[float]], other_path: Path, window: int) -> dict[str, Any]:
+    """How closely ``curve`` (this run's ``curve_per_step``) follows the one of another record (``--compare-to``):
+    the evidence for declaring a composer pretrained again the same as the original (``compare.py --same-input
+    composer:NEW=ORIGINAL``), whose weights differ in rounding when the CPU model differs.
+
+    Returns:
+        ``{"record": path as given, "composer_hash", "student_hash": the other's, "per_tag": {tag:
+        {"max_abs_diff": max over steps of |this - other|, "at_step": where, "first_step_over_1e-3": the first
+        step where they differ by more than 1e-3 (None: never), "last_mean": [this, other] over the last
+        ``window`` steps}}}`` for every tag both curves hold.
+
+    Raises:
+        SystemExit: the record cannot be read, holds no ``curve_per_step``, or its curves are of another length.
+    """
+    try:
+        other = json.loads(other_path.read_text())
+        theirs = other["curve_per_step"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"error: --compare-to {other_path} is not a record of this script ({type(error).__name__}: "
+                         f"{error})") from None
+    per_tag = {}
+    for tag in sorted(set(curve) & set(theirs)):
+        mine, other_values = curve[tag], theirs[tag]
+        if len(mine) != len(other_values):
+            raise SystemExit(f"error: --compare-to {other_path} has {len(other_values)} steps of pretrain/{tag}, this "
+                             f"run {len(mine)}: compare runs of the same length")
+        diffs = [abs(a - b) for a, b in zip(mine, other_values)]
+        worst = max(range(len(diffs)), key=diffs.__getitem__)
+        per_tag[tag] = {"max_abs_diff": round(diffs[worst], 4), "at_step": worst,
+                        "first_step_over_1e-3": next((i for i, d in enumerate(diffs) if d > 1e-3), None),
+                        "last_mean": [round(sum(v[-window:]) / len(v[-window:]), 4) for v in (mine, other_values)]}
+    if not per_tag:
+        raise SystemExit(f"error: --compare-to {other_path} shares no pretrain/* tag with this run")
+    return {"record": str(other_path), "composer_hash": other.get("composer_hash"),
+            "student_hash": other.get("student_hash"), "per_tag": per_tag}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--composer-dir", type=Path, required=True, help="the --out folder of lopd pretrain-composer")
@@ -128,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--what", default="", help="one line on what the run is for")
     parser.add_argument("--window", type=int, default=10, help="steps averaged at each end of the curve (at most the "
                         "run's steps)")
+    parser.add_argument("--compare-to", type=Path, default=None, help="another record of this script (e.g. the "
+                        "original composer's): add how closely this curve follows it, step by step (compared_to)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.window < 1:
@@ -154,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "curve_per_step": curve, "curve_means": curve_means(curve, window), "window": window,
                "composer_hash": file_sha256(composer)[:16], "student_hash": student_hash(args.student),
                **run_metadata(seed=0, argv=argv)}
+    if args.compare_to is not None:
+        results["compared_to"] = compare_curves(curve, args.compare_to, window)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -3,6 +3,8 @@ and its command, and what it exists for: latents that carry their own experience
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -299,6 +301,22 @@ def test_the_command_writes_what_fit_loads(tmp_path, bank_dir, capsys):
     assert resumed["pretrain_sessions"] == 2 and resumed["pretrain_s_complete"] is False
     assert resumed["window"] == 2  # the default 10, cut to the run's 2 steps
     assert resumed["curve_per_step"] == data["curve_per_step"]
+    # --compare-to: how closely the curve follows another record's, step by step (here: the same run's)
+    other = json.loads((tmp_path / "r.json").read_text())
+    other["curve_per_step"]["reconstruction_nll"][1] += 0.25
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    compared = record.main(["--composer-dir", str(out), "--log", str(log), "--student", "tiny", "--task", "toy",
+                            "--command", "x", "--compare-to", str(tmp_path / "other.json"),
+                            "--out", str(tmp_path / "r5.json")])["compared_to"]
+    rec = compared["per_tag"]["reconstruction_nll"]
+    assert (rec["max_abs_diff"], rec["at_step"], rec["first_step_over_1e-3"]) == (pytest.approx(0.25, abs=1e-4), 1, 1)
+    assert rec["last_mean"][1] == pytest.approx(rec["last_mean"][0] + 0.25 / 2, abs=1e-4)  # window 2: both steps
+    assert compared["per_tag"]["task_nll"]["max_abs_diff"] == 0 and compared["per_tag"]["task_nll"]["first_step_over_1e-3"] is None
+    assert compared["composer_hash"] == data["composer_hash"] and set(compared["per_tag"]) == set(data["curve_per_step"])
+    other["curve_per_step"] = {tag: v[:1] for tag, v in other["curve_per_step"].items()}
+    (tmp_path / "short.json").write_text(json.dumps(other))
+    refused(match="has 1 steps of pretrain/.*, this run 2", **{"--compare-to": str(tmp_path / "short.json")})
+    refused(match="is not a record of this script", **{"--compare-to": str(TINY_YAML)})
     assert main(["fit", *common, f"--model.init_args.composer_path={out}", "--trainer.max_steps=1",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]) == 0
 
