@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     p.add_argument("--in-process", action="store_true", help="run fits in this process (tests; shared peak RSS)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.only is not None and (args.sweep_lr or args.aggregate_only):
+        p.error(f"--only picks runs of a plan to run; {'--sweep-lr' if args.sweep_lr else '--aggregate-only'} runs "
+                "none of them: drop --only")
     plan = PLANS[args.plan]
     args.config_dir = args.config_dir or REPO_ROOT / plan.config_dir
     args.root = args.root or REPO_ROOT / plan.root
@@ -101,9 +104,13 @@ def method_seed(text: str) -> tuple[str, int]:
         argparse.ArgumentTypeError: not of that form (one line, with an example).
     """
     method, _, seed = text.partition(":")
-    if not method or not seed.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not METHOD:SEED (e.g. grpo:1)")
-    return method, int(seed)
+    try:
+        number = int(seed) if seed.isascii() else -1
+    except ValueError:
+        number = -1
+    if not method or number < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not METHOD:SEED with a seed >= 0 (e.g. grpo:1)")
+    return method, number
 
 
 def same_inputs(declared: list[str]) -> dict[str, dict[str, str]]:

@@ -148,8 +148,11 @@ def plan_runs(plan: Plan, *, methods: list[str], seeds: list[int], seed_cap: int
     if only is None:
         return runs
     if unknown := [f"{m}:{s}" for m, s in only if (m, s) not in runs]:
-        raise ValueError(f"--only {' '.join(unknown)}: not a run of the {plan.name} plan; its runs are "
-                         f"{' '.join(f'{m}:{s}' for m, s in runs)}")
+        capped = seed_cap is not None and plan.seeds is not None and all(
+            (m, s) in seeded_plan(dict(plan.seeds), plan.head, plan.order) for m, s in only if (m, s) not in runs)
+        raise ValueError(f"--only {' '.join(unknown)}: not a run of the {plan.name} plan"
+                         + (f" with --seed-cap {seed_cap}" if capped else "")
+                         + f"; its runs are {' '.join(f'{m}:{s}' for m, s in runs)}")
     return [run for run in runs if run in only]
 
 

@@ -7,7 +7,8 @@ with the same seed), which training never sees (LOPD's bank is built without the
 questions play no part. The rule (:func:`choose_learning_rate`): the highest dev success after the last
 step; ties go to the higher final training reward (trailing mean), then to the smaller rate. LOPD's
 choice sets the student rate of LOPD and of its ablations (lopd_m0, lopd_balanced, lopd_m0_balanced: an
-ablation changes one thing); GRPO's choice sets every other method's (:func:`learning_rates_for`). The result is ``compare_lr_sweep.json``.
+ablation changes one thing); GRPO's choice sets every other method's that the sweep did not itself sweep
+(:func:`learning_rates_for`). The result is ``compare_lr_sweep.json``.
 """
 
 from __future__ import annotations

@@ -120,41 +120,58 @@ def curve_means(curve: dict[str, list[float]], window: int) -> dict[str, dict[st
             for tag, v in curve.items() if v}
 
 
-def compare_curves(curve: dict[str, list[float]], other_path: Path, window: int) -> dict[str, Any]:
-    """How closely ``curve`` (this run's ``curve_per_step``) follows the one of another record (``--compare-to``):
-    the evidence for declaring a composer pretrained again the same as the original (``compare.py --same-input
-    composer:NEW=ORIGINAL``), whose weights differ in rounding when the CPU model differs.
+def read_record(path: Path) -> dict[str, Any]:
+    """A record of this script for ``--compare-to``: its ``curve_per_step`` must map each tag to a list of numbers.
+
+    Raises:
+        SystemExit: the file cannot be read or is not such a record (one line).
+    """
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --compare-to {path} cannot be read as JSON ({type(error).__name__}: {error})") from None
+    curve = record.get("curve_per_step") if isinstance(record, dict) else None
+    if not isinstance(curve, dict) or not curve or not all(
+            isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            for v in curve.values()):
+        raise SystemExit(f"error: --compare-to {path} is not a record of this script (no curve_per_step of numbers "
+                         "per tag): pass a composer_pretrain_*.json it wrote")
+    return record
+
+
+def compare_curves(curve: dict[str, list[float]], other: dict[str, Any], other_path: Path, window: int) -> dict[str, Any]:
+    """How closely ``curve`` (this run's ``curve_per_step``) follows the one of ``other``, a record read by
+    :func:`read_record` from ``other_path`` (``--compare-to``): the evidence for declaring a composer pretrained
+    again the same as the original (``compare.py --same-input composer:NEW=ORIGINAL``), whose weights differ in
+    rounding when the CPU model differs.
 
     Returns:
         ``{"record": path as given, "composer_hash", "student_hash": the other's, "per_tag": {tag:
-        {"max_abs_diff": max over steps of |this - other|, "at_step": where, "first_step_over_1e-3": the first
-        step where they differ by more than 1e-3 (None: never), "last_mean": [this, other] over the last
-        ``window`` steps}}}`` for every tag both curves hold.
+        {"max_abs_diff": max over steps of |this - other|, "at_step": where (steps count from 0),
+        "first_step_over_1e-3": the first step where they differ by more than 1e-3 after rounding to 4 decimals,
+        as the curves are (None: never), "last_mean": [this, other] over the last ``window`` steps}},
+        "tags_only_here", "tags_only_there": the tags one curve lacks}``.
 
     Raises:
-        SystemExit: the record cannot be read, holds no ``curve_per_step``, or its curves are of another length.
+        SystemExit: the curves share no tag, or a shared tag has another number of steps.
     """
-    try:
-        other = json.loads(other_path.read_text())
-        theirs = other["curve_per_step"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"error: --compare-to {other_path} is not a record of this script ({type(error).__name__}: "
-                         f"{error})") from None
+    theirs = other["curve_per_step"]
     per_tag = {}
     for tag in sorted(set(curve) & set(theirs)):
         mine, other_values = curve[tag], theirs[tag]
         if len(mine) != len(other_values):
             raise SystemExit(f"error: --compare-to {other_path} has {len(other_values)} steps of pretrain/{tag}, this "
                              f"run {len(mine)}: compare runs of the same length")
-        diffs = [abs(a - b) for a, b in zip(mine, other_values)]
+        diffs = [round(abs(a - b), 4) for a, b in zip(mine, other_values)]
         worst = max(range(len(diffs)), key=diffs.__getitem__)
-        per_tag[tag] = {"max_abs_diff": round(diffs[worst], 4), "at_step": worst,
+        per_tag[tag] = {"max_abs_diff": diffs[worst], "at_step": worst,
                         "first_step_over_1e-3": next((i for i, d in enumerate(diffs) if d > 1e-3), None),
                         "last_mean": [round(sum(v[-window:]) / len(v[-window:]), 4) for v in (mine, other_values)]}
     if not per_tag:
         raise SystemExit(f"error: --compare-to {other_path} shares no pretrain/* tag with this run")
     return {"record": str(other_path), "composer_hash": other.get("composer_hash"),
-            "student_hash": other.get("student_hash"), "per_tag": per_tag}
+            "student_hash": other.get("student_hash"), "per_tag": per_tag,
+            "tags_only_here": sorted(set(curve) - set(theirs)), "tags_only_there": sorted(set(theirs) - set(curve))}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -184,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not as_name and not (student / "config.json").is_file():
         raise SystemExit(f"error: --student {args.student} is not a model folder (no config.json); pass the folder "
                          "the run trained from, or a model name")
+    other = None if args.compare_to is None else read_record(args.compare_to)  # before any hashing
     summary = summary_line(args.log)
     by_tag, sessions = pretrain_curve(args.composer_dir)
     check_consistent(summary, by_tag, args.composer_dir)
@@ -195,8 +213,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "curve_per_step": curve, "curve_means": curve_means(curve, window), "window": window,
                "composer_hash": file_sha256(composer)[:16], "student_hash": student_hash(args.student),
                **run_metadata(seed=0, argv=argv)}
-    if args.compare_to is not None:
-        results["compared_to"] = compare_curves(curve, args.compare_to, window)
+    if other is not None:
+        results["compared_to"] = compare_curves(curve, other, args.compare_to, window)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -31,7 +31,7 @@ def compare():
 
 
 # ---------------------------------------------------------------------- the plan
-def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path):
+def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path, capsys):
     assert compare.experience_plan() == ORDER
     (tmp_path / "experience_lr_sweep.json").write_text(json.dumps({"chosen": {"lopd": 3e-5, "grpo": 1e-5, "opsd": 1e-4}}))
     base = ["--plan", "experience", "--dry-run", "--out-dir", str(tmp_path), "--root", str(tmp_path / "runs")]
@@ -46,8 +46,16 @@ def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path):
     assert [(r["method"], r["run"], r["learning_rate"]) for r in rows] == [("grpo", "seed_1", 1e-5), ("opsd", "seed_1", 1e-4)]
     with pytest.raises(SystemExit, match=r"--only skill_sd:2: not a run of the experience plan; its runs are lopd:0 grpo:0"):
         compare.main([*base, "--only", "grpo:1", "skill_sd:2"])
-    with pytest.raises(SystemExit):  # argparse: 'grpo' is not METHOD:SEED (e.g. grpo:1)
-        compare.main([*base, "--only", "grpo"])
+    with pytest.raises(SystemExit, match="with --seed-cap 1; its runs are lopd:0 grpo:0 opsd:0 skill_sd:0"):
+        compare.main([*base, "--seed-cap", "1", "--only", "grpo:1"])
+    for bad in ("grpo", "grpo:x", ":1", "grpo:-1", "grpo:\u00b2"):  # argparse: not METHOD:SEED with a seed >= 0
+        with pytest.raises(SystemExit):
+            compare.main([*base, "--only", bad])
+        assert "is not METHOD:SEED with a seed >= 0 (e.g. grpo:1)" in capsys.readouterr().err
+    for other in ("--aggregate-only", "--sweep-lr=3e-5"):  # --only picks runs to run: refused where none run
+        with pytest.raises(SystemExit):
+            compare.main([*base, other, "--only", "grpo:1"])
+        assert f"--only picks runs of a plan to run; {other.split('=')[0]} runs none of them" in capsys.readouterr().err
     # a grid on this sweep: OPSD takes the rate swept for it, not GRPO's (the evidence plan's fallback)
     grid = compare.main(["--plan", "grid", "--methods", "opsd", "skill_sd", "--seeds", "1", "--config-dir", str(EXPERIENCE),
                          "--budget", "280", "--evaluations", "10", "--dry-run", "--out-dir", str(tmp_path),

@@ -316,7 +316,11 @@ def test_the_command_writes_what_fit_loads(tmp_path, bank_dir, capsys):
     other["curve_per_step"] = {tag: v[:1] for tag, v in other["curve_per_step"].items()}
     (tmp_path / "short.json").write_text(json.dumps(other))
     refused(match="has 1 steps of pretrain/.*, this run 2", **{"--compare-to": str(tmp_path / "short.json")})
-    refused(match="is not a record of this script", **{"--compare-to": str(TINY_YAML)})
+    refused(match="cannot be read as JSON", **{"--compare-to": str(TINY_YAML)})
+    for curve in (None, ["loss"], {"loss": None}, {"loss": [None, 1.0]}):
+        (tmp_path / "bad.json").write_text(json.dumps({**other, "curve_per_step": curve}))
+        refused(match="is not a record of this script", **{"--compare-to": str(tmp_path / "bad.json")})
+    assert compared["tags_only_here"] == compared["tags_only_there"] == []
     assert main(["fit", *common, f"--model.init_args.composer_path={out}", "--trainer.max_steps=1",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]) == 0
 
