@@ -423,5 +423,8 @@ def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, back
             labels = _versions_labels(groups) if what == "library versions" else {k: k for k in groups}
             listed = "; ".join(f"{labels[k]}: {', '.join(map(_run_name, v))}" for k, v in sorted(groups.items()))
             how = f"aggregate one with {flag}" if flag else "rerun the runs that differ"
+            kind = next((k for k, v in SAME_INPUT_KINDS.items() if v == key), None)
+            if kind is not None:  # a rebuild of the same input on another machine (benchmarks/README.md)
+                how += f", or declare a rebuilt one the original with --same-input {kind}:REBUILT=ORIGINAL"
             raise MixedRuns(f"refusing to aggregate runs from {len(groups)} {what} ({listed}); {how}")
     return chosen

@@ -384,20 +384,23 @@ def test_the_aggregation_refuses_to_mix_students_banks_composers_or_libraries(co
     write_runs(runs, with_provenance(fake_run("lopd", 0, final=final), bank="b1", composer="c1"),
                with_provenance(fake_run("grpo", 0, final=final), student="s2"))
     with pytest.raises(SystemExit, match=r"^error: refusing to aggregate runs from 2 start students \(weights hash\) \(s1: "
-                                         r"lopd/seed_0\.json; s2: grpo/seed_0\.json\); aggregate one with --student-hash HASH$"):
+                                         r"lopd/seed_0\.json; s2: grpo/seed_0\.json\); aggregate one with --student-hash HASH, or declare "
+                                         r"a rebuilt one the original with --same-input student:REBUILT=ORIGINAL$"):
         compare.main(base)
     assert not (out / "experience_compare.json").exists()
     assert list(compare.main([*base, "--student-hash", "s2"])["methods"]) == ["grpo"]
     write_runs(runs, with_provenance(fake_run("grpo", 0, final=final)),  # GRPO reads no bank: not compared
                with_provenance(fake_run("opsd", 0, final=final), bank="b2"))
     with pytest.raises(SystemExit, match=r"2 experience banks \(bank hash\) \(b1: lopd/seed_0\.json; b2: opsd/seed_0\.json\); "
-                                         "aggregate one with --bank-hash HASH$"):
+                                         "aggregate one with --bank-hash HASH, or declare a rebuilt one the original with "
+                                         r"--same-input bank:REBUILT=ORIGINAL$"):
         compare.main(base)
     assert list(compare.main([*base, "--bank-hash", "b1"])["methods"]) == ["lopd", "grpo"]
     (runs / "opsd" / "seed_0.json").unlink()
     write_runs(runs, with_provenance(fake_run("lopd_frozen", 0, final=final), bank="b1", composer="c2"))
     with pytest.raises(SystemExit, match=r"2 pretrained composers \(composer hash\) \(c1: lopd/seed_0\.json; c2: "
-                                         r"lopd_frozen/seed_0\.json\); aggregate one with --composer-hash HASH$"):
+                                         r"lopd_frozen/seed_0\.json\); aggregate one with --composer-hash HASH, or declare a "
+                                         r"rebuilt one the original with --same-input composer:REBUILT=ORIGINAL$"):
         compare.main(base)
     (runs / "lopd_frozen" / "seed_0.json").unlink()
     older = with_provenance(fake_run("grpo", 1, final=final), transformers="5.19.0")
