@@ -30,8 +30,10 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--plan", choices=tuple(PLANS), default="grid", help="grid: --methods x --seeds; evidence: issue 17's "
                    "runs in order (see evidence_plan); experience: issue 33's (see experience_plan)")
-    p.add_argument("--methods", nargs="+", default=list(methods), help=f"grid methods (default: {' '.join(methods)})")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="grid seeds (the sweep uses the first)")
+    p.add_argument("--methods", nargs="+", default=None, help=f"grid methods (default: {' '.join(methods)}); a fixed plan's "
+                   "runs are its own (pick some with --only)")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="grid seeds (default: 0 1; the sweep uses the first, "
+                   "and is the only use a fixed plan has for them)")
     p.add_argument("--seed-cap", type=positive, default=None, help="at most N seeds a method of a fixed plan (smoke tests)")
     p.add_argument("--only", nargs="+", type=method_seed, default=None, metavar="METHOD:SEED",
                    help="run only these runs of the plan, in its order (e.g. grpo:1 opsd:1 while another run's input, "
@@ -84,6 +86,15 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
         p.error(f"--only picks runs of a plan to run; {'--sweep-lr' if args.sweep_lr else '--aggregate-only'} runs "
                 "none of them: drop --only")
     plan = PLANS[args.plan]
+    if plan.seeds is not None:  # a fixed plan lists its own runs: a grid's flag would be ignored without a word
+        if args.methods is not None:
+            p.error(f"--methods picks a grid's methods; the {plan.name} plan's runs are fixed: pick some of them with "
+                    "--only METHOD:SEED")
+        if args.seeds is not None and not args.sweep_lr:
+            p.error(f"--seeds picks a grid's seeds (or a sweep's seed, with --sweep-lr); the {plan.name} plan's seeds "
+                    "are fixed: pick runs with --only METHOD:SEED, or at most N seeds a method with --seed-cap N")
+    args.methods = list(methods) if args.methods is None else args.methods
+    args.seeds = [0, 1] if args.seeds is None else args.seeds
     args.config_dir = args.config_dir or REPO_ROOT / plan.config_dir
     args.root = args.root or REPO_ROOT / plan.root
     args.evaluations = args.evaluations or plan.evaluations

@@ -56,6 +56,15 @@ def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path, capsy
         with pytest.raises(SystemExit):
             compare.main([*base, other, "--only", "grpo:1"])
         assert f"--only picks runs of a plan to run; {other.split('=')[0]} runs none of them" in capsys.readouterr().err
+    # a grid's --methods / --seeds would pick nothing in a fixed plan: refused in one line, naming --only
+    for flag, value in (("--methods", "grpo"), ("--seeds", "2")):
+        with pytest.raises(SystemExit):
+            compare.main([*base, flag, value])
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the one line
+        assert f"error: {flag} picks a grid's" in last and "experience plan's" in last and "--only METHOD:SEED" in last
+    swept = compare.parse_args(["--plan", "experience", "--sweep-lr", "3e-5", "--seeds", "4"], description="",
+                               methods=compare.METHODS, results=tmp_path)
+    assert swept.seeds == [4] and swept.methods == list(compare.METHODS)  # the sweep's seed is still taken
     # a grid on this sweep: OPSD takes the rate swept for it, not GRPO's (the evidence plan's fallback)
     grid = compare.main(["--plan", "grid", "--methods", "opsd", "skill_sd", "--seeds", "1", "--config-dir", str(EXPERIENCE),
                          "--budget", "280", "--evaluations", "10", "--dry-run", "--out-dir", str(tmp_path),
