@@ -444,6 +444,7 @@ def test_a_rebuilt_input_declared_the_same_aggregates_under_the_original_and_is_
     assert data["methods"]["opsd"]["seeds"] == [0, 1]
     assert data["same_inputs"] == {"student_hash": {"s1x": "s1"}, "bank_hash": {"b1x": "b1"}}
     assert json.loads((runs / "opsd" / "seed_1.json").read_text())["provenance"]["student_hash"] == "s1x"
+    assert {s: p["student_hash"] for s, p in data["provenance_by_seed"]["opsd"].items()} == {"0": "s1", "1": "s1x"}
     # the filters read a declared input as its original too
     declared = ["--same-input", "student:s1x=s1", "--same-input", "bank:b1x=b1"]
     assert compare.main([*base, *declared, "--student-hash", "s1"])["methods"]["opsd"]["seeds"] == [0, 1]
