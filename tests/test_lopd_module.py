@@ -514,6 +514,43 @@ def test_validate_before_training_records_step_zero(tmp_path, bank_dir):
     assert values["val/turns_mean"] == 1.0  # single-turn toy episodes
 
 
+def test_the_evaluation_tags_sync_dist_warning_under_an_initialised_process_group_is_dropped_and_others_kept(
+        tmp_path, bank_dir):
+    """vLLM in process (and DDP) bring torch.distributed up, and Lightning then warns at each validation tag to
+    log it with sync_dist; those tags are torchmetrics values already reduced over the ranks, so the CLI drops
+    that warning for them (cli.EVALUATION_SYNC_DIST_WARNING), and for no other tag."""
+    import re
+    import warnings
+
+    import torch.distributed as dist
+
+    from lopd_lightning.cli import EVALUATION_SYNC_DIST_WARNING, configure_logging
+
+    def caught_messages(filtered):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            if filtered:
+                configure_logging()
+            module = make_module(bank_dir)
+            trainer = make_trainer(tmp_path / str(filtered), max_steps=1, limit_val_batches=1.0, val_check_interval=1)
+            trainer.fit(module, make_dm(val_limit=3))
+        assert [step for step, _ in module.val_history] == [1]
+        return [str(w.message) for w in caught if "sync_dist=True" in str(w.message)]
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        unfiltered, filtered = caught_messages(False), caught_messages(True)
+    finally:
+        dist.destroy_process_group()
+    # the installed Lightning does warn, at every evaluation tag: the filter matches real messages
+    assert {re.search(r"'(val/\w+)'", m).group(1) for m in unfiltered} == {
+        "val/reward_mean", "val/success_rate", "val/turns_mean", "val/reply_tokens_mean", "val/cut_at_length_rate"}
+    assert filtered == []
+    other = unfiltered[0].replace("val/reward_mean", "val/my_metric")  # a subclass's own tag keeps its warning
+    assert re.match(EVALUATION_SYNC_DIST_WARNING, unfiltered[0]) and not re.match(EVALUATION_SYNC_DIST_WARNING, other)
+
+
 # ------------------------------------------------------------------ 12. bad config fails early
 def test_unknown_task_name_lists_known_ones(no_model_loading):
     with pytest.raises(ValueError, match=r"unknown task 'nope'.*toy"):

@@ -110,15 +110,26 @@ class _DropLightningTips(logging.Filter):
 CHECKPOINT_AFTER_STEP_WARNING = (r"Using ModelCheckpoint with manual optimization and every_n_train_steps, "
                                  r"but no pre-optimization")
 
+#: Lightning warns, once a tag, that an epoch-level value should be logged with ``sync_dist=True`` whenever
+#: torch.distributed is up: under DDP, and in one process whose vLLM engine brought it up (where Lightning's
+#: single-device trainer ignores ``sync_dist`` anyway). The evaluation's tags
+#: (:meth:`~lopd_lightning.modules.evaluation.EvaluationMixin.log_evaluation`) are torchmetrics values already
+#: reduced over the ranks, so for those tags, and only those, the warning says nothing to act on.
+EVALUATION_SYNC_DIST_WARNING = (r"It is recommended to use `self\.log\('(val|test)/(reward_mean|success_rate|turns_mean|"
+                                r"reply_tokens_mean|cut_at_length_rate)', \.\.\., sync_dist=True\)`")
+_DROPPED_WARNINGS = (CHECKPOINT_AFTER_STEP_WARNING, EVALUATION_SYNC_DIST_WARNING)
+
 
 def configure_logging() -> None:
-    """INFO logs on stderr, each line once; no Lightning tips; faiss's loader quiet; Lightning's warning that a
-    manual-optimisation checkpoint holds the post-step state (:data:`CHECKPOINT_AFTER_STEP_WARNING`) dropped."""
+    """INFO logs on stderr, each line once; no Lightning tips; faiss's loader quiet; Lightning's warnings that
+    a manual-optimisation checkpoint holds the post-step state (:data:`CHECKPOINT_AFTER_STEP_WARNING`) and that
+    the evaluation's tags should sync across devices (:data:`EVALUATION_SYNC_DIST_WARNING`) dropped."""
     # once: every change to the filters resets Python's "already shown" registries, so that a warning shown
     # once per location (a FutureWarning of transformers) would print again at every later main()
-    if not any(action == "ignore" and message is not None and message.pattern == CHECKPOINT_AFTER_STEP_WARNING
-               for action, message, *_ in warnings.filters):
-        warnings.filterwarnings("ignore", message=CHECKPOINT_AFTER_STEP_WARNING, category=UserWarning)
+    installed = {message.pattern for action, message, *_ in warnings.filters if action == "ignore" and message is not None}
+    for pattern in _DROPPED_WARNINGS:
+        if pattern not in installed:
+            warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs a missing AVX2 build at INFO
     # Lightning's "lightning" logger has its own handler ("INFO: ..."); propagating to the root one as
