@@ -563,7 +563,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     ``heldout_by_category``: held-out questions solved per ``Task.example_category`` at the first and last
     evaluation (:func:`compare_stats.heldout_by_category`); None, with ``heldout_by_category_reason`` saying why
     (:func:`heldout_categories`, or the error loading the task). ``provenance``: each method's first seed's
-    inputs; ``provenance_by_seed``: every seed's, as its run file recorded them.
+    inputs; ``provenance_by_run``: every run file's (``seed_<s>``), as the run recorded them.
 
     Raises:
         SystemExit: no run file, or runs that must not be mixed (one ``error:`` line).
@@ -590,7 +590,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},  # the first seed's
                    # every seed's, as its run recorded it (a declared rebuilt input keeps its own hashes here)
-                   provenance_by_seed={m: {str(r["seed"]): r.get("provenance") for r in rs} for m, rs in by_method.items()},
+                   provenance_by_run={m: {Path(r["path"]).stem: r.get("provenance") for r in rs} for m, rs in by_method.items()},
                    # the rebuilt inputs declared the same as the original's (--same-input), None without
                    same_inputs=args.same_inputs or None,
                    run_files=[r["path"] for r in runs])

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from common import REPO_ROOT
-from compare_plans import EVIDENCE_BUDGET, EVIDENCE_STUDENT, PLANS
+from compare_plans import EVIDENCE_BUDGET, EVIDENCE_STUDENT, PLANS, Plan
 from compare_runs import SAME_INPUT_KINDS
 from compare_sweep import DEV_QUESTIONS, SWEEP_BUDGET
 
@@ -86,13 +86,8 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
         p.error(f"--only picks runs of a plan to run; {'--sweep-lr' if args.sweep_lr else '--aggregate-only'} runs "
                 "none of them: drop --only")
     plan = PLANS[args.plan]
-    if plan.seeds is not None:  # a fixed plan lists its own runs: a grid's flag would be ignored without a word
-        if args.methods is not None:
-            p.error(f"--methods picks a grid's methods; the {plan.name} plan's runs are fixed: pick some of them with "
-                    "--only METHOD:SEED")
-        if args.seeds is not None and not args.sweep_lr:
-            p.error(f"--seeds picks a grid's seeds (or a sweep's seed, with --sweep-lr); the {plan.name} plan's seeds "
-                    "are fixed: pick runs with --only METHOD:SEED, or at most N seeds a method with --seed-cap N")
+    if message := ignored_flag(args, plan):
+        p.error(message)
     args.methods = list(methods) if args.methods is None else args.methods
     args.seeds = [0, 1] if args.seeds is None else args.seeds
     args.config_dir = args.config_dir or REPO_ROOT / plan.config_dir
@@ -106,6 +101,37 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     args.lr_file = None if str(args.lr_file).lower() == "none" else args.lr_file and Path(args.lr_file).resolve()
     args.same_inputs = same_inputs(args.same_input)
     return args
+
+
+def ignored_flag(args: argparse.Namespace, plan: Plan) -> str | None:
+    """The refusal of a run-picking flag that this command would ignore without a word (None: none given).
+
+    ``--methods`` / ``--seeds`` pick a grid's runs, ``--seed-cap`` caps a fixed plan's seeds; the sweep runs the
+    plan's swept methods at one seed; the aggregation reads every run file (its filters are the hash flags).
+    """
+    given = [flag for flag, value in (("--methods", args.methods), ("--seeds", args.seeds),
+                                      ("--seed-cap", args.seed_cap)) if value is not None]
+    if not given:
+        return None
+    if args.aggregate_only:
+        return (f"{given[0]} picks runs to run; --aggregate-only reads every run file in --runs-dir: drop {given[0]} "
+                "(--src-tree, --student-hash, --bank-hash, --composer-hash and --versions choose which)")
+    if args.sweep_lr:
+        if args.methods is not None:
+            return (f"--methods: the sweep runs the {plan.name} plan's swept methods "
+                    f"({' '.join(plan.sweep_methods)}): drop --methods")
+        if args.seed_cap is not None:
+            return "--seed-cap caps a plan's seeds; the sweep runs one seed (--seeds N): drop --seed-cap"
+        if len(args.seeds) > 1:
+            return f"--seeds {' '.join(map(str, args.seeds))}: the sweep runs one seed: give one"
+        return None
+    if plan.seeds is None and args.seed_cap is not None:
+        return "--seed-cap caps a fixed plan's seeds (--plan evidence, experience); a grid runs --seeds: drop --seed-cap"
+    if plan.seeds is not None and (args.methods is not None or args.seeds is not None):
+        flag = "--methods" if args.methods is not None else "--seeds"
+        return (f"{flag} picks a grid's runs; the {plan.name} plan's runs are fixed: pick some of them with --only "
+                "METHOD:SEED, or at most N seeds a method with --seed-cap N")
+    return None
 
 
 def method_seed(text: str) -> tuple[str, int]:

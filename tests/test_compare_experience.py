@@ -56,12 +56,22 @@ def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path, capsy
         with pytest.raises(SystemExit):
             compare.main([*base, other, "--only", "grpo:1"])
         assert f"--only picks runs of a plan to run; {other.split('=')[0]} runs none of them" in capsys.readouterr().err
-    # a grid's --methods / --seeds would pick nothing in a fixed plan: refused in one line, naming --only
-    for flag, value in (("--methods", "grpo"), ("--seeds", "2")):
+    # a run-picking flag this command would ignore: refused in one line naming what to do instead
+    for extra, says in ((["--methods", "grpo"], "--methods picks a grid's runs; the experience plan's runs are fixed: "
+                                                "pick some of them with --only METHOD:SEED"),
+                        (["--seeds", "2"], "--seeds picks a grid's runs; the experience plan's"),
+                        (["--aggregate-only", "--seeds", "1"], "--seeds picks runs to run; --aggregate-only reads every "
+                                                              "run file in --runs-dir: drop --seeds"),
+                        (["--aggregate-only", "--seed-cap", "1"], "drop --seed-cap (--src-tree, --student-hash"),
+                        (["--sweep-lr", "3e-5", "--methods", "grpo"], "the sweep runs the experience plan's swept "
+                                                                     "methods (lopd grpo opsd): drop --methods"),
+                        (["--sweep-lr", "3e-5", "--seeds", "3", "4"], "--seeds 3 4: the sweep runs one seed: give one"),
+                        (["--sweep-lr", "3e-5", "--seed-cap", "1"], "the sweep runs one seed (--seeds N): drop --seed-cap"),
+                        (["--plan", "grid", "--seed-cap", "1"], "a grid runs --seeds: drop --seed-cap")):
         with pytest.raises(SystemExit):
-            compare.main([*base, flag, value])
+            compare.main([*base, *extra])
         last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the one line
-        assert f"error: {flag} picks a grid's" in last and "experience plan's" in last and "--only METHOD:SEED" in last
+        assert says in last, (extra, last)
     swept = compare.parse_args(["--plan", "experience", "--sweep-lr", "3e-5", "--seeds", "4"], description="",
                                methods=compare.METHODS, results=tmp_path)
     assert swept.seeds == [4] and swept.methods == list(compare.METHODS)  # the sweep's seed is still taken
@@ -444,7 +454,7 @@ def test_a_rebuilt_input_declared_the_same_aggregates_under_the_original_and_is_
     assert data["methods"]["opsd"]["seeds"] == [0, 1]
     assert data["same_inputs"] == {"student_hash": {"s1x": "s1"}, "bank_hash": {"b1x": "b1"}}
     assert json.loads((runs / "opsd" / "seed_1.json").read_text())["provenance"]["student_hash"] == "s1x"
-    assert {s: p["student_hash"] for s, p in data["provenance_by_seed"]["opsd"].items()} == {"0": "s1", "1": "s1x"}
+    assert {r: p["student_hash"] for r, p in data["provenance_by_run"]["opsd"].items()} == {"seed_0": "s1", "seed_1": "s1x"}
     # the filters read a declared input as its original too
     declared = ["--same-input", "student:s1x=s1", "--same-input", "bank:b1x=b1"]
     assert compare.main([*base, *declared, "--student-hash", "s1"])["methods"]["opsd"]["seeds"] == [0, 1]
