@@ -590,7 +590,8 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                    learning_rates={m: rs[0]["learning_rate"] for m, rs in by_method.items()},
                    provenance={m: rs[0].get("provenance") for m, rs in by_method.items()},  # the first seed's
                    # every seed's, as its run recorded it (a declared rebuilt input keeps its own hashes here)
-                   provenance_by_run={m: {Path(r["path"]).stem: r.get("provenance") for r in rs} for m, rs in by_method.items()},
+                   provenance_by_run={m: {Path(r["path"]).stem: r.get("provenance") for r in rs}
+                                      for m, rs in by_method.items()},
                    # the rebuilt inputs declared the same as the original's (--same-input), None without
                    same_inputs=args.same_inputs or None,
                    run_files=[r["path"] for r in runs])

@@ -32,8 +32,8 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
                    "runs in order (see evidence_plan); experience: issue 33's (see experience_plan)")
     p.add_argument("--methods", nargs="+", default=None, help=f"grid methods (default: {' '.join(methods)}); a fixed plan's "
                    "runs are its own (pick some with --only)")
-    p.add_argument("--seeds", nargs="+", type=int, default=None, help="grid seeds (default: 0 1; the sweep uses the first, "
-                   "and is the only use a fixed plan has for them)")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="grid seeds (default: 0 1); with --sweep-lr, the "
+                   "sweep's one seed (default 0), the only use a fixed plan has for it")
     p.add_argument("--seed-cap", type=positive, default=None, help="at most N seeds a method of a fixed plan (smoke tests)")
     p.add_argument("--only", nargs="+", type=method_seed, default=None, metavar="METHOD:SEED",
                    help="run only these runs of the plan, in its order (e.g. grpo:1 opsd:1 while another run's input, "

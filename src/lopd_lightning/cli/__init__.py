@@ -126,7 +126,8 @@ def configure_logging() -> None:
     the evaluation's tags should sync across devices (:data:`EVALUATION_SYNC_DIST_WARNING`) dropped."""
     # once: every change to the filters resets Python's "already shown" registries, so that a warning shown
     # once per location (a FutureWarning of transformers) would print again at every later main()
-    installed = {message.pattern for action, message, *_ in warnings.filters if action == "ignore" and message is not None}
+    installed = {message.pattern for action, message, *_ in warnings.filters
+                 if action == "ignore" and message is not None}
     for pattern in _DROPPED_WARNINGS:
         if pattern not in installed:
             warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
