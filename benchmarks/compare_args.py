@@ -82,9 +82,6 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
     p.add_argument("--in-process", action="store_true", help="run fits in this process (tests; shared peak RSS)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.only is not None and (args.sweep_lr or args.aggregate_only):
-        p.error(f"--only picks runs of a plan to run; {'--sweep-lr' if args.sweep_lr else '--aggregate-only'} runs "
-                "none of them: drop --only")
     plan = PLANS[args.plan]
     if message := ignored_flag(args, plan):
         p.error(message)
@@ -106,9 +103,13 @@ def parse_args(argv: list[str] | None, *, description: str, methods: tuple[str, 
 def ignored_flag(args: argparse.Namespace, plan: Plan) -> str | None:
     """The refusal of a run-picking flag that this command would ignore without a word (None: none given).
 
-    ``--methods`` / ``--seeds`` pick a grid's runs, ``--seed-cap`` caps a fixed plan's seeds; the sweep runs the
-    plan's swept methods at one seed; the aggregation reads every run file (its filters are the hash flags).
+    ``--only`` picks a plan's runs to run, ``--methods`` / ``--seeds`` a grid's, ``--seed-cap`` caps a fixed plan's
+    seeds; the sweep runs the plan's swept methods at one seed; the aggregation reads every run file (its filters
+    are the hash flags).
     """
+    if args.only is not None and (args.sweep_lr or args.aggregate_only):
+        return (f"--only picks runs of a plan to run; {'--sweep-lr' if args.sweep_lr else '--aggregate-only'} runs "
+                "none of them: drop --only")
     given = [flag for flag, value in (("--methods", args.methods), ("--seeds", args.seeds),
                                       ("--seed-cap", args.seed_cap)) if value is not None]
     if not given:
