@@ -81,6 +81,30 @@ def test_a_matching_student_passes_and_a_different_one_stops(tmp_path):
     assert "bank:" not in bad.stdout  # stopped before the next step
 
 
+def test_a_declared_rebuild_goes_on_and_only_the_declared_pair_does(tmp_path):
+    recorded = hashlib.sha256(b"weights").hexdigest()[:16]
+    here, checkout = _layout(tmp_path, {"student": recorded, "bank": "0" * 16})
+    rebuilt = _student(here, b"rebuilt weights")
+    bank = here / "runs" / "experience" / "bank"
+    bank.mkdir(parents=True)
+    (bank / "meta.json").write_text("{}")  # built already: the step only checks its hash
+
+    # declared: the student step passes and the script goes on to the bank, which it checks as usual
+    done = _run(here, str(checkout), "student", "bank", "--same-input", f"student:{rebuilt}={recorded}")
+    assert f"student: {rebuilt}, declared the plan's {recorded} (--same-input student:{rebuilt}={recorded})" in done.stdout
+    assert done.returncode == 1
+    assert done.stdout.strip().splitlines()[-1].startswith("error: the rebuilt bank hashes ")
+
+    # a declaration of another rebuilt hash, or for another kind, does not cover this one
+    for declaration in (f"student:{'1' * 16}={recorded}", f"bank:{rebuilt}={recorded}"):
+        bad = _run(here, str(checkout), "--same-input", declaration, "student", "bank")
+        assert bad.returncode == 1
+        assert bad.stdout.strip().splitlines()[-1].startswith(
+            f"error: the rebuilt student hashes {rebuilt}, the plan's runs recorded {recorded}")
+        assert bad.stdout.rstrip().endswith(f"--same-input student:{rebuilt}={recorded})")
+        assert "bank:" not in bad.stdout
+
+
 def test_bad_input_is_one_line(tmp_path):
     here, checkout = _layout(tmp_path, {"student": "0" * 16})
     usage = _run(here)
@@ -92,7 +116,15 @@ def test_bad_input_is_one_line(tmp_path):
         return done.stdout.strip().splitlines()[-1]
 
     # a typo'd step is refused before any step runs (a build can take an hour)
-    assert last_line(str(checkout), "student", "studnet") == "error: unknown step 'studnet': use student, bank or composer"
+    assert last_line(str(checkout), "student", "studnet") == (
+        "error: unknown step 'studnet': use student, bank or composer (or --same-input KIND:REBUILT=ORIGINAL)")
+    example = "for example --same-input student:66976bd00baa61a7=3761f00976a961fa"
+    assert last_line(str(checkout), "student", "--same-input") == (
+        f"error: --same-input needs KIND:REBUILT=ORIGINAL, {example}")
+    for value in ("studnet:" + "1" * 16 + "=" + "2" * 16, "student:" + "1" * 16, "student:abc=" + "2" * 16):
+        assert last_line(str(checkout), "--same-input", value, "student") == (
+            f"error: --same-input {value}: give KIND:REBUILT=ORIGINAL with KIND student, bank or composer and "
+            f"16-hex-digit hashes, {example}")
     missing = tmp_path / "nowhere"
     assert last_line(str(missing)) == f"error: CHECKOUT {missing} is not a folder: git worktree add --detach {missing} 151c2ab (the plan's commit)"
     for python in ("/bin/true_not_there", str(tmp_path)):
