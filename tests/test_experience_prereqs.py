@@ -90,7 +90,9 @@ def test_a_declared_rebuild_goes_on_and_only_the_declared_pair_does(tmp_path):
     (bank / "meta.json").write_text("{}")  # built already: the step only checks its hash
 
     # declared: the student step passes and the script goes on to the bank, which it checks as usual
-    done = _run(here, str(checkout), "student", "bank", "--same-input", f"student:{rebuilt}={recorded}")
+    # (with another rebuild's declaration beside it, as compare.py takes several for one kind)
+    done = _run(here, str(checkout), "student", "bank", "--same-input", f"student:{'1' * 16}={recorded}",
+                "--same-input", f"student:{rebuilt}={recorded}")
     assert f"student: {rebuilt}, declared the plan's {recorded} (--same-input student:{rebuilt}={recorded})" in done.stdout
     assert done.returncode == 1
     assert done.stdout.strip().splitlines()[-1].startswith("error: the rebuilt bank hashes ")
