@@ -29,16 +29,14 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 checkout=$(cd "$1" && pwd)
 shift
 steps=()
-declared=" "  # the --same-input values, each between spaces (several per KIND, as compare.py takes them)
+same_input=()  # the --same-input values, parsed below as compare.py parses them
 while [ $# -gt 0 ]; do
     case $1 in
     student | bank | composer) steps+=("$1") ;;
     --same-input)
-        example="for example --same-input student:66976bd00baa61a7=3761f00976a961fa"
-        [ $# -ge 2 ] || fail "--same-input needs KIND:REBUILT=ORIGINAL, $example"
-        [[ $2 =~ ^(student|bank|composer):([0-9a-f]{16})=([0-9a-f]{16})$ ]] ||
-            fail "--same-input $2: give KIND:REBUILT=ORIGINAL with KIND student, bank or composer and 16-hex-digit hashes, $example"
-        declared+="$2 "
+        [ $# -ge 2 ] ||
+            fail "--same-input needs KIND:REBUILT=ORIGINAL, for example --same-input student:66976bd00baa61a7=3761f00976a961fa"
+        same_input+=("$2")
         shift ;;
     *) fail "unknown step '$1': use student, bank or composer (or --same-input KIND:REBUILT=ORIGINAL)" ;;
     esac
@@ -50,6 +48,18 @@ reference=$here/benchmarks/results/experience_runs/lopd/seed_1.json  # a plan ru
 built_with=$here/benchmarks/results/start_student_hidden_rules_in_context_rebuilt.json  # the student's libraries
 
 "$python" -c "import sys" 2>/dev/null || fail "PYTHON=$python is not a Python interpreter: run make install, or set PYTHON"
+# the declarations as compare.py's aggregation reads them (compare_args.same_inputs, which refuses a malformed
+# one in one line), written "KIND:REBUILT=ORIGINAL" between spaces
+declared=" $("$python" - "$here/benchmarks" ${same_input[@]+"${same_input[@]}"} <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[1])
+from compare_args import same_inputs
+from compare_runs import SAME_INPUT_KINDS
+kind = {key: name for name, key in SAME_INPUT_KINDS.items()}
+print(" ".join(f"{kind[key]}:{rebuilt}={original}" for key, pairs in same_inputs(sys.argv[2:]).items()
+               for rebuilt, original in pairs.items()))
+EOF
+) " || exit 1
 for file in "$reference" "$built_with"; do [ -f "$file" ] || fail "$file is missing: it holds what the plan's inputs were built with"; done
 [ "$(mkdir -p "$here/runs" && cd "$here/runs" && pwd -P)" = "$(cd "$checkout/runs" 2>/dev/null && pwd -P)" ] ||
     fail "$checkout/runs is not $here/runs: move $checkout/runs away, then ln -s $here/runs $checkout/runs"

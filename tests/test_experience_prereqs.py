@@ -31,7 +31,8 @@ def _layout(tmp_path: Path, recorded: dict[str, str], versions: dict[str, str | 
     here, checkout = tmp_path / "here", tmp_path / "checkout"
     results = here / "benchmarks" / "results"
     (results / "experience_runs" / "lopd").mkdir(parents=True)
-    for name in ("experience_prereqs.sh", "compare_provenance.py", "common.py"):
+    for name in ("experience_prereqs.sh", "compare_provenance.py", "common.py", "compare_args.py", "compare_plans.py",
+                 "compare_runs.py", "compare_sweep.py", "compare_stats.py"):
         shutil.copy2(REPO / "benchmarks" / name, here / "benchmarks" / name)
     (here / "runs").mkdir()
     checkout.mkdir()
@@ -120,13 +121,18 @@ def test_bad_input_is_one_line(tmp_path):
     # a typo'd step is refused before any step runs (a build can take an hour)
     assert last_line(str(checkout), "student", "studnet") == (
         "error: unknown step 'studnet': use student, bank or composer (or --same-input KIND:REBUILT=ORIGINAL)")
-    example = "for example --same-input student:66976bd00baa61a7=3761f00976a961fa"
     assert last_line(str(checkout), "student", "--same-input") == (
-        f"error: --same-input needs KIND:REBUILT=ORIGINAL, {example}")
-    for value in ("studnet:" + "1" * 16 + "=" + "2" * 16, "student:" + "1" * 16, "student:abc=" + "2" * 16):
-        assert last_line(str(checkout), "--same-input", value, "student") == (
-            f"error: --same-input {value}: give KIND:REBUILT=ORIGINAL with KIND student, bank or composer and "
-            f"16-hex-digit hashes, {example}")
+        "error: --same-input needs KIND:REBUILT=ORIGINAL, for example --same-input student:66976bd00baa61a7=3761f00976a961fa")
+    # a malformed declaration: compare.py's own refusal (compare_args.same_inputs), before any step
+    for value in ("studnet:" + "1" * 16 + "=" + "2" * 16, "student:" + "1" * 16, "student:" + "1" * 16 * 2):
+        done = _run(here, str(checkout), "--same-input", value, "student")
+        assert done.returncode == 1 and "student:" not in done.stdout, done.stdout + done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: --same-input {value}: give KIND:REBUILT=ORIGINAL with KIND one of student, bank, composer and two "
+            "different hashes (e.g. student:66976bd00baa61a7=3761f00976a961fa)"]
+    two = _run(here, str(checkout), "--same-input", "student:" + "1" * 16 + "=" + "2" * 16, "--same-input",
+               "student:" + "1" * 16 + "=" + "3" * 16, "student")
+    assert two.returncode == 1 and "declared the same as both" in two.stderr.strip().splitlines()[-1]
     missing = tmp_path / "nowhere"
     assert last_line(str(missing)) == f"error: CHECKOUT {missing} is not a folder: git worktree add --detach {missing} 151c2ab (the plan's commit)"
     for python in ("/bin/true_not_there", str(tmp_path)):
