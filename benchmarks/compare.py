@@ -620,7 +620,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep, or the plan then the aggregation, or only the aggregation (see the module docstring).
 
     Returns the results document (the sweep's document with ``--sweep-lr``; ``{"plan": [...]}`` with
-    ``--dry-run``).
+    ``--dry-run``; ``{"run_files": [...], "aggregate_refused": reason}`` where the runs finished but the run
+    files in ``--runs-dir`` must not be aggregated as they are, e.g. ``--only`` runs on a rebuilt input that
+    needs ``--same-input``: a warning line, exit status 0, since the runs themselves succeeded).
     """
     global LOPD_EXECUTABLE
     args = parse_args(argv, description=__doc__.split("\n")[0], methods=METHODS, results=RESULTS)
@@ -659,7 +661,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for spec, config in zip(specs, full):
             run_one(spec, config, root=args.root, result_path=run_file(args.runs_dir, spec.method, spec.seed),
                     in_process=args.in_process, threads=args.threads, rerun=args.rerun, window=args.smooth)
-    return aggregate(args)
+    try:
+        return aggregate(args)
+    except SystemExit as refused:  # the runs are done and their files written: a refused aggregate is not a failed run
+        reason = str(refused).removeprefix("error: ")
+        print(f"warning: the runs are done (their files are in {args.runs_dir}) but not aggregated: {reason}; "
+              "aggregate them with --aggregate-only and the flag named there", flush=True)
+        return {"run_files": [str(run_file(args.runs_dir, s.method, s.seed)) for s in specs],
+                "aggregate_refused": reason}
 
 
 if __name__ == "__main__":

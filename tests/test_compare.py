@@ -130,6 +130,32 @@ def write_runs(runs_dir, *runs):
         path.write_text(json.dumps(run))
 
 
+def test_runs_that_finish_but_cannot_be_aggregated_warn_and_return_their_files(compare, tmp_path, monkeypatch, capsys):
+    """A plan's runs done beside run files that must not be mixed with them (here another src tree; in the
+    experience plan, ``--only`` runs on a rebuilt input before ``--same-input`` declares it): the runs succeeded,
+    so the call says why they were not aggregated in one warning line and returns, instead of failing after them
+    with the aggregation's error (exit status 1 for a run that finished)."""
+    runs_dir = tmp_path / "runs_files"
+    write_runs(runs_dir, fake_run("grpo", 1, final={"q0": True}, src="bbbb2222"))
+
+    def finished(spec, config, *, result_path, **kw):
+        write_runs(result_path.parent.parent, fake_run(spec.method, spec.seed, final={"q0": False}))
+
+    monkeypatch.setattr(compare, "run_one", finished)
+    out = tmp_path / "out"
+    result = compare.main(["--config-dir", str(TINY), "--budget", "8", "--methods", "grpo", "--seeds", "0",
+                           "--root", str(tmp_path / "runs"), "--out-dir", str(out), "--runs-dir", str(runs_dir)])
+    assert result["run_files"] == [str(runs_dir / "grpo" / "seed_0.json")]
+    assert result["aggregate_refused"].startswith("refusing to aggregate runs from 2 src trees (aaaa1111: "
+                                                  "grpo/seed_0.json; bbbb2222: grpo/seed_1.json); aggregate one with --src-tree")
+    warning = capsys.readouterr().out.strip().splitlines()[-1]
+    assert warning == (f"warning: the runs are done (their files are in {runs_dir}) but not aggregated: "
+                       f"{result['aggregate_refused']}; aggregate them with --aggregate-only and the flag named there")
+    assert not (out / "compare.json").exists()
+    with pytest.raises(SystemExit, match="^error: refusing to aggregate runs from 2 src trees"):  # as before, alone
+        compare.main(["--aggregate-only", "--out-dir", str(out), "--runs-dir", str(runs_dir)])
+
+
 def test_the_evidence_plan_runs_lopd_and_grpo_first_then_the_rest(compare, tmp_path):
     assert compare.evidence_plan() == [
         ("lopd", 0), ("grpo", 0), ("lopd", 1), ("grpo", 1), ("lopd", 2), ("grpo", 2),
