@@ -111,7 +111,8 @@ def _heldout_efficiency_line(results: dict[str, Any]) -> list[str]:
     target = results.get("grpo_final_heldout_target")
     return _fraction_line(results, key, "final held-out success", "not reached at any evaluation",
                           target=None if target is None else f"{target:.3f}, the mean of its last two evaluations, "
-                          "LOPD's on the same trailing mean")
+                          "LOPD's on the same trailing mean",
+                          held=(results.get("lopd_final_heldout_level"), target))
 
 
 def _calibration_line(results: dict[str, Any]) -> list[str]:
@@ -153,16 +154,23 @@ def _contrast_lines(results: dict[str, Any]) -> list[str]:
 
 
 def _fraction_line(results: dict[str, Any], key: str, label: str, not_reached: str, *, target: str | None,
-                   note: str = "") -> list[str]:
+                   note: str = "", held: tuple[float | None, float | None] = (None, None)) -> list[str]:
     """The line of one budget fraction (``key``: ``lopd_budget_fraction_to_grpo_final`` on training reward, or
-    the held-out one): undefined with its reason, or the fraction with its interval over seeds."""
+    the held-out one): undefined with its reason, or the fraction with its interval over seeds. ``held``:
+    (LOPD's final level, GRPO's final level) on the fraction's own trailing means; where LOPD crossed GRPO's
+    level but ends below it, the line says so (the fraction counts the first crossing)."""
     undefined = results.get(f"{key}_reason")
     if undefined:
         return ["", f"LOPD's budget to reach GRPO's {label}: undefined ({undefined})."]
     fraction, reason = results[key], results.get(f"{key}_ci_reason")
     reached = not_reached if fraction is None else f"{fraction:.0%} of GRPO's budget"
-    return ["", f"LOPD's budget to reach GRPO's {label} ({target}): {reached}{note}; 95% bootstrap interval over "
-            f"seeds {_interval(results.get(f'{key}_ci'))}" + (f" ({reason})" if reason else "") + "."]
+    line = (f"LOPD's budget to reach GRPO's {label} ({target}): {reached}{note}; 95% bootstrap interval over "
+            f"seeds {_interval(results.get(f'{key}_ci'))}" + (f" ({reason})" if reason else "") + ".")
+    lopd_final, grpo_final = held
+    if fraction is not None and lopd_final is not None and grpo_final is not None and lopd_final < grpo_final - 1e-9:
+        line += (f" LOPD did not hold it: its own {label} is {lopd_final:.3f}, below GRPO's {grpo_final:.3f} (the "
+                 "fraction counts the first crossing).")
+    return ["", line]
 
 
 def _efficiency_line(results: dict[str, Any]) -> list[str]:
@@ -170,7 +178,8 @@ def _efficiency_line(results: dict[str, Any]) -> list[str]:
     if target is None:
         return []
     line = _fraction_line(results, "lopd_budget_fraction_to_grpo_final", "final training reward",
-                          "not reached within the budget", target=f"{target:.3f}", note=" (paper: 20%)")
+                          "not reached within the budget", target=f"{target:.3f}", note=" (paper: 20%)",
+                          held=(results.get("lopd_final_reward"), target))
     if target <= 0 and not results.get("lopd_budget_fraction_to_grpo_final_reason"):
         line[-1] += " GRPO ended at reward 0, so this says nothing."
     return line

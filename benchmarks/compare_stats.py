@@ -473,7 +473,8 @@ def grpo_improvement(reward: list[float], window: int, start: tuple[float | None
 
 def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dict[str, Any]:
     """``lopd_budget_fraction_to_grpo_final`` (+ ``_reason``, ``_ci``, ``_ci_reason``, ``_ci_method``),
-    ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward`` (over ``smooth_window`` steps),
+    ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward`` and ``lopd_final_reward`` (each over
+    ``smooth_window`` steps: the fraction counts LOPD's first crossing, which LOPD may not hold to the end),
     ``reach_window`` (the trailing mean, min(3, smooth_window) steps, on which LOPD "reaches" it) and
     ``start_train_reward`` / ``start_train_reward_runs`` (:func:`start_train_reward`). The fraction is
     undefined, with the reason, when GRPO's final reward does not pass the start student's."""
@@ -481,13 +482,14 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
                            "lopd_budget_fraction_to_grpo_final_reason": None,
                            "lopd_budget_fraction_to_grpo_final_ci_reason": "LOPD or GRPO has no run",
                            "lopd_budget_fraction_to_grpo_final_ci_method": FRACTION_CI, "grpo_final_reward": None,
-                           "lopd_budget_fraction_never_reached_share": None,
+                           "lopd_budget_fraction_never_reached_share": None, "lopd_final_reward": None,
                            "reach_window": min(3, smooth_window), "start_train_reward": None,
                            "start_train_reward_runs": 0}
     if "lopd" not in methods or "grpo" not in methods:
         return out
     lopd, grpo = methods["lopd"], methods["grpo"]
     out["grpo_final_reward"] = smooth(grpo["reward"], smooth_window)[-1] if grpo["reward"] else None
+    out["lopd_final_reward"] = smooth(lopd["reward"], smooth_window)[-1] if lopd["reward"] else None
     start = start_train_reward(methods, smooth_window)
     out["start_train_reward"], out["start_train_reward_runs"] = start
     improved = grpo_improvement(grpo["reward"], smooth_window, start)
@@ -509,7 +511,8 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
 def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int], n_boot: int) -> dict[str, Any]:
     """``lopd_heldout_budget_fraction_to_grpo_final`` (+ ``_reason``, ``_ci``, ``_ci_reason``, ``_ci_method``),
     ``lopd_heldout_budget_fraction_never_reached_share``, ``grpo_final_heldout_success`` (GRPO's last evaluation)
-    and ``grpo_final_heldout_target`` (the mean of its last two, the level LOPD must reach): the definition of
+    and ``grpo_final_heldout_target`` (the mean of its last two, the level LOPD must reach; LOPD's own final one on
+    that mean: ``lopd_final_heldout_level``): the definition of
     :func:`_efficiency` on the held-out success curve (``val_curve``) at the evaluation points after the start,
     on a trailing mean of :data:`HELDOUT_WINDOW` evaluations on both sides: the first evaluation where the mean
     of LOPD's last two seed-mean held-out successes reaches GRPO's final one (the mean of its last two
@@ -526,7 +529,7 @@ def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int],
     out: dict[str, Any] = {key: None, f"{key}_reason": "LOPD or GRPO has no run", f"{key}_ci": None,
                            f"{key}_ci_reason": "LOPD or GRPO has no run", f"{key}_ci_method": HELDOUT_FRACTION_CI,
                            "lopd_heldout_budget_fraction_never_reached_share": None, "grpo_final_heldout_success": None,
-                           "grpo_final_heldout_target": None}
+                           "grpo_final_heldout_target": None, "lopd_final_heldout_level": None}
     if "lopd" not in methods or "grpo" not in methods:
         return out
     curves = {}
@@ -541,6 +544,7 @@ def heldout_efficiency(methods: dict[str, Any], start: tuple[float | None, int],
     out["grpo_final_heldout_success"] = curves["grpo"]["reward"][-1]
     final, (level, runs) = smooth(curves["grpo"]["reward"], HELDOUT_WINDOW)[-1], start
     out["grpo_final_heldout_target"] = final
+    out["lopd_final_heldout_level"] = smooth(curves["lopd"]["reward"], HELDOUT_WINDOW)[-1]  # the same trailing mean
     if level is None or final <= level + 1e-9:
         reason = ("no step-0 held-out evaluation to compare GRPO's final held-out success with" if level is None else
                   f"GRPO's final held-out success ({final:.3f}, {TARGET_HELDOUT}) is not above the start student's ({level:.3f}: the mean "

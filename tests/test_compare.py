@@ -366,6 +366,24 @@ def test_budget_fraction_reaches_on_a_short_window_and_compares_with_grpos_long_
     assert "not more than the 4-step window" in compare.compare_stats.grpo_improvement([0.0, 0.5, 0.5], 4, (0.0, 1))
 
 
+def test_a_training_reward_crossing_lopd_does_not_hold_is_said_so(compare, tmp_path):
+    """The fraction counts LOPD's first crossing of GRPO's final reward; a LOPD that crossed it and ended below
+    (issue 33: 26% of the budget, then down to 0.03 against GRPO's 0.22) has its own final reward in the
+    results and a sentence in the table, not a fraction alone that reads as reaching GRPO."""
+    questions = [f"q{i}" for i in range(4)]
+    out = tmp_path / "fell"
+    write_runs(out / "compare_runs", fake_run("grpo", 0, final={q: True for q in questions}, curve=(0.0, 0.5)),
+               fake_run("lopd", 0, final={q: False for q in questions}, curve=(0.75, 0.0)))
+    data = compare.main(["--aggregate-only", "--out-dir", str(out), "--bootstrap", "200", "--smooth", "1"])
+    # the start level is the first step over both runs, (0 + 0.75) / 2 = 0.375, below GRPO's final 0.5: defined
+    assert data["lopd_budget_fraction_to_grpo_final"] == 0.5 and data["lopd_final_reward"] == 0.0
+    assert ("LOPD did not hold it: its own final training reward is 0.000, below GRPO's 0.500 (the fraction counts "
+            "the first crossing).") in (out / "compare.md").read_text()
+    write_runs(out / "compare_runs", fake_run("lopd", 0, final={q: False for q in questions}, curve=(0.75, 0.5)))
+    data = compare.main(["--aggregate-only", "--out-dir", str(out), "--bootstrap", "200", "--smooth", "1"])
+    assert data["lopd_final_reward"] == 0.5 and "did not hold" not in (out / "compare.md").read_text()  # held: no note
+
+
 def test_budget_fraction_is_undefined_when_grpo_did_not_improve(compare, tmp_path):
     stats = compare.compare_stats
     start = stats.start_train_reward({"grpo": {"reward_per_seed": [[0.5, 0.25, 0.25, 0.5, 0.0]]}}, 2)  # (0.5 + 0.25) / 2

@@ -15,6 +15,13 @@ def stats():
     return load_benchmark("compare").compare_stats
 
 
+@pytest.fixture(scope="module")
+def report(stats):
+    import compare_report  # on sys.path once compare.py is loaded
+
+    return compare_report
+
+
 # ---------------------------------------------------------------------- the two-level bootstrap
 def naive_two_level(method, reference, q_idx, s_m, s_r):
     """The statistic of every resample by direct loops: per drawn question, the mean over the drawn seeds of
@@ -114,6 +121,19 @@ def test_one_lucky_evaluation_does_not_reach_the_held_out_target(stats):
     lucky = curve([0.1, 0.2, 0.5, 0.2, 0.4, 0.5])
     out = stats.heldout_efficiency({"lopd": lucky, "grpo": GRPO}, (0.1, 2), n_boot=200)
     assert out[KEY] == pytest.approx(1.0)
+
+
+def test_a_held_out_crossing_lopd_does_not_hold_is_said_so(stats, report):
+    # LOPD's trailing means of two after the start: 0.5 at 8 (reaches GRPO's 0.45: 8 of 20), then 0.35, 0.1, 0.0
+    fell = curve([0.1, 0.5, 0.5, 0.2, 0.0, 0.0])
+    out = stats.heldout_efficiency({"lopd": fell, "grpo": GRPO}, (0.1, 2), n_boot=200)
+    assert out[KEY] == pytest.approx(0.4) and out["lopd_final_heldout_level"] == pytest.approx(0.0)
+    line = report._heldout_efficiency_line(out)[-1]
+    assert line.endswith("LOPD did not hold it: its own final held-out success is 0.000, below GRPO's 0.450 (the "
+                         "fraction counts the first crossing).")
+    held = stats.heldout_efficiency({"lopd": curve([0.1, 0.5, 0.5, 0.5, 0.5, 0.5]), "grpo": GRPO}, (0.1, 2), n_boot=200)
+    assert held["lopd_final_heldout_level"] == pytest.approx(0.5) and "did not hold" not in \
+        report._heldout_efficiency_line(held)[-1]
 
 
 def test_the_held_out_fraction_is_null_with_the_reason_where_undefined(stats):
