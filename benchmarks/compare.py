@@ -665,8 +665,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return aggregate(args)
     except SystemExit as refused:  # the runs are done and their files written: a refused aggregate is not a failed run
         reason = str(refused).removeprefix("error: ")
-        print(f"warning: the runs are done (their files are in {args.runs_dir}) but not aggregated: {reason}; "
-              "aggregate them with --aggregate-only and the flag named there", flush=True)
+        print(f"warning: the runs are done (their files are in {args.runs_dir}) but not aggregated, and any earlier "
+              f"{PLANS[args.plan].results}.* in {args.out_dir} is not updated: {reason}; aggregate them with "
+              "--aggregate-only once that is resolved", flush=True)
         return {"run_files": [str(run_file(args.runs_dir, s.method, s.seed)) for s in specs],
                 "aggregate_refused": reason}
 

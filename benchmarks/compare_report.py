@@ -168,8 +168,8 @@ def _fraction_line(results: dict[str, Any], key: str, label: str, not_reached: s
             f"seeds {_interval(results.get(f'{key}_ci'))}" + (f" ({reason})" if reason else "") + ".")
     lopd_final, grpo_final = held
     if fraction is not None and lopd_final is not None and grpo_final is not None and lopd_final < grpo_final - 1e-9:
-        line += (f" LOPD did not hold it: its own {label} is {lopd_final:.3f}, below GRPO's {grpo_final:.3f} (the "
-                 "fraction counts the first crossing).")
+        line += (f" LOPD did not hold it: it ends at {lopd_final:.3f} on the mean it crossed on, below GRPO's "
+                 f"{grpo_final:.3f} (the fraction counts the first crossing).")
     return ["", line]
 
 

@@ -473,8 +473,9 @@ def grpo_improvement(reward: list[float], window: int, start: tuple[float | None
 
 def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dict[str, Any]:
     """``lopd_budget_fraction_to_grpo_final`` (+ ``_reason``, ``_ci``, ``_ci_reason``, ``_ci_method``),
-    ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward`` and ``lopd_final_reward`` (each over
-    ``smooth_window`` steps: the fraction counts LOPD's first crossing, which LOPD may not hold to the end),
+    ``lopd_budget_fraction_never_reached_share``, ``grpo_final_reward`` (over ``smooth_window`` steps),
+    ``lopd_final_reward`` (LOPD's last trailing mean over ``reach_window`` steps, the mean its crossing is judged
+    on: the fraction counts the first crossing, which LOPD may not hold to the end),
     ``reach_window`` (the trailing mean, min(3, smooth_window) steps, on which LOPD "reaches" it) and
     ``start_train_reward`` / ``start_train_reward_runs`` (:func:`start_train_reward`). The fraction is
     undefined, with the reason, when GRPO's final reward does not pass the start student's."""
@@ -489,7 +490,9 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
         return out
     lopd, grpo = methods["lopd"], methods["grpo"]
     out["grpo_final_reward"] = smooth(grpo["reward"], smooth_window)[-1] if grpo["reward"] else None
-    out["lopd_final_reward"] = smooth(lopd["reward"], smooth_window)[-1] if lopd["reward"] else None
+    reach = out["reach_window"]  # LOPD "reaches" on a 3-step trailing mean; GRPO's final uses the long window
+    # LOPD's level at the end on the mean its crossing is judged on: below GRPO's final, the crossing was not held
+    out["lopd_final_reward"] = smooth(lopd["reward"], reach)[-1] if lopd["reward"] else None
     start = start_train_reward(methods, smooth_window)
     out["start_train_reward"], out["start_train_reward_runs"] = start
     improved = grpo_improvement(grpo["reward"], smooth_window, start)
@@ -497,7 +500,6 @@ def _efficiency(methods: dict[str, Any], smooth_window: int, n_boot: int) -> dic
         out.update(lopd_budget_fraction_to_grpo_final_reason=improved, lopd_budget_fraction_to_grpo_final_ci_reason=improved,
                    lopd_budget_fraction_never_reached_share=None)
         return out
-    reach = out["reach_window"]  # LOPD "reaches" on a 3-step trailing mean; GRPO's final uses the long window
     out["lopd_budget_fraction_to_grpo_final"] = budget_fraction(lopd, grpo, smooth_window, reach)
     ci = budget_fraction_ci({"rollouts": lopd["rollouts"], "per_seed": lopd["reward_per_seed"]},
                             {"rollouts": grpo["rollouts"], "per_seed": grpo["reward_per_seed"]}, smooth_window,

@@ -129,7 +129,7 @@ def test_a_held_out_crossing_lopd_does_not_hold_is_said_so(stats, report):
     out = stats.heldout_efficiency({"lopd": fell, "grpo": GRPO}, (0.1, 2), n_boot=200)
     assert out[KEY] == pytest.approx(0.4) and out["lopd_final_heldout_level"] == pytest.approx(0.0)
     line = report._heldout_efficiency_line(out)[-1]
-    assert line.endswith("LOPD did not hold it: its own final held-out success is 0.000, below GRPO's 0.450 (the "
+    assert line.endswith("LOPD did not hold it: it ends at 0.000 on the mean it crossed on, below GRPO's 0.450 (the "
                          "fraction counts the first crossing).")
     held = stats.heldout_efficiency({"lopd": curve([0.1, 0.5, 0.5, 0.5, 0.5, 0.5]), "grpo": GRPO}, (0.1, 2), n_boot=200)
     assert held["lopd_final_heldout_level"] == pytest.approx(0.5) and "did not hold" not in \
