@@ -29,27 +29,46 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_runs import read_run_files  # noqa: E402
+from compare_runs import MixedRuns, read_run_files, select_runs  # noqa: E402
 
 
-def write_run(run: dict[str, Any], folder: Path) -> dict[str, int]:
-    """Write one run file's curves into ``folder`` as TensorBoard event files.
+def run_points(run: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """One run file's curves as TensorBoard points: tag -> [(x, value)], x in trajectories (``by_rollouts/*``)
+    or optimizer steps (``val/success_rate``).
 
-    Args:
-        run: a run file's content (:func:`compare_runs.read_run_files`).
-        folder: the run's folder under the root (created).
+    Raises:
+        ValueError: the run file lacks ``curve``, or a point is not a number (a file not written by compare.py,
+            or edited).
+    """
+    def numbers(pairs: Any, what: str) -> list[tuple[int, float]]:
+        try:
+            return [(int(x), float(y)) for x, y in pairs]
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{what} holds a point that is not (number, number): {error}") from None
+
+    if "curve" not in run:
+        raise ValueError("no `curve` (the training reward per step): not a run file that compare.py wrote")
+    evaluations = run.get("evaluations") or []
+    try:
+        val = [(e["trajectories"], e["success"]) for e in evaluations]
+        steps = [(e["step"], e["success"]) for e in evaluations]
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"an evaluation lacks {error} (trajectories, step, success)") from None
+    points = {"by_rollouts/reward_mean": numbers(run["curve"], "curve"),
+              "by_rollouts/val_success_rate": numbers(val, "evaluations"), "val/success_rate": numbers(steps, "evaluations")}
+    for tag, curve in (run.get("method_curves") or {}).items():
+        points[tag] = numbers(curve, f"method_curves[{tag!r}]")
+    return points
+
+
+def write_run(run: dict[str, Any], points: dict[str, list[tuple[int, float]]], folder: Path) -> dict[str, int]:
+    """Write one run's points (:func:`run_points`) and its provenance into ``folder`` as TensorBoard event files.
 
     Returns:
         Tag -> number of points written.
     """
     from torch.utils.tensorboard import SummaryWriter
 
-    points: dict[str, list[tuple[int, float]]] = {"by_rollouts/reward_mean": [(int(x), float(y)) for x, y in run["curve"]]}
-    evaluations = run.get("evaluations") or []
-    points["by_rollouts/val_success_rate"] = [(int(e["trajectories"]), float(e["success"])) for e in evaluations]
-    points["val/success_rate"] = [(int(e["step"]), float(e["success"])) for e in evaluations]
-    for tag, curve in (run.get("method_curves") or {}).items():
-        points[tag] = [(int(x), float(y)) for x, y in curve]
     writer = SummaryWriter(log_dir=str(folder))
     try:
         for tag, curve in points.items():
@@ -64,27 +83,48 @@ def write_run(run: dict[str, Any], folder: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
-    """Write every run file in ``--runs-dir`` under ``--out``; returns ``"<method>/seed_<s>"`` -> tag -> points.
+    """Write every run file in ``--runs-dir`` under ``--out`` (``<out>/<method>/<file name>``, e.g.
+    ``grpo/seed_0``); returns that name -> tag -> points. Every run file is read and checked before anything is
+    written. Runs that ``compare.py --aggregate-only`` would refuse to mix (another start student, bank,
+    composer, src tree...) are written all the same, with one ``note:`` line that says so.
 
     Raises:
-        SystemExit: no run file in ``--runs-dir``, or ``--out`` already holds event files for one of the runs
-            (one ``error:`` line; nothing is written).
+        SystemExit: no run file in ``--runs-dir``, a run file that is not one compare.py wrote, an ``--out`` that
+            is a file, or run folders under ``--out`` that already hold event files (one ``error:`` line;
+            nothing is written).
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs-dir", type=Path, required=True, help="the run files (<method>/seed_<s>.json)")
     parser.add_argument("--out", type=Path, required=True, help="the TensorBoard root to write (one folder per run)")
     args = parser.parse_args(argv)
-    runs = read_run_files(args.runs_dir)
+    try:
+        runs = read_run_files(args.runs_dir)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --runs-dir {args.runs_dir}: a run file could not be read: {error}") from None
     if not runs:
         raise SystemExit(f"error: --runs-dir {args.runs_dir}: no run files (<method>/seed_<s>.json) there; give the "
                          "folder compare.py wrote them to (e.g. benchmarks/results/experience_runs)")
-    folders = {run["path"].removesuffix(".json"): args.out / run["method"] / f"seed_{run['seed']}" for run in runs}
+    points = {}
+    for run in runs:
+        try:
+            points[run["path"]] = run_points(run)
+        except ValueError as error:
+            raise SystemExit(f"error: --runs-dir {args.runs_dir}: {run['path']}: {error}") from None
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"error: --out {args.out} is a file; give a folder (it is created if missing)")
+    folders = {run["path"]: args.out / run["path"].removesuffix(".json") for run in runs}  # <method>/seed_<s>
     taken = [str(f) for f in folders.values() if any(f.glob("events.out.tfevents.*"))]
     if taken:
         more = f" and {len(taken) - 1} more" if len(taken) > 1 else ""
         raise SystemExit(f"error: --out {args.out}: {taken[0]}{more} already hold event files; give an empty folder, "
                          "so that no run's curves are written twice")
-    written = {name: write_run(run, folders[name]) for name, run in zip(folders, runs, strict=True)}
+    try:
+        select_runs(runs)
+    except MixedRuns as mixed:
+        print(f"note: these runs overlay, but compare.py --aggregate-only would not aggregate them as they are: {mixed}",
+              flush=True)
+    written = {path.removesuffix(".json"): write_run(run, points[path], folders[path])
+               for path, run in ((r["path"], r) for r in runs)}
     print(f"{len(written)} runs -> {args.out}; tensorboard --logdir {args.out}", flush=True)
     return written
 

@@ -3,6 +3,8 @@ tags the live runs log, with the values of the run files; refusals in one line."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers import load_benchmark
@@ -52,3 +54,39 @@ def test_refusals_name_the_flag_and_write_nothing(tb, tmp_path):
                                          r"empty folder, so that no run's curves are written twice$"):
         tb.main(["--runs-dir", str(runs_dir), "--out", str(out)])
     assert sorted(p.name for p in out.rglob("events.out.tfevents.*")) == before
+
+
+def test_bad_run_files_are_refused_before_anything_is_written(tb, tmp_path):
+    runs_dir, out = tmp_path / "runs", tmp_path / "tb"
+    good = fake_run("grpo", 0, final={"q0": True})
+    no_curve = {k: v for k, v in fake_run("opsd", 0, final={"q0": True}).items() if k != "curve"}
+    write_runs(runs_dir, good, no_curve)
+    with pytest.raises(SystemExit, match=r"^error: --runs-dir .*: opsd/seed_0\.json: no `curve` \(the training reward "
+                                         r"per step\): not a run file that compare\.py wrote$"):
+        tb.main(["--runs-dir", str(runs_dir), "--out", str(out)])
+    broken = fake_run("opsd", 0, final={"q0": True})
+    broken["evaluations"][1]["success"] = None
+    write_runs(runs_dir, broken)
+    with pytest.raises(SystemExit, match=r"^error: .*opsd/seed_0\.json: evaluations holds a point that is not "
+                                         r"\(number, number\)"):
+        tb.main(["--runs-dir", str(runs_dir), "--out", str(out)])
+    assert not out.exists()  # the good run before the bad one was not written either
+    (runs_dir / "opsd" / "seed_0.json").unlink()
+    out.write_text("a file")
+    with pytest.raises(SystemExit, match=r"^error: --out .* is a file; give a folder"):
+        tb.main(["--runs-dir", str(runs_dir), "--out", str(out)])
+
+
+def test_each_run_file_has_its_own_folder_and_mixed_runs_are_noted(tb, tmp_path, capsys):
+    runs_dir, out = tmp_path / "runs", tmp_path / "tb"
+    write_runs(runs_dir, fake_run("grpo", 0, final={"q0": True}, curve=(0.0, 0.25)))
+    old = fake_run("grpo", 0, final={"q0": False}, curve=(0.5, 0.5), src="bbbb2222")  # a copy kept beside it
+    (runs_dir / "grpo" / "seed_0_old.json").write_text(json.dumps(old))
+    written = tb.main(["--runs-dir", str(runs_dir), "--out", str(out)])
+    assert sorted(written) == ["grpo/seed_0", "grpo/seed_0_old"]
+    assert scalars(out / "grpo" / "seed_0")[0]["by_rollouts/reward_mean"] == [(4, 0.0), (8, 0.25)]
+    assert scalars(out / "grpo" / "seed_0_old")[0]["by_rollouts/reward_mean"] == [(4, 0.5), (8, 0.5)]
+    assert len(list((out / "grpo" / "seed_0").glob("events.out.tfevents.*"))) == 1
+    printed = capsys.readouterr().out
+    assert ("note: these runs overlay, but compare.py --aggregate-only would not aggregate them as they are: refusing "
+            "to aggregate runs from 2 src trees") in printed
