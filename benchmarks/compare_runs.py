@@ -345,6 +345,8 @@ PROVENANCE_FILTERS = ("student_hash", "bank_hash", "composer_hash", "versions")
 
 #: ``--same-input`` kinds -> the provenance key they rename.
 SAME_INPUT_KINDS = {"student": "student_hash", "bank": "bank_hash", "composer": "composer_hash"}
+#: the other way round: a provenance key's ``--same-input`` KIND
+SAME_INPUT_KIND_OF = {key: kind for kind, key in SAME_INPUT_KINDS.items()}
 
 
 def _read_as(read, key: str | None, same_inputs: dict[str, dict[str, str]] | None):
@@ -423,7 +425,7 @@ def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, back
             labels = _versions_labels(groups) if what == "library versions" else {k: k for k in groups}
             listed = "; ".join(f"{labels[k]}: {', '.join(map(_run_name, v))}" for k, v in sorted(groups.items()))
             how = f"aggregate one with {flag}" if flag else "rerun the runs that differ"
-            kind = next((k for k, v in SAME_INPUT_KINDS.items() if v == key), None)
+            kind = SAME_INPUT_KIND_OF.get(key)
             if kind is not None:  # a rebuild of the same input on another machine (benchmarks/README.md)
                 how += f", or declare a rebuilt one the original with --same-input {kind}:REBUILT=ORIGINAL"
             raise MixedRuns(f"refusing to aggregate runs from {len(groups)} {what} ({listed}); {how}")

@@ -54,9 +54,8 @@ declared=" $("$python" - "$here/benchmarks" ${same_input[@]+"${same_input[@]}"} 
 import sys
 sys.path.insert(0, sys.argv[1])
 from compare_args import same_inputs
-from compare_runs import SAME_INPUT_KINDS
-kind = {key: name for name, key in SAME_INPUT_KINDS.items()}
-print(" ".join(f"{kind[key]}:{rebuilt}={original}" for key, pairs in same_inputs(sys.argv[2:]).items()
+from compare_runs import SAME_INPUT_KIND_OF
+print(" ".join(f"{SAME_INPUT_KIND_OF[key]}:{rebuilt}={original}" for key, pairs in same_inputs(sys.argv[2:]).items()
                for rebuilt, original in pairs.items()))
 EOF
 ) " || exit 1

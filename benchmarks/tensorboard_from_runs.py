@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
     except MixedRuns as mixed:
         print(f"note: these runs overlay, but compare.py --aggregate-only would not aggregate them as they are: {mixed}",
               flush=True)
-    written = {path.removesuffix(".json"): write_run(run, points[path], folders[path])
-               for path, run in ((r["path"], r) for r in runs)}
+    written = {run["path"].removesuffix(".json"): write_run(run, points[run["path"]], folders[run["path"]])
+               for run in runs}
     print(f"{len(written)} runs -> {args.out}; tensorboard --logdir {args.out}", flush=True)
     return written
 
