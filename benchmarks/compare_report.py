@@ -199,7 +199,8 @@ def _category_lines(results: dict[str, Any]) -> list[str]:
              "", "| method | " + " | ".join(f"{cell(c)} ({by['categories'][c]})" for c in categories) + " |",
              "|---|" + "---|" * len(categories)]
     for name, cells in by["methods"].items():
-        lines.append(f"| {cell(name)} | " + " | ".join(f"{cells[c]['start_solved']:g} -> {cells[c]['final_solved']:g}"
+        lines.append(f"| {cell(name)} | " + " | ".join(f"{round(cells[c]['start_solved'], 1):g} -> "  # a mean over 3 seeds:
+                                                  f"{round(cells[c]['final_solved'], 1):g}"  # 4.3, not 4.33333
                                                   for c in categories) + " |")
     return lines
 

@@ -570,8 +570,10 @@ def test_heldout_by_category_counts_by_hand(compare):
     table = compare.table({"task": "t", "model": "m", "budget_trajectories": 8, "smooth_window": 1,
                                           "methods": {}, "heldout_by_category": {
                                               "categories": {"x|y": 1}, "methods": {"m|n": {"x|y": {
-                                                  "start_solved": 0, "final_solved": 1}}}}})
+                                                  "start_solved": 0, "final_solved": 1}}, "k": {"x|y": {
+                                                  "start_solved": 27.0, "final_solved": 13 / 3}}}}})
     assert "| method | x\\|y (1) |" in table and "| m\\|n | 0 -> 1 |" in table  # a "|" in a name is escaped
+    assert "| k | 27 -> 4.3 |" in table  # a mean over three seeds is written to one decimal
 
 
 def test_the_aggregation_breaks_hidden_rules_down_by_rule_kind(compare, tmp_path):
