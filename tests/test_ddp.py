@@ -179,3 +179,19 @@ def test_ddp_lopd_bank_is_identical_on_every_rank_after_each_refresh(tmp_path_fa
         assert s0["rollouts_consumed"] == s1["rollouts_consumed"] == 8 * (step + 1)  # counted over both ranks
         sizes.append(len(s0["bank_ids"]))
     assert sizes[-1] > 4  # successes of both ranks entered the bank
+
+
+def test_ddp_last_ckpt_is_written_at_the_final_step_on_both_ranks_without_a_hang(tmp_path):
+    """3 steps saved every 2 under DDP: the final save (LastCheckpointAtTrainEnd, a collective save) runs on
+    both ranks, and last.ckpt holds step 3 and rank 0's final weights."""
+    _run("grpo", ["--steps", "3", "--checkpoint-every", "2"], tmp_path)
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 3
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
+    ranks = [torch.load(tmp_path / f"rank_{r}.pt", weights_only=False) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 3
+    final = ranks[0][-1]
+    assert final["weights"]
+    for name, value in final["weights"].items():
+        assert torch.equal(last["state_dict"][name], value), name
+

@@ -1,4 +1,5 @@
-"""Callbacks for any method: the run summary, and progress bars that count training steps.
+"""Callbacks for any method: the run summary, the last checkpoint at the final step, and progress bars
+that count training steps.
 
 The LOPD-only callbacks (``MemoryRefresh``, ``MarginSchedule``) are beside LOPD, in
 :mod:`lopd_lightning.modules.lopd_callbacks`.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
 
@@ -95,6 +96,30 @@ class RunSummary(Callback):
 
             Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(self.json_path).write_text(json.dumps(s, indent=2))
+
+
+class LastCheckpointAtTrainEnd(Callback):
+    """Writes the last checkpoint (``last.ckpt``) of every ``ModelCheckpoint(save_last=...)`` at the end of
+    training when that callback last saved at an earlier step, so that ``last.ckpt`` is the trained model.
+
+    Lightning's ``ModelCheckpoint`` saves on its own schedule (``every_n_train_steps``, after validation,
+    ...), and its ``on_train_end`` writes ``last.ckpt`` only when nothing was saved during the fit: a run of
+    70 steps with ``every_n_train_steps: 4`` ended with a ``last.ckpt`` of step 68, which ``lopd export``
+    and the run summary took for the final model. The save goes through the checkpoint callback's own
+    ``_save_last_checkpoint`` (its file name, ``save_last: link``, the previous last removed), is skipped
+    where that callback would skip a save (already saved at this step, ``fast_dev_run``, not fitting), and
+    runs on every rank (Lightning's save is collective). A run stopped by an exception is not saved here.
+
+    Every on-policy module adds it (:meth:`OnPolicyModule.configure_callbacks`); another module can pass it
+    to its ``Trainer``. A ``ModelCheckpoint`` without ``save_last`` is left alone.
+    """
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for callback in trainer.checkpoint_callbacks:
+            if (isinstance(callback, ModelCheckpoint) and callback.save_last and trainer.global_step > 0
+                    and not callback._should_skip_saving_checkpoint(trainer)):
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
 def step_description(trainer: Trainer) -> str:

@@ -5,7 +5,8 @@
 Lightning's DDP launcher re-runs this script for rank 1. Each rank writes ``DIR/rank_<r>.pt``: per step
 the batch it trained on, the student's gradients as the optimiser saw them (after DDP's all-reduce;
 clipping off) and, for LOPD, the composer's gradients, the logged margin, beta, and the bank's ids and
-embeddings after the refresh. With ``--single`` the same module trains one step in one process on the
+embeddings after the refresh. ``--checkpoint-every N`` adds a ``ModelCheckpoint(every_n_train_steps=N,
+save_last=True)`` writing into ``DIR/ckpt``. With ``--single`` the same module trains one step in one process on the
 batch ``DIR/combined.pt`` (both ranks' first batches together), the reference for "the DDP gradient
 equals one large batch's".
 """
@@ -115,6 +116,9 @@ class Capture(Callback):
             num_loss_tokens=float(pl_module.num_loss_tokens(batch)),
             params=[p.detach().clone() for p in pl_module.student_parameters()],
         )
+        if trainer.checkpoint_callback is not None:  # (--checkpoint-every) by name, as a checkpoint holds them
+            names = {id(p): n for n, p in pl_module.named_parameters()}
+            self.steps[-1]["weights"] = {names[id(p)]: p.detach().clone() for p in pl_module.student_parameters()}
         if isinstance(pl_module, LOPDModule):
             bank = pl_module.bank
             self.steps[-1].update(
@@ -182,6 +186,8 @@ def main_runs(build, capture_class, strategy, replay) -> None:
     parser.add_argument("--runs", default=",".join(f"{m}:{s}" for m in METHODS for s in STUDENTS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--single", action="store_true")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="N > 0: a ModelCheckpoint(every_n_train_steps=N, save_last=True) into DIR/ckpt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for run in args.runs.split(","):
@@ -211,6 +217,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--single", action="store_true")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="N > 0: a ModelCheckpoint(every_n_train_steps=N, save_last=True) into DIR/ckpt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     module = build_module(args.method)
@@ -226,6 +234,12 @@ def main() -> None:
         torch.save(capture.steps, args.out / "single.pt")
         return
     callbacks = [MemoryRefresh(every_n_steps=1), capture] if args.method == "lopd" else [capture]
+    if args.checkpoint_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        common["enable_checkpointing"] = True
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
+                                         save_last=True, save_top_k=0))
     trainer = L.Trainer(max_steps=args.steps, devices=2, strategy="ddp", callbacks=callbacks, **common)
     trainer.fit(module, dm)
     torch.save(capture.steps, args.out / f"rank_{trainer.global_rank}.pt")

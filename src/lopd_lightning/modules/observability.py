@@ -31,7 +31,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.callbacks import step_progress_bar
+from lopd_lightning.callbacks import LastCheckpointAtTrainEnd, step_progress_bar
 from lopd_lightning.rollout import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -277,15 +277,19 @@ class ObservabilityMixin(LightningModule):
 
         The default bar is taken out of ``trainer.callbacks`` here, before any callback hook ran, and the
         step-counting one returned in its place: Lightning then adds it as a new callback (every hook,
-        ``setup`` included) instead of overriding the Trainer's with its INFO line on every run."""
+        ``setup`` included) instead of overriding the Trainer's with its INFO line on every run.
+
+        And :class:`~lopd_lightning.callbacks.LastCheckpointAtTrainEnd`, so that a ``ModelCheckpoint`` with
+        ``save_last`` leaves ``last.ckpt`` at the final step, not at its schedule's last multiple."""
         if self._trainer is None:
             return []
+        final = [LastCheckpointAtTrainEnd()]  # (Lightning replaces one the Trainer already has: same type)
         default = self.trainer.progress_bar_callback
         bar = step_progress_bar(default)
         if bar is None:
-            return []
+            return final
         self.trainer.callbacks = [c for c in self.trainer.callbacks if c is not default]
-        return [bar]
+        return [bar, *final]
 
 
 def _conversation_markdown(messages: list[dict[str, Any]]) -> list[str]:
