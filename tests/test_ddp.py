@@ -194,4 +194,3 @@ def test_ddp_last_ckpt_is_written_at_the_final_step_on_both_ranks_without_a_hang
     assert final["weights"]
     for name, value in final["weights"].items():
         assert torch.equal(last["state_dict"][name], value), name
-

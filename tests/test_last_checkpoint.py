@@ -98,3 +98,53 @@ def test_a_run_continued_from_the_final_last_ckpt_matches_one_run_straight_throu
     for step in (4, 5):
         assert continued.weights[step] == pytest.approx(straight.weights[step], rel=1e-9), step
     assert straight.weights[5] != pytest.approx(straight.weights[3], rel=1e-9)  # the extra steps trained
+
+
+def boring_fit(tmp_path, *checkpoints, max_steps: int = 5, **trainer_options):
+    """A BoringModel fit with ``checkpoints`` and LastCheckpointAtTrainEnd: the steps of every save."""
+    saves = Saves()
+    trainer = quiet_trainer(tmp_path, max_steps=max_steps, enable_checkpointing=True,
+                            callbacks=[*checkpoints, saves, LastCheckpointAtTrainEnd()], **trainer_options)
+    trainer.fit(BoringModel())
+    return saves.steps
+
+
+def step_of(path) -> int:
+    return torch.load(path, weights_only=False)["global_step"]
+
+
+def test_link_mode_writes_the_final_step_as_a_file_not_a_link_to_an_older_one(tmp_path):
+    """save_last="link" links last.ckpt to the callback's latest top-k file (step 4): the final step has no
+    top-k file, so it is written as one of its own, and the step-4 file is left as it was."""
+    folder = tmp_path / "ck"
+    steps = boring_fit(tmp_path, ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_last="link", save_top_k=1))
+    assert steps == [2, 4, 5]
+    assert not (folder / "last.ckpt").is_symlink() and step_of(folder / "last.ckpt") == 5
+    assert step_of(folder / "epoch=0-step=4.ckpt") == 4
+
+
+def test_a_validation_checkpoint_at_the_final_step_is_not_saved_twice(tmp_path):
+    """compare.py's pair: last.ckpt every 4 steps, evaluated.ckpt after each validation (every 5 of 10): the final
+    step's validation saves evaluated.ckpt, the end of training last.ckpt, each once."""
+    last = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_last=True, save_top_k=0)
+    evaluated = ModelCheckpoint(dirpath=tmp_path / "ck", filename="evaluated", save_top_k=1, monitor=None,
+                                enable_version_counter=False)
+    steps = boring_fit(tmp_path, last, evaluated, max_steps=10, val_check_interval=5, limit_val_batches=1)
+    assert steps == [4, 5, 8, 10, 10]
+    assert step_of(tmp_path / "ck" / "last.ckpt") == 10 and step_of(tmp_path / "ck" / "evaluated.ckpt") == 10
+    # the schedule itself ending on the final step: saved there once
+    assert boring_fit(tmp_path / "b", ModelCheckpoint(dirpath=tmp_path / "b" / "ck", every_n_train_steps=5,
+                                                      save_last=True, save_top_k=0), max_steps=10) == [5, 10]
+
+
+def test_a_run_stopped_by_an_exception_is_not_saved_at_its_last_step(tmp_path):
+    class Fail(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        boring_fit(tmp_path, ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_last=True,
+                                             save_top_k=0), Fail())
+    assert step_of(tmp_path / "ck" / "last.ckpt") == 2
+

@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lopd_lightning.callbacks import RunSummary, StepRichProgressBar, StepTQDMProgressBar, step_description
+from lopd_lightning.callbacks import (LastCheckpointAtTrainEnd, RunSummary, StepRichProgressBar, StepTQDMProgressBar,
+                                     step_description)
 from lopd_lightning.data import OnPolicyDataModule
 from lopd_lightning.modules.observability import _fenced
 from lopd_lightning.modules.grpo import GRPOModule
@@ -315,7 +316,8 @@ def test_a_disabled_or_custom_progress_bar_is_left_alone(tmp_path):
 
 def test_the_step_bar_replaces_the_default_without_lightnings_override_line(tmp_path):
     """Lightning's "callbacks returned in configure_callbacks will override ... RichProgressBar" INFO line
-    came with every run; the default bar is now taken out before the step bar is added, so no line."""
+    came with every run; the default bar is now taken out before the step bar is added, so no line. Nor for
+    LastCheckpointAtTrainEnd, on a later stage of the same Trainer or when the Trainer has its own."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -329,7 +331,11 @@ def test_the_step_bar_replaces_the_default_without_lightnings_override_line(tmp_
     lightning_log.addHandler(handler)
     try:
         trainer = quiet_trainer(tmp_path, max_steps=1, enable_progress_bar=True)
-        trainer.fit(make_module(log_samples=0), make_dm(val_limit=1))
+        module, dm = make_module(log_samples=0), make_dm(val_limit=1)
+        trainer.fit(module, dm)
+        trainer.validate(module, dm, verbose=False)  # a later stage: configure_callbacks runs again
+        own = quiet_trainer(tmp_path, max_steps=1, callbacks=[LastCheckpointAtTrainEnd()])  # a user's own one
+        own.fit(make_module(log_samples=0), make_dm(val_limit=1))
     finally:
         lightning_log.removeHandler(handler)
         lightning_log.setLevel(old_level)
@@ -338,6 +344,8 @@ def test_the_step_bar_replaces_the_default_without_lightnings_override_line(tmp_
     assert not [m for m in messages if "will override" in m], messages
     bars = [c for c in trainer.callbacks if isinstance(c, (RichProgressBar, TQDMProgressBar))]
     assert len(bars) == 1 and isinstance(bars[0], StepRichProgressBar)  # one bar, the step-counting one
+    for t in (trainer, own):  # and one final-checkpoint callback
+        assert len([c for c in t.callbacks if isinstance(c, LastCheckpointAtTrainEnd)]) == 1
 
 
 def test_the_validation_line_counts_the_episodes_without_a_logger(tmp_path):

@@ -106,19 +106,26 @@ class LastCheckpointAtTrainEnd(Callback):
     ...), and its ``on_train_end`` writes ``last.ckpt`` only when nothing was saved during the fit: a run of
     70 steps with ``every_n_train_steps: 4`` ended with a ``last.ckpt`` of step 68, which ``lopd export``
     and the run summary took for the final model. The save goes through the checkpoint callback's own
-    ``_save_last_checkpoint`` (its file name, ``save_last: link``, the previous last removed), is skipped
-    where that callback would skip a save (already saved at this step, ``fast_dev_run``, not fitting), and
-    runs on every rank (Lightning's save is collective). A run stopped by an exception is not saved here.
+    ``_save_last_checkpoint`` (its file name template and version counter, the previous last removed; with
+    ``save_last: link`` a file, since no top-k checkpoint of the final step exists to link to), is skipped
+    where that callback would skip a save (already saved at this step, e.g. after a validation at the final
+    step; not fitting), and runs on every rank (Lightning's save is collective). A run stopped by an
+    exception is not saved here.
 
-    Every on-policy module adds it (:meth:`OnPolicyModule.configure_callbacks`); another module can pass it
-    to its ``Trainer``. A ``ModelCheckpoint`` without ``save_last`` is left alone.
+    Every on-policy module adds it after the Trainer's callbacks (:meth:`OnPolicyModule.configure_callbacks`);
+    another module can pass it to its ``Trainer``, after any callback that changes the weights in
+    ``on_train_end`` (e.g. ``StochasticWeightAveraging``), which it would otherwise save before. A
+    ``ModelCheckpoint`` without ``save_last`` is left alone.
     """
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for callback in trainer.checkpoint_callbacks:
-            if (isinstance(callback, ModelCheckpoint) and callback.save_last and trainer.global_step > 0
+            if (isinstance(callback, ModelCheckpoint) and callback.save_last
                     and not callback._should_skip_saving_checkpoint(trainer)):
+                # link mode links last.ckpt to the callback's latest file, a top-k one of an earlier step: the
+                # final state must be written as a file of its own
+                callback._last_checkpoint_saved = ""
                 callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 

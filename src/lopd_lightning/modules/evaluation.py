@@ -50,8 +50,9 @@ class EvaluationMixin(ObservabilityMixin):
             so a resumed run keeps its step-0 validation. A checkpoint written at a training step
             (``every_n_train_steps``, ``last.ckpt``) is written before that step's validation: a run resumed
             from it lacks that one entry, which is not run again (the logs have it). One written when a
-            validation ends (compare.py's ``evaluated.ckpt``) has it, and so does the ``last.ckpt`` written
-            at the end of training (:class:`~lopd_lightning.callbacks.LastCheckpointAtTrainEnd`).
+            validation ends (compare.py's ``evaluated.ckpt``) has it, and so does a ``last.ckpt`` that
+            :class:`~lopd_lightning.callbacks.LastCheckpointAtTrainEnd` writes at the end of training (when
+            the schedule had not saved the final step already).
     """
 
     def _init_evaluation(self) -> None:

@@ -283,7 +283,9 @@ class ObservabilityMixin(LightningModule):
         ``save_last`` leaves ``last.ckpt`` at the final step, not at its schedule's last multiple."""
         if self._trainer is None:
             return []
-        final = [LastCheckpointAtTrainEnd()]  # (Lightning replaces one the Trainer already has: same type)
+        # Lightning would replace a Trainer's own one (same type) with an INFO line on every later stage
+        final = [] if any(isinstance(c, LastCheckpointAtTrainEnd) for c in self.trainer.callbacks) \
+            else [LastCheckpointAtTrainEnd()]
         default = self.trainer.progress_bar_callback
         bar = step_progress_bar(default)
         if bar is None:
