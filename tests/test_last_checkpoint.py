@@ -147,4 +147,3 @@ def test_a_run_stopped_by_an_exception_is_not_saved_at_its_last_step(tmp_path):
         boring_fit(tmp_path, ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_last=True,
                                              save_top_k=0), Fail())
     assert step_of(tmp_path / "ck" / "last.ckpt") == 2
-

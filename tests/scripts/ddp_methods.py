@@ -186,8 +186,6 @@ def main_runs(build, capture_class, strategy, replay) -> None:
     parser.add_argument("--runs", default=",".join(f"{m}:{s}" for m in METHODS for s in STUDENTS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--single", action="store_true")
-    parser.add_argument("--checkpoint-every", type=int, default=0,
-                        help="N > 0: a ModelCheckpoint(every_n_train_steps=N, save_last=True) into DIR/ckpt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for run in args.runs.split(","):
