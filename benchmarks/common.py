@@ -80,15 +80,22 @@ def gpu_name() -> str | None:
     return None
 
 
+#: where results are written: a change there does not change the code that measures, so it is not dirt
+RESULTS_PATHSPEC = ":(exclude)benchmarks/results"
+
+
 def git_sha(root: Path = REPO_ROOT) -> str | None:
-    """``git rev-parse HEAD`` of ``root``, with ``-dirty`` when ``git status --porcelain`` lists changes;
-    None when git or the repository is unavailable."""
+    """``git rev-parse HEAD`` of ``root``, with ``-dirty`` when ``git status --porcelain`` lists changes
+    (untracked files included) outside ``benchmarks/results/``: a result file written there, new or again,
+    is not dirt (it made every first write of a result record its own absence); None when git or the
+    repository is unavailable."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30, check=True
         ).stdout.strip()
         status = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=60, check=True
+            ["git", "status", "--porcelain", "--", ".", RESULTS_PATHSPEC], cwd=root, capture_output=True,
+            text=True, timeout=60, check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None

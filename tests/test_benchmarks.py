@@ -95,3 +95,31 @@ def test_cpu_capability_reports_the_kernels_that_run():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "DEFAULT"
+
+
+def test_git_sha_is_dirty_for_changes_outside_the_results_folder_only(tmp_path):
+    """A result written into benchmarks/results/ (new or again) leaves the sha clean; an untracked or changed
+    file anywhere else makes it -dirty."""
+    import subprocess
+
+    common = load_benchmark("common")
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "src.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "results" / "old.json").write_text("{}\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    sha = common.git_sha(tmp_path)
+    assert sha is not None and len(sha) == 40
+    (tmp_path / "benchmarks" / "results" / "new.json").write_text("{}\n")  # a first write
+    (tmp_path / "benchmarks" / "results" / "old.json").write_text('{"a": 1}\n')  # written again
+    assert common.git_sha(tmp_path) == sha
+    (tmp_path / "scratch.py").write_text("y = 2\n")  # an untracked file elsewhere
+    assert common.git_sha(tmp_path) == f"{sha}-dirty"
+    (tmp_path / "scratch.py").unlink()
+    (tmp_path / "src.py").write_text("x = 2\n")  # a changed tracked file
+    assert common.git_sha(tmp_path) == f"{sha}-dirty"
