@@ -98,6 +98,7 @@ from compare_provenance import (  # noqa: E402
 )
 from compare_report import plot, table  # noqa: E402,F401  (plot and table: part of this script's interface)
 from compare_runs import (  # noqa: E402
+    VAL_METRIC,
     MixedRuns,
     checkpoint_step,  # noqa: F401  (used by the tests as compare.checkpoint_step)
     dry_run,
@@ -126,7 +127,6 @@ from compare_sweep import (  # noqa: E402
 
 METHODS = ("lopd", "grpo", "sdpo", "opsd", "skill_sd")
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-VAL_METRIC = "val/success_rate"
 
 
 @dataclass(frozen=True)

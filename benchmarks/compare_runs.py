@@ -32,6 +32,8 @@ from typing import Any
 from common import REPO_ROOT
 
 REWARD_TAG = "by_rollouts/reward_mean"
+#: the held-out metric every run is scored on (its validation tag)
+VAL_METRIC = "val/success_rate"
 
 
 class MixedRuns(ValueError):

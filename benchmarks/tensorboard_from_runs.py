@@ -29,7 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_runs import MixedRuns, read_run_files, select_runs  # noqa: E402
+from compare_runs import REWARD_TAG, VAL_METRIC, MixedRuns, read_run_files, select_runs  # noqa: E402
+
+#: the live runs' tag of the held-out metric against trajectories (``log_by_rollouts``: ``val_success_rate``)
+VAL_BY_ROLLOUTS = "by_rollouts/" + VAL_METRIC.replace("/", "_")
 
 
 def run_points(run: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
@@ -54,8 +57,8 @@ def run_points(run: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
         steps = [(e["step"], e["success"]) for e in evaluations]
     except (KeyError, TypeError) as error:
         raise ValueError(f"an evaluation lacks {error} (trajectories, step, success)") from None
-    points = {"by_rollouts/reward_mean": numbers(run["curve"], "curve"),
-              "by_rollouts/val_success_rate": numbers(val, "evaluations"), "val/success_rate": numbers(steps, "evaluations")}
+    points = {REWARD_TAG: numbers(run["curve"], "curve"), VAL_BY_ROLLOUTS: numbers(val, "evaluations"),
+              VAL_METRIC: numbers(steps, "evaluations")}
     for tag, curve in (run.get("method_curves") or {}).items():
         points[tag] = numbers(curve, f"method_curves[{tag!r}]")
     return points
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
             raise SystemExit(f"error: --runs-dir {args.runs_dir}: {run['path']}: {error}") from None
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"error: --out {args.out} is a file; give a folder (it is created if missing)")
-    folders = {run["path"]: args.out / run["path"].removesuffix(".json") for run in runs}  # <method>/seed_<s>
+    names = {run["path"]: run["path"].removesuffix(".json") for run in runs}  # <method>/seed_<s>
+    folders = {path: args.out / name for path, name in names.items()}
     taken = [str(f) for f in folders.values() if any(f.glob("events.out.tfevents.*"))]
     if taken:
         more = f" and {len(taken) - 1} more" if len(taken) > 1 else ""
@@ -123,8 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
     except MixedRuns as mixed:
         print(f"note: these runs overlay, but compare.py --aggregate-only would not aggregate them as they are: {mixed}",
               flush=True)
-    written = {run["path"].removesuffix(".json"): write_run(run, points[run["path"]], folders[run["path"]])
-               for run in runs}
+    written = {names[run["path"]]: write_run(run, points[run["path"]], folders[run["path"]]) for run in runs}
     print(f"{len(written)} runs -> {args.out}; tensorboard --logdir {args.out}", flush=True)
     return written
 
