@@ -47,6 +47,7 @@ __all__ = [
     "constant_head",
     "distillation_loss",
     "lm_head_parameters",
+    "rollout_mean",
 ]
 
 #: (weight (V, d), bias (V,) or None) of an output head.
@@ -423,3 +424,34 @@ def distillation_loss(
     Source: LOPD paper, docs/METHOD.md section 5: L_distill = sum omega KL(p~_S || p~_T) / sum omega (Eq. 10).
     """
     return head.reverse_kl(student, teacher, top_k=top_k, temperature=temperature).sum() / num_tokens
+
+
+def rollout_mean(per_token: Tensor, mask: Tensor, *, num_rollouts: float) -> Tensor:
+    """The sum over rollouts of each rollout's mean per-token value, divided by ``num_rollouts``: with
+    ``num_rollouts`` the global count of rollouts with loss tokens over the ranks' count, the mean over every
+    rank's rollouts of their token means once DDP averages the gradients (as :func:`distillation_loss`'s
+    ``num_tokens`` does for the token mean).
+
+    Args:
+        per_token: (N,) float, one value per loss token, the N True positions of ``mask`` in row-major order
+            (:meth:`LMHead.reverse_kl`).
+        mask: (B, T) bool, the loss tokens of the B rollouts.
+        num_rollouts: > 0 (the rollouts of this rank when there is one rank); 0 gives 0.
+
+    Returns:
+        () float: ``sum_b [sum_{t in b} per_token / n_b] / num_rollouts`` over the rollouts with n_b > 0.
+
+    Raises:
+        ValueError: ``per_token`` does not have one entry per True of ``mask``.
+
+    Source: the LOPD authors' code averages the composer's KL per rollout, then over rollouts (docs/METHOD.md
+    section 5, "composer_kl_mean").
+    """
+    rows = mask.nonzero()[:, 0]  # [N], the rollout of each loss token
+    if rows.numel() != per_token.numel():
+        raise ValueError(f"per_token has {per_token.numel()} entries for {rows.numel()} loss tokens")
+    if num_rollouts <= 0:
+        return per_token.sum() * 0.0
+    counts = mask.sum(dim=1).to(per_token.dtype)  # [B]
+    weights = 1.0 / counts.clamp(min=1)[rows]  # [N]: each token's share of its rollout's mean
+    return (per_token * weights).sum() / num_rollouts

@@ -37,8 +37,9 @@ from typing_extensions import override
 from lopd_lightning.adapters import add_composer_adapter, copy_adapter
 from lopd_lightning.checkpointing import recorded_forwards
 from lopd_lightning.losses.dual import DualAscent
-from lopd_lightning.losses.lm_head import LMHead, distillation_loss
+from lopd_lightning.losses.lm_head import LMHead, distillation_loss, rollout_mean
 from lopd_lightning.composer import ComposerOutput, LatentComposer, clip_composer_grads, load_composer
+from lopd_lightning.composer.model import ClipNorms
 from lopd_lightning.composer.objective import anchor_loss, composer_objective, has_both_outcomes, margin_delta
 from lopd_lightning.composer.probe import latent_probe
 from lopd_lightning.composer.pretrain import warm_start, warm_start_draws
@@ -48,9 +49,9 @@ from lopd_lightning.memory.persistence import check_bank_fills
 from lopd_lightning.modules.base import OnPolicyModule
 from lopd_lightning.modules.lopd_options import check_lopd_options
 from lopd_lightning.rollout import RolloutBatch
-from lopd_lightning.sharding import local
+from lopd_lightning.sharding import local, plain
 from lopd_lightning.tasks import Example, Task
-from lopd_lightning.teacher import SelfTeacher, TeacherPrefix, prefix_length, supports_prefix_cache
+from lopd_lightning.teacher import SelfTeacher, TeacherPrefix, prefix_length, resolve_framing, supports_prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,21 @@ class LOPDModule(OnPolicyModule):
             two runs of d635d06, with and without it). False recomputes the whole sequence, as activation
             checkpointing does (below). Models whose cache is not a plain full-attention one (sliding
             window, linear attention) get False, with a warning.
+        context_framing: the text around the latents in the teacher's first user message (and in the
+            pretraining's, which runs the same teacher): a name of
+            :data:`~lopd_lightning.teacher.splice.FRAMINGS` (``"short"``, the default: "Here is a reference
+            example of a different, already solved task:" ... "Now complete your task."; ``"from_scratch"``:
+            the long anti-copying framing of the authors' code, in this project's words) or ``{prefix: ...,
+            suffix: ...}``. docs/METHOD.md section 4.
+        composer_kl_mean: how the composer's distillation term L_distill(phi; student detached) averages the
+            per-token KL: ``"token"`` (the default: the global token mean, as the student's loss) or
+            ``"rollout"`` (the authors' code: the mean over each rollout's tokens, then the mean over the
+            rollouts of every rank, so a long rollout weighs as much as a short one). The student's loss is
+            the global token mean either way.
+        composer_clip_joint: None (the default) clips the compressor and the encoder LoRA separately
+            (``composer_clip_compressor``, ``composer_clip_lora``) in the training step; a number c > 0 clips
+            every composer gradient jointly to total norm c instead (the authors' code: 1.0). The pretraining
+            keeps the two separate norms.
 
     Activation checkpointing (``gradient_checkpointing=True``, an argument of the base module): the step's
     one backward runs after the student's pass (adapter ``"student"``, or the base weights of a full
@@ -240,6 +256,9 @@ class LOPDModule(OnPolicyModule):
         distill_temperature: float = 1.0,
         distill_chunk_size: int | None = None,
         teacher_prefix_cache: bool = True,
+        context_framing: str | dict[str, str] = "short",
+        composer_kl_mean: str = "token",
+        composer_clip_joint: float | None = None,
         **kwargs: Any,
     ):
         composer_cfg = dict(DEFAULT_COMPOSER_LORA) if composer_lora is None else composer_lora
@@ -252,7 +271,9 @@ class LOPDModule(OnPolicyModule):
             warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size,
             warm_start_reconstruction_noise=warm_start_reconstruction_noise,
             warm_start_lr_schedule=warm_start_lr_schedule, latent_probe_every_n_steps=latent_probe_every_n_steps,
+            composer_kl_mean=composer_kl_mean, composer_clip_joint=composer_clip_joint,
         )
+        framing_prefix, framing_suffix = resolve_framing(context_framing)
         super().__init__(model, **kwargs)
         if self.hparams.gradient_checkpointing and not self.checkpointed_modules:
             raise ValueError(
@@ -267,7 +288,8 @@ class LOPDModule(OnPolicyModule):
                                 architecture=composer_architecture, output_gain=composer_output_gain)
         self.composer = LatentComposer(self.backbone, self.tokenizer, adapter_name=COMPOSER_ADAPTER, **composer_options)
         self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode=teacher_mode, ema_rate=teacher_ema_rate,
-                                   checkpoint_layers=self.hparams.gradient_checkpointing)
+                                   checkpoint_layers=self.hparams.gradient_checkpointing,
+                                   framing_prefix=framing_prefix, framing_suffix=framing_suffix)
         if teacher_prefix_cache and not supports_prefix_cache(self.backbone):
             log.warning("teacher_prefix_cache is off: this model's key/value cache is not plain full attention in "
                         "every layer (sliding window or linear attention); the teacher recomputes the whole sequence")
@@ -369,7 +391,7 @@ class LOPDModule(OnPolicyModule):
             if frozen:  # Delta is a measurement; the composer's loss is the zero term below
                 distill_c = anchor = loss_composer = delta.new_zeros(())
             else:
-                distill_c = distillation_loss(head, student.detach(), teacher, top_k=top_k, temperature=tau, num_tokens=num_tokens)
+                distill_c = self._composer_distillation(batch, mask, student.detach(), teacher)
                 anchor = anchor_loss(composed.latents, self.anchor_latents(batch), composed.latent_mask)
                 loss_composer = composer_objective(distill_c, delta, anchor, beta=self.beta, margin=self.margin,
                                                    anchor_weight=self.hparams.anchor_weight)
@@ -378,6 +400,19 @@ class LOPDModule(OnPolicyModule):
         # (under FSDP2 each rank's own shard: plain() of a DTensor parameter would gather it)
         loss_composer = loss_composer + 0.0 * sum(local(p).sum() for p in self.composer.trainable_parameters())
         return LOPDLosses(loss_student, loss_composer, distill_c, delta, anchor, has_latents)
+
+    def _composer_distillation(self, batch: RolloutBatch, mask: Tensor, student: Tensor, teacher: Tensor) -> Tensor:
+        """The composer's L_distill(phi; student detached) (``student`` already detached): the global token mean
+        (``composer_kl_mean: token``, :func:`~lopd_lightning.losses.lm_head.distillation_loss`) or the mean over
+        rollouts of each rollout's token mean (``rollout``, :func:`~lopd_lightning.losses.lm_head.rollout_mean`),
+        over all ranks' rollouts that have loss tokens."""
+        head, top_k, tau = self.lm_head, self.hparams.distill_top_k, self.hparams.distill_temperature
+        if self.hparams.get("composer_kl_mean", "token") == "token":
+            return distillation_loss(head, student, teacher, top_k=top_k, temperature=tau,
+                                     num_tokens=self.num_loss_tokens(batch))
+        per_token = head.reverse_kl(student, teacher, top_k=top_k, temperature=tau)  # [N]
+        rollouts = int(mask.any(dim=1).sum())  # this rank's rollouts with loss tokens; the denominator is its share
+        return rollout_mean(per_token, mask, num_rollouts=self.global_count(rollouts) / self.global_count(1))
 
     def _student_pass(self, batch: RolloutBatch, mask: Tensor, n_prefix: int) -> tuple[Tensor, TeacherPrefix | None]:
         """The student's outputs at ``mask`` (:attr:`lm_head`'s kind) and, when its weights are the teacher's,
@@ -439,10 +474,7 @@ class LOPDModule(OnPolicyModule):
             if skipped or frozen:  # skipped: counted once by manual_backward; frozen: its gradient is the zero term
                 opt_composer.zero_grad(set_to_none=True)
             else:
-                clip = self.hparams.composer_clip_compressor, self.hparams.composer_clip_lora
-                self.step_uncounted(
-                    opt_composer, lambda: clip_composer_grads(self.composer, compressor_clip=clip[0], lora_clip=clip[1])
-                )
+                self.step_uncounted(opt_composer, self.clip_composer_gradients)
 
         rows_with_latents = self.global_count(has_latents.sum())
         delta_global = self.global_mean(delta)
@@ -475,6 +507,21 @@ class LOPDModule(OnPolicyModule):
             },
         )
         return loss_student.detach()
+
+    def clip_composer_gradients(self) -> Tensor | ClipNorms:
+        """Clip the composer's gradients before its step: jointly to ``composer_clip_joint`` when set (the authors'
+        code, 1.0), else the compressor to ``composer_clip_compressor`` and the encoder LoRA to
+        ``composer_clip_lora`` (:func:`~lopd_lightning.composer.model.clip_composer_grads`).
+
+        Returns:
+            The norm(s) before clipping: () float (joint; 0 without gradients) or :class:`ClipNorms`.
+        """
+        joint = self.hparams.get("composer_clip_joint")
+        if joint is None:
+            return clip_composer_grads(self.composer, compressor_clip=self.hparams.composer_clip_compressor,
+                                       lora_clip=self.hparams.composer_clip_lora)
+        grads = [p for p in self.composer.trainable_parameters() if p.grad is not None]
+        return plain(torch.nn.utils.clip_grad_norm_(grads, float(joint))) if grads else torch.zeros(())
 
     def _probe_due(self) -> bool:
         every = self.hparams.get("latent_probe_every_n_steps", 0)

@@ -12,7 +12,10 @@ from lopd_lightning.hints import choose_one_of
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.memory.module_bank import check_bank_options
 
-__all__ = ["check_lopd_options"]
+__all__ = ["COMPOSER_KL_MEANS", "check_lopd_options"]
+
+#: ``composer_kl_mean`` values: how the composer's distillation term averages its per-token KL.
+COMPOSER_KL_MEANS = ("token", "rollout")
 
 
 def check_lopd_options(
@@ -21,6 +24,7 @@ def check_lopd_options(
     margin_weighting: str, composer_architecture: str, composer_path: str | None, composer_output_gain: float | str,
     warm_start_weights: tuple[float, float], warm_start_lr: float, warm_start_batch_size: int,
     warm_start_reconstruction_noise: float, warm_start_lr_schedule: str, latent_probe_every_n_steps: int,
+    composer_kl_mean: str = "token", composer_clip_joint: float | None = None,
 ) -> None:
     """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
 
@@ -28,7 +32,8 @@ def check_lopd_options(
         ValueError: an unknown ``margin_weighting``, K < 1, J < 0, M < 1, a negative ``beta_init`` or ``dual_lr``,
             an unknown embedder, a missing or too small bank, a ``distill_chunk_size`` that is not null or an
             int >= 1, a composer LoRA that the shared backbone cannot honour, a negative
-            ``latent_probe_every_n_steps``, or a composer or pretraining option
+            ``latent_probe_every_n_steps``, a ``composer_kl_mean`` other than token or rollout, a
+            ``composer_clip_joint`` that is not null or a number > 0, or a composer or pretraining option
             :func:`~lopd_lightning.composer.model.check_composer_options` refuses.
         FileNotFoundError: ``bank_path`` holds no bank, or ``composer_path`` no composer.
     """
@@ -39,6 +44,13 @@ def check_lopd_options(
                            warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size,
                            warm_start_reconstruction_noise=warm_start_reconstruction_noise,
                            warm_start_lr_schedule=warm_start_lr_schedule)
+    if composer_kl_mean not in COMPOSER_KL_MEANS:
+        raise ValueError(f"model.init_args.composer_kl_mean {composer_kl_mean!r} is not a mean; "
+                         f"{choose_one_of(composer_kl_mean, COMPOSER_KL_MEANS)}")
+    joint = composer_clip_joint
+    if joint is not None and (isinstance(joint, bool) or not isinstance(joint, (int, float)) or not joint > 0):
+        raise ValueError(f"model.init_args.composer_clip_joint must be null (separate clips) or a number > 0 (the "
+                         f"authors' code: 1.0), got {composer_clip_joint!r}")
     if latent_probe_every_n_steps < 0:
         raise ValueError(f"model.init_args.latent_probe_every_n_steps must be >= 0 (0: never), got "
                          f"{latent_probe_every_n_steps}")

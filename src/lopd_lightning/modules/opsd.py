@@ -42,7 +42,7 @@ from lopd_lightning.memory.module_bank import build_bank, check_embedder, retrie
 from lopd_lightning.modules.self_distillation import SelfDistillationModule, TeacherContexts
 from lopd_lightning.rollout import RolloutBatch
 from lopd_lightning.tasks import Example, Task
-from lopd_lightning.teacher import SelfTeacher
+from lopd_lightning.teacher import SelfTeacher, resolve_framing
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,12 @@ class OPSDModule(SelfDistillationModule):
             "hashing".
         allow_self_retrieval: let a task retrieve its own records (default False: its own solution would be
             the reference again).
+        context_framing: the text around the teacher's context, as LOPD's option of that name (a name of
+            :data:`~lopd_lightning.teacher.splice.FRAMINGS` or ``{prefix: ..., suffix: ...}``). None (the
+            default): a retrieved trace in the ``short`` framing and a reference in ``OPSD_REFERENCE_TEMPLATE``
+            (OPSD's). Set, both kinds of context are framed by it, so OPSD can read its text between the same
+            strings as an LOPD run's latents (``configs/experience/opsd_reference.yaml`` and ``lopd_paper.yaml``:
+            ``from_scratch``).
 
     ``group_size`` defaults to 1 (OPSD needs no groups).
 
@@ -132,15 +138,18 @@ class OPSDModule(SelfDistillationModule):
         bank_path: str | None = None,
         embedder: str = "minilm",
         allow_self_retrieval: bool = False,
+        context_framing: str | dict[str, str] | None = None,
         **kwargs: Any,
     ):
         check_privileged_context(privileged_context, bank_path, embedder)  # before the weights load
+        framing = resolve_framing(context_framing)  # None: "short" (the retrieved traces'; references keep the template)
         super().__init__(
             model, group_size=group_size, divergence=divergence, jsd_beta=jsd_beta, distill_top_k=distill_top_k,
             distill_temperature=distill_temperature, **kwargs,
         )
         self.save_hyperparameters()
-        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode="base")
+        self.teacher = SelfTeacher(self.backbone, self.tokenizer, mode="base", framing_prefix=framing[0],
+                                   framing_suffix=framing[1])
         #: the bank the teacher's context is retrieved from (``privileged_context: retrieved``; else None).
         self.bank = None if privileged_context != "retrieved" else build_bank(
             bank_path, embedder, num_experiences=0, allow_self_retrieval=allow_self_retrieval, model=self.backbone,
@@ -207,11 +216,12 @@ class OPSDModule(SelfDistillationModule):
     def teacher_contexts(self, batch: RolloutBatch) -> OPSDContexts:
         """Per row, :meth:`reference_texts` (``references``) and them framed in ``OPSD_REFERENCE_TEMPLATE``
         (``texts``); with ``privileged_context: retrieved``, :meth:`retrieved_texts` in the teacher's framing
-        (``texts``: :meth:`~lopd_lightning.teacher.SelfTeacher.frame_text_context`; ``references`` None). The rows with a context are kept (the others get none)."""
+        (``texts``: :meth:`~lopd_lightning.teacher.SelfTeacher.frame_text_context`; ``references`` None), and so
+        are the reference texts when ``context_framing`` is set. The rows with a context are kept (the others get none)."""
         retrieved = self.hparams.privileged_context == "retrieved"
         texts = self.retrieved_texts(batch) if retrieved else self.reference_texts(batch)
         kept = torch.tensor([t is not None for t in texts], dtype=torch.bool, device=batch.input_ids.device)
-        if retrieved:
+        if retrieved or self.hparams.get("context_framing") is not None:  # the teacher's framing, not the template
             return OPSDContexts(texts=self.teacher.frame_text_context(texts), kept=kept)
         return OPSDContexts(texts=self.framed(texts), kept=kept, references=texts)
 

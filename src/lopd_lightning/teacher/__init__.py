@@ -28,12 +28,20 @@ from __future__ import annotations
 
 from lopd_lightning.teacher.prefix_cache import TeacherPrefix, has_dropout, prefix_length, supports_prefix_cache
 from lopd_lightning.teacher.self_teacher import SelfTeacher
-from lopd_lightning.teacher.splice import DEFAULT_FRAMING_PREFIX, DEFAULT_FRAMING_SUFFIX, TeacherInputs, frame_text
+from lopd_lightning.teacher.splice import (
+    DEFAULT_FRAMING_PREFIX,
+    DEFAULT_FRAMING_SUFFIX,
+    FRAMINGS,
+    TeacherInputs,
+    frame_text,
+    resolve_framing,
+)
 from lopd_lightning.teacher.weights import TeacherMode, TeacherWeights
 
 __all__ = [
     "DEFAULT_FRAMING_PREFIX",
     "DEFAULT_FRAMING_SUFFIX",
+    "FRAMINGS",
     "SelfTeacher",
     "TeacherInputs",
     "TeacherMode",
@@ -42,5 +50,6 @@ __all__ = [
     "frame_text",
     "has_dropout",
     "prefix_length",
+    "resolve_framing",
     "supports_prefix_cache",
 ]

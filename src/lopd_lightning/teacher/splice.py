@@ -26,12 +26,55 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lopd_lightning.hints import choose_one_of
 from lopd_lightning.lm import position_ids_from_mask
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FRAMING_PREFIX = "Here is a reference example of a different, already solved task:\n"
 DEFAULT_FRAMING_SUFFIX = "\nNow complete your task.\n\n"
+
+#: The framings a ``context_framing`` option names: (prefix, suffix) around a privileged context, text or latents.
+#: ``short``: the project's first framing (every default). ``from_scratch``: the long anti-copying framing of the
+#: LOPD authors' code, in this project's words (docs/METHOD.md section 4): the example is another task, already
+#: finished; nothing of the current task has been done; every step must be taken from the start; the current
+#: task begins now, from an untouched environment.
+FRAMINGS: dict[str, tuple[str, str]] = {
+    "short": (DEFAULT_FRAMING_PREFIX, DEFAULT_FRAMING_SUFFIX),
+    "from_scratch": (
+        "Below is a worked example from another task, one that has already been carried out to the end. It only "
+        "shows how a task like this can be approached: its calls, arguments and results are not part of your "
+        "task.\n<example>\n",
+        "\n</example>\nThe example above is over. None of your own task has been done yet: no call has been made "
+        "for it and no result exists. Work through every step of your task yourself, from the first one, using "
+        "only what your request says. Your task starts now, in an environment nothing has touched.\n\n",
+    ),
+}
+
+
+def resolve_framing(value: str | dict | None, *, key: str = "model.init_args.context_framing") -> tuple[str, str]:
+    """The (prefix, suffix) of a ``context_framing`` value: a name of :data:`FRAMINGS`, or a mapping with the keys
+    ``prefix`` and ``suffix`` (strings; either may be ""). None is ``short``.
+
+    Raises:
+        ValueError: an unknown name, a mapping with other keys or non-string values, or another type; the
+            message names ``key``.
+    """
+    if value is None:
+        return FRAMINGS["short"]
+    if isinstance(value, str):
+        if value not in FRAMINGS:
+            raise ValueError(f"{key} {value!r} is not a framing; {choose_one_of(value, tuple(FRAMINGS))}, "
+                             "or give {prefix: ..., suffix: ...}")
+        return FRAMINGS[value]
+    if isinstance(value, dict):
+        keys = set(value)
+        if keys != {"prefix", "suffix"} or not all(isinstance(value[k], str) for k in ("prefix", "suffix")):
+            raise ValueError(f"{key} as a mapping needs exactly the string keys prefix and suffix, got "
+                             f"{sorted(map(str, keys))}")
+        return value["prefix"], value["suffix"]
+    raise ValueError(f"{key} must be a framing name ({', '.join(FRAMINGS)}) or {{prefix: ..., suffix: ...}}, "
+                     f"got {type(value).__name__}")
 
 
 def frame_text(text: str | None, prefix: str = DEFAULT_FRAMING_PREFIX, suffix: str = DEFAULT_FRAMING_SUFFIX) -> str | None:
