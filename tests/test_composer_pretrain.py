@@ -466,3 +466,29 @@ def test_the_probe_runs_every_n_steps():
     assert module._probe_due()  # global step 0
     with pytest.raises(ValueError, match="latent_probe_every_n_steps must be >= 0"):
         make_module(None, latent_probe_every_n_steps=-1)
+
+
+def test_the_teacher_prefix_cache_of_l_init_gives_the_same_loss_and_latent_gradient(bank_dir):
+    """latent_nll with prefix_cache: the prompt before the latents in one pass without gradients, the rest from
+    its keys and values; the same NLL and the same gradient of the latents as the whole sequence."""
+    from lopd_lightning.composer import latent_nll
+    from lopd_lightning.teacher import prefix_length
+
+    module = make_module(bank_dir)
+    task = make_dm().task
+    examples = task.examples("train")[:3]
+    batch = module.reference_batch(task, examples)
+    batch.experiences = module.retrieve(task, examples)
+    assert prefix_length(batch.attention_mask, batch.context_position) > 0  # there is a prefix to cache
+    values, grads = [], []
+    for cached in (False, True):
+        composed = module.batch_latents(batch)
+        latents = composed.latents.detach().requires_grad_(True)
+        loss = latent_nll(module.teacher, type(composed)(latents, composed.latent_mask), batch.input_ids,
+                          batch.attention_mask, batch.context_position, batch.assistant_mask, prefix_cache=cached)
+        loss.backward()
+        values.append(float(loss))
+        grads.append(latents.grad.clone())
+    assert values[1] == pytest.approx(values[0], rel=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    assert grads[0].abs().sum() > 0

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lopd_lightning.losses import token_logps
+from lopd_lightning.teacher.prefix_cache import prefix_length
 
 if TYPE_CHECKING:  # the teacher is only called here (the teacher package does not import this module)
     from lopd_lightning.composer.model import ComposerOutput
@@ -34,6 +35,8 @@ def latent_nll(
     attention_mask: Tensor,
     context_position: Tensor | Sequence[int],
     assistant_mask: Tensor,
+    *,
+    prefix_cache: bool = False,
 ) -> Tensor:
     """The teacher's negative log-likelihood of the assistant tokens with the latents in its context.
 
@@ -45,6 +48,13 @@ def latent_nll(
         attention_mask: (B, T) {0, 1}.
         context_position: (B,) long, where the first user message's content starts (the latents go there).
         assistant_mask: (B, T) {0, 1}, 1 on the assistant tokens to predict (aligned with ``input_ids``).
+        prefix_cache: compute the tokens before every row's context (:func:`~lopd_lightning.teacher.prefix_length`:
+            the system prompt with its tool schemas, most of a tool-use prompt) in one pass without gradients and
+            start the teacher's pass after them from their keys and values (:meth:`SelfTeacher.own_prefix`): the
+            causal mask makes them independent of the latents, so the value and the latents' gradient are the
+            same up to float rounding, and neither the pass with gradients nor its backward covers the prefix.
+            Needs a plain full-attention cache and no activation checkpointing (a checkpointed layer reads no
+            cache); False recomputes the whole sequence.
 
     Returns:
         () float32: ``-sum(mask * logp) / sum(mask)`` over the predicted tokens ``input_ids[:, 1:]`` with
@@ -57,8 +67,13 @@ def latent_nll(
     latents, latent_mask = composer_output[0], composer_output[1]
     mask = assistant_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # [B, T-1]
     positions = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # logits that predict masked tokens
+    prefix = None
+    if prefix_cache:
+        n_prefix = prefix_length(attention_mask, context_position)
+        prefix = teacher.own_prefix(input_ids, attention_mask, n_prefix) if n_prefix > 0 else None
     logits = teacher.logits_on_student_positions(
-        input_ids, attention_mask, context_position, latents=latents, latent_mask=latent_mask, positions=positions
+        input_ids, attention_mask, context_position, latents=latents, latent_mask=latent_mask, positions=positions,
+        prefix=prefix,
     )  # [N, V]: the LM head runs on the N predicted tokens only
     logps = token_logps(logits[None], input_ids[:, 1:][mask][None])[0]
     loss = -logps.sum() / mask.sum().clamp(min=1).to(logps.dtype)

@@ -5,9 +5,9 @@ One step on B successful train records r_1..r_B of the bank (:func:`pretraining_
 1. each record's task is solved again by its reference solution y*, and the composer reads the task's
    J experiences: its top-J retrieval, where, with ``warm_start_self_retrieval``, the record itself takes
    one of the slots (slot ``(step + b) mod n_b``, n_b the row's experiences: J when retrieval found
-   enough). The answer is then in one experience, so L_init rewards a composer that carries it (the
-   paper's warm start retrieves other tasks only, where a generic prompt fits L_init as well as a
-   specific one);
+   enough). The answer is then in one experience, so L_init rewards a composer that carries it (with
+   other tasks' experiences only, a generic prompt fits L_init as well as a specific one; the authors' cold
+   start retrieves with self-retrieval on, so its own trajectory is there too);
 2. L_init = the teacher's NLL of y* with all J*K latents in its context
    (:func:`~lopd_lightning.composer.losses.latent_nll`);
 3. L_rec = the teacher's NLL of the record's own trace m_b, asked to repeat it with only that experience's
@@ -17,6 +17,7 @@ One step on B successful train records r_1..r_B of the bank (:func:`pretraining_
    pretraining records' tokens; new every step), and its latents are composed from m~_b: a composer that
    recalls a train record instead of reading it cannot repeat m~_b, so it learns to copy what it reads,
    which is what a held-out experience needs;
+   (``warm_start_reconstruction_weight: 0``, the authors' cold start, leaves this pass out);
 4. L_pre = w_task L_init + w_rec L_rec; AdamW on phi = (chi, psi) with the two clip norms, its learning
    rate ``warm_start_lr`` constant or (``warm_start_lr_schedule: cosine``) warmed up linearly over the first
    10% of the steps and then decayed to 0 along a cosine (:func:`lr_factor`).
@@ -223,9 +224,12 @@ def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Exampl
     k = module.composer.num_latents
     zero = composed.latents.sum() * 0.0
     task_nll = zero
+    # the prompt before the latents (the system prompt and tool schemas) once, without gradients (the teacher's
+    # weights are constants here): latent_nll's prefix_cache, as the training step's teacher_prefix_cache
+    cached = bool(hp.get("teacher_prefix_cache", True)) and not hp.get("gradient_checkpointing", False)
     if hp.warm_start_task_weight > 0:
         task_nll = latent_nll(module.teacher, composed, batch.input_ids, batch.attention_mask, batch.context_position,
-                              batch.assistant_mask)
+                              batch.assistant_mask, prefix_cache=cached)
     # one experience per row that has one (the own record, or the first retrieved one): its K latents
     kept = [b for b, exps in enumerate(experiences) if exps]
     device = composed.latents.device

@@ -152,7 +152,8 @@ class LOPDModule(OnPolicyModule):
         warm_start_reconstruction_weight: weight of L_rec, the teacher's NLL of an experience's trace when it
             is asked to repeat it from that experience's latents alone (not in the paper: 0 is its warm start).
         warm_start_self_retrieval: during pretraining, a record's own trajectory is one of its J experiences
-            (not in the paper, whose warm start retrieves other tasks only; training's retrieval is unchanged).
+            (the authors' code does this through its retrieval, self-retrieval on; training's retrieval is
+            ``allow_self_retrieval``'s).
         warm_start_reconstruction_noise: p in [0, 1): L_rec repeats a copy of the experience with each token
             replaced, with probability p, by a token drawn from the pretraining records (new every step), read
             from the copy's own latents, so that recalling a train record cannot meet it; 0 repeats the
