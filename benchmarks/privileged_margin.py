@@ -18,6 +18,14 @@ section 5). Contexts:
 - ``text_random``: a random bank experience (never the question's own solution), the same one for every
   trajectory of a question and for the teacher's own answer to it (seeded by the question's id), same
   framing;
+- ``text_reference``: the question's own reference solution as an experience (its reference trajectory, as
+  ``lopd build-memory --from-references`` records a train question's), as text in the same framing: what the
+  teacher of ``configs/experience/opsd_reference.yaml`` reads. A held-out question's record lives in a bank
+  used only by this measurement (never by a training run);
+- ``latent_reference``: the ``--composer-path`` composer's latents of the question's own record in the first of
+  its J slots and its J - 1 nearest bank experiences in the others: what the teacher of an LOPD run with
+  self-retrieval (``configs/experience/lopd_paper.yaml``) reads on a train question;
+- ``latent_reference_trained``: the same experiences through the first ``--trained-checkpoint``'s composer;
 - ``latent_untrained``: the latents of the freshly initialised composer (J experiences, K latents each);
 - ``latent_warm_start``: the latents after ``--warm-start-steps`` steps of the composer's warm start
   (L_init on the bank's successful train trajectories);
@@ -93,7 +101,10 @@ LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 #: bump when this script's warm start of a composer changes (the composer cache's key holds it)
 CACHE_VERSION = 2
-CONTEXTS = ("text_nearest", "text_random", "latent_untrained", "latent_warm_start", "latent_pretrained", "latent_trained")
+CONTEXTS = ("text_nearest", "text_random", "text_reference", "latent_untrained", "latent_warm_start", "latent_pretrained",
+            "latent_reference", "latent_trained", "latent_reference_trained")
+#: the contexts that read the question's own reference solution (a record of a bank used only here)
+REFERENCE_CONTEXTS = ("text_reference", "latent_reference", "latent_reference_trained")
 
 
 # ---------------------------------------------------------------------------------------- statistics
@@ -198,6 +209,7 @@ def build_module(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, num_latents=args.num_latents, num_experiences=args.num_experiences,
         composer_depth=8, max_experience_tokens=192, embedder="minilm", warm_start_steps=args.warm_start_steps,
         warm_start_batch_size=2, composer_lr=1e-4, teacher_mode="live", seed=args.seed,
+        context_framing=getattr(args, "context_framing", "short"),
         **({"composer_architecture": args.composer_architecture} if getattr(args, "composer_architecture", None) else {}),
     )
 
@@ -213,6 +225,28 @@ def fill_bank(module, task) -> int:
                 records.append(record)
     module.bank.add(records)
     return len(records)
+
+
+def own_records(module, task, examples) -> dict[str, Any]:
+    """Each question's own reference solution as an experience record ({id: Experience}; a question whose
+    reference does not pass the checker has none): the record ``lopd build-memory --from-references`` makes of a
+    train question, here for any question, in a bank used only by this measurement."""
+    out = {}
+    for example in examples:
+        messages, reward = module.reference_trajectory(task, example)
+        if reward >= 1.0:
+            record = module.experience_from_trajectory(task, example, messages, reward)
+            if record is not None:
+                out[example.id] = record
+    return out
+
+
+def reference_experiences(module, task, example, own: dict[str, Any]) -> list:
+    """The J experiences of a question under self-retrieval: its own record first, then its J - 1 nearest other
+    bank experiences (the bank never holds a held-out question's record)."""
+    others = module.retrieve(task, [example])[0]
+    record = own.get(example.id)
+    return ([record] if record is not None else []) + others[: module.hparams.num_experiences - (record is not None)]
 
 
 def student_token_logps(module, batch):
@@ -250,7 +284,7 @@ def token_deltas(module, batch, contexts: dict[str, Any], *, student=None) -> di
             if kind == "text":
                 kwargs["context_ids"] = value
             else:
-                composed = module.batch_latents(batch, value)
+                composed = latents_of(module, batch, value)
                 kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
             logits = module.teacher.logits_on_student_positions(
                 batch.input_ids, batch.attention_mask, batch.context_position, **kwargs
@@ -259,6 +293,16 @@ def token_deltas(module, batch, contexts: dict[str, Any], *, student=None) -> di
             sums = ((teacher - student) * mask).sum(dim=1)
             out[name] = list(zip((sums / counts).tolist(), sums.tolist(), mask.sum(dim=1).tolist(), strict=True))
     return out
+
+
+def latents_of(module, batch, value):
+    """The latents of a ``("latent", value)`` context: ``value`` a composer reading the rows' retrieved experiences
+    (``batch.experiences``), or ``(composer, experiences)`` reading the given ones (B lists of records)."""
+    if isinstance(value, tuple):
+        composer, experiences = value
+        pairs = [[(meta["task_text"], e.trace) for e in row] for meta, row in zip(batch.metadata, experiences, strict=True)]
+        return composer.compose(pairs)
+    return module.batch_latents(batch, value)
 
 
 def student_reference_nll(module, batch, *, student=None) -> list[tuple[float, float, int]]:
@@ -272,10 +316,16 @@ def student_reference_nll(module, batch, *, student=None) -> list[tuple[float, f
 
 
 def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int,
-                     text: tuple[str, ...] = ("text_nearest", "text_random")) -> dict[str, Any]:
+                     text: tuple[str, ...] = ("text_nearest", "text_random"), own: dict[str, Any] | None = None,
+                     task=None, examples: dict[str, Any] | None = None) -> dict[str, Any]:
     """The text contexts named in ``text`` and every composer's latents for ``batch`` (its rows'
-    retrieved experiences), as :func:`token_deltas` takes them."""
+    retrieved experiences; for the :data:`REFERENCE_CONTEXTS`, :func:`reference_experiences` of each row's
+    question, ``examples`` by id, its own record from ``own``), as :func:`token_deltas` takes them."""
     contexts: dict[str, Any] = {}
+    if "text_reference" in text:
+        records = [(own or {}).get(example_id) for example_id in batch.example_ids]
+        contexts["text_reference"] = ("text", module.teacher.encode_text_context(
+            [r.trace if r is not None else None for r in records]))
     if "text_nearest" in text:
         nearest = [exps[0].trace if exps else None for exps in batch.experiences]
         contexts["text_nearest"] = ("text", module.teacher.encode_text_context(nearest))
@@ -283,7 +333,12 @@ def teacher_contexts(module, batch, composers: dict[str, Any], *, seed: int,
         randoms = [random_record(module, seed, example_id).trace for example_id in batch.example_ids]
         contexts["text_random"] = ("text", module.teacher.encode_text_context(randoms))
     for name, composer in composers.items():
-        contexts[name] = ("latent", composer)
+        if name in REFERENCE_CONTEXTS:
+            experiences = [reference_experiences(module, task, examples[example_id], own or {})
+                           for example_id in batch.example_ids]
+            contexts[name] = ("latent", (composer, experiences))
+        else:
+            contexts[name] = ("latent", composer)
     return contexts
 
 
@@ -678,7 +733,8 @@ def journal_key(args: argparse.Namespace, heldout: list) -> dict[str, Any]:
             "batch_questions": args.batch_questions, "seed": args.seed,
             "trained_checkpoint": trained_stamp, "variants": args.variants, **contexts,
             **({"composer_path": file_stamp(args.composer_path / "composer.pt")} if getattr(args, "composer_path", None) else {}),
-            **({"composer_architecture": args.composer_architecture} if getattr(args, "composer_architecture", None) else {})}
+            **({"composer_architecture": args.composer_architecture} if getattr(args, "composer_architecture", None) else {}),
+            **({"context_framing": args.context_framing} if getattr(args, "context_framing", "short") != "short" else {})}
 
 
 def warm_start_key(args: argparse.Namespace, module) -> dict[str, Any]:
@@ -750,6 +806,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "perceiver reproduces the committed results of the paper's composer")
     parser.add_argument("--contexts", default="", help="comma-separated contexts to measure (default all); a name "
                         "without [...] also selects its bracketed variants, e.g. latent_trained")
+    parser.add_argument("--context-framing", default="short",
+                        help="model.init_args.context_framing of the teacher (short, from_scratch): the framing of every "
+                             "context, text and latents; from_scratch is configs/experience/lopd_paper.yaml's")
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -820,16 +879,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         load_composer(pretrained, args.composer_path, key="--composer-path")
         pretrained.requires_grad_(False)
         composers["latent_pretrained"] = pretrained
+        composers["latent_reference"] = pretrained  # the same composer, reading the question's own record
     checkpoints = args.trained_checkpoint or []
     for i, (name, checkpoint) in enumerate(zip(trained_context_names(checkpoints), checkpoints, strict=True)):
         load_trained_composer(module, checkpoint)
         composers[name] = snapshot_composer(module, f"composer_trained_{i}")  # the next load overwrites module.composer
+        if i == 0:
+            composers["latent_reference_trained"] = composers[name]
     absent = [c for c in chosen if c not in CONTEXTS and c not in composers]
     if absent:
         parser.error(f"--contexts: no context {', '.join(absent)} in this run (its composers: {', '.join(composers)})")
     composers = {name: c for name, c in composers.items() if selected(name)}
     names = [name for name in (*CONTEXTS, *(n for n in composers if n not in CONTEXTS)) if selected(name)]
-    text_contexts = tuple(name for name in ("text_nearest", "text_random") if name in names)
+    text_contexts = tuple(name for name in ("text_nearest", "text_random", "text_reference") if name in names)
+    by_id = {example.id: example for example in (*heldout, *task.examples("train"))}
+    own = own_records(module, task, heldout) if any(n in REFERENCE_CONTEXTS for n in names) else {}
     journal = Journal(args.work_dir, journal_key(args, heldout), fresh=args.fresh)
     journal.check_fingerprints({name: composer_fingerprint(c) for name, c in composers.items()})
     journal.append({"kind": "session", "seconds": {k: round(v, 3) for k, v in timings.items()}})
@@ -842,11 +906,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         with torch.no_grad():
             batch = module.make_batch(task, examples)  # rollout seeds hash (seed, step 0, question, sample)
-        contexts = teacher_contexts(module, batch, composers, seed=args.seed, text=text_contexts)
+        contexts = teacher_contexts(module, batch, composers, seed=args.seed, text=text_contexts, own=own, task=task,
+                                    examples=by_id)
         deltas = token_deltas(module, batch, contexts)
         rows = [{"id": example_id, "reward": float(reward), "deltas": {name: deltas[name][row] for name in contexts}}
                 for row, (example_id, reward) in enumerate(zip(batch.example_ids, batch.rewards.tolist(), strict=True))]
-        rms = {name: latent_rms(module, c, batch) for name, c in composers.items()}
+        rms = {name: latent_rms(module, c, batch) for name, c in composers.items() if name not in REFERENCE_CONTEXTS}
         seconds = time.perf_counter() - t0
         journal.append({"kind": "scores", "batch": b, "rows": rows, "rms": rms, "seconds": seconds})
         print(f"scored {min(i + args.batch_questions, len(heldout))}/{len(heldout)} questions ({seconds:.0f} s this batch)",
@@ -872,7 +937,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 student = student_token_logps(module, batch)
                 if b not in done:
                     batch.experiences = module.retrieve(task, chunk)
-                    contexts = teacher_contexts(module, batch, composers, seed=args.seed, text=text_contexts)
+                    own_here = {**own, **own_records(module, task, [e for e in chunk if e.id not in own])} \
+                        if any(n in REFERENCE_CONTEXTS for n in names) else {}
+                    contexts = teacher_contexts(module, batch, composers, seed=args.seed, text=text_contexts,
+                                                own=own_here, task=task, examples=by_id)
                     deltas = token_deltas(module, batch, contexts, student=student)
                     journal.append({"kind": "reference", "split": split, "batch": b, "rows": [
                         {"id": example_id, "deltas": {name: value[row] for name, value in deltas.items()}}
@@ -918,6 +986,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             elif name == "text_random":
                 ids = module.teacher.encode_text_context([random_record(module, args.seed, example.id).trace])[0]
                 reply = teacher_greedy_reply(module, task, example, context_ids=ids, max_new_tokens=args.max_new_tokens)
+            elif name == "text_reference":
+                record = own.get(example.id)
+                ids = module.teacher.encode_text_context([record.trace if record is not None else None])[0]
+                reply = teacher_greedy_reply(module, task, example, context_ids=ids, max_new_tokens=args.max_new_tokens)
+            elif name in REFERENCE_CONTEXTS:
+                experiences = reference_experiences(module, task, example, own)
+                composed = composers[name].compose([[(example.text, e.trace) for e in experiences]])
+                reply = teacher_greedy_reply(module, task, example, composed=composed,
+                                             max_new_tokens=args.max_new_tokens)
             else:
                 reply = teacher_greedy_reply(module, task, example, composer=composers[name],
                                              max_new_tokens=args.max_new_tokens)
@@ -947,7 +1024,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "num_latents": args.num_latents, "num_experiences": args.num_experiences,
                      "warm_start_steps": args.warm_start_steps, "max_new_tokens": args.max_new_tokens,
                      "teacher_mode": "live", "weighting": "paper (A = 2r - 1); delta_balanced: balanced",
-                     "variants": args.variants, "resamples": args.resamples},
+                     "variants": args.variants, "resamples": args.resamples,
+                     "context_framing": args.context_framing,
+                     "own_reference_records": len(own) if any(n in REFERENCE_CONTEXTS for n in names) else None},
         "token_embedding_rms": float(embed.detach().pow(2).mean().sqrt()),
         "contexts": {},
         "timings_s": {k: round(v, 1) for k, v in session_timings.items()},
@@ -962,7 +1041,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in names:
         if not per_question.get(name) and name.startswith("latent"):
             results["contexts"][name] = None
-            source = "--composer-path of `lopd pretrain-composer`" if name == "latent_pretrained" else \
+            source = "--composer-path of `lopd pretrain-composer`" if name in ("latent_pretrained", "latent_reference") else \
                 "--trained-checkpoint of an LOPD run"
             results.setdefault("notes", []).append(f"{name}: no composer (pass {source})")
             continue

@@ -283,6 +283,18 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
                               str(tmp_path / "pw"), "--contexts", "latent_pretrained,latent_trained",
                               "--composer-path", str(tmp_path / "pretrained"), "--trained-checkpoint", checkpoints[2]])
     assert pretrained["contexts"]["latent_pretrained"] == pretrained["contexts"]["latent_trained"]
+    # the question's own reference (a record of a bank used only here), as text and as the same composer's latents
+    # in the first of the J slots, in the long framing: measured on the same trajectories as the other contexts
+    refs = margin.main([*margin_args[:-4], "--out", str(tmp_path / "reference.json"), "--work-dir", str(tmp_path / "rw"),
+                        "--contexts", "text_reference,latent_reference,latent_pretrained", "--composer-path",
+                        str(tmp_path / "pretrained"), "--context-framing", "from_scratch"])
+    assert refs["settings"]["own_reference_records"] == 3 and refs["settings"]["context_framing"] == "from_scratch"
+    assert list(refs["contexts"]) == ["text_reference", "latent_pretrained", "latent_reference"]
+    for entry in refs["contexts"].values():
+        assert entry["teacher_greedy_success"] is not None
+        assert math.isfinite(entry["reference_delta_heldout"])
+    assert refs["contexts"]["latent_reference"]["delta_mean"] != refs["contexts"]["latent_pretrained"]["delta_mean"]
+    assert refs["contexts"]["text_reference"]["reference_delta_heldout"] > 0  # reading the answer raises it
     with pytest.raises(SystemExit):
         margin.main([*margin_args, "--composer-path", str(tmp_path / "nothing")])
     single = margin.main([*margin_args, "--fresh", "--trained-checkpoint", checkpoints[0]])
@@ -314,3 +326,20 @@ def test_start_student_then_margin_end_to_end_on_the_toy_task(start, margin, tmp
     assert key["trained_checkpoint"] == margin.file_stamp(checkpoints[0]) and "contexts" not in key
     with pytest.raises(SystemExit):
         margin.main([*margin_args, "--trained-checkpoint", str(tmp_path / "missing.ckpt")])
+
+
+def test_reference_experiences_put_the_questions_own_record_first(margin):
+    """Self-retrieval as the measurement builds it: the question's own record (never in the bank), then its
+    J - 1 nearest bank experiences."""
+    from types import SimpleNamespace
+
+    from lopd_lightning.memory import Experience
+
+    own = Experience(task_id="q", task_text="t", trace="own", reward=1.0)
+    others = [Experience(task_id=f"o{i}", task_text="t", trace=f"other {i}", reward=1.0) for i in range(3)]
+    module = SimpleNamespace(retrieve=lambda task, examples: [others], hparams=SimpleNamespace(num_experiences=3))
+    example = SimpleNamespace(id="q")
+    assert [e.trace for e in margin.reference_experiences(module, None, example, {"q": own})] == \
+        ["own", "other 0", "other 1"]
+    assert [e.trace for e in margin.reference_experiences(module, None, example, {})] == \
+        ["other 0", "other 1", "other 2"]
