@@ -492,3 +492,37 @@ def test_the_teacher_prefix_cache_of_l_init_gives_the_same_loss_and_latent_gradi
     assert values[1] == pytest.approx(values[0], rel=1e-5)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
     assert grads[0].abs().sum() > 0
+
+
+def test_a_prefix_store_serves_the_same_prefix_as_a_pass_and_keeps_each_prompt_once(bank_dir):
+    """PrefixStore: each row's own prompt prefix computed once and kept by its tokens; the batch's prefix (the
+    shortest row's length) equals one no-grad pass over the batch, and L_init through it is the same."""
+    from lopd_lightning.composer import latent_nll
+    from lopd_lightning.teacher import prefix_length
+    from lopd_lightning.teacher.prefix_cache import PrefixStore
+
+    module = make_module(bank_dir)
+    task = make_dm().task
+    examples = task.examples("train")[:3]
+    batch = module.reference_batch(task, examples)
+    store = PrefixStore(capacity=8)
+    n = prefix_length(batch.attention_mask, batch.context_position)
+    stored = store.prefix(module.teacher, batch.input_ids, batch.attention_mask, batch.context_position)
+    direct = module.teacher.own_prefix(batch.input_ids, batch.attention_mask, n)
+    assert stored.length == direct.length == n
+    for (k1, v1), (k2, v2) in zip(stored.key_values, direct.key_values, strict=True):
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+    distinct = len({tuple(batch.input_ids[b, : int(batch.context_position[b])].tolist()) for b in range(3)})
+    assert (store.misses, store.hits, len(store)) == (distinct, 3 - distinct, distinct)  # one pass per prompt
+    store.prefix(module.teacher, batch.input_ids, batch.attention_mask, batch.context_position)
+    assert (store.misses, store.hits) == (distinct, 6 - distinct)  # the second batch is served from the store
+    batch.experiences = module.retrieve(task, examples)
+    composed = module.batch_latents(batch)
+    args = (module.teacher, composed, batch.input_ids, batch.attention_mask, batch.context_position, batch.assistant_mask)
+    assert float(latent_nll(*args, prefix_cache=store)) == pytest.approx(float(latent_nll(*args)), rel=1e-5)
+    small = PrefixStore(capacity=1)
+    small.prefix(module.teacher, batch.input_ids, batch.attention_mask, batch.context_position)
+    assert len(small) == 1  # the least recently used go first
+    with pytest.raises(ValueError, match="capacity >= 1"):
+        PrefixStore(capacity=0)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lopd_lightning.losses import token_logps
-from lopd_lightning.teacher.prefix_cache import prefix_length
+from lopd_lightning.teacher.prefix_cache import PrefixStore, prefix_length
 
 if TYPE_CHECKING:  # the teacher is only called here (the teacher package does not import this module)
     from lopd_lightning.composer.model import ComposerOutput
@@ -36,7 +36,7 @@ def latent_nll(
     context_position: Tensor | Sequence[int],
     assistant_mask: Tensor,
     *,
-    prefix_cache: bool = False,
+    prefix_cache: bool | PrefixStore = False,
 ) -> Tensor:
     """The teacher's negative log-likelihood of the assistant tokens with the latents in its context.
 
@@ -54,7 +54,9 @@ def latent_nll(
             causal mask makes them independent of the latents, so the value and the latents' gradient are the
             same up to float rounding, and neither the pass with gradients nor its backward covers the prefix.
             Needs a plain full-attention cache and no activation checkpointing (a checkpointed layer reads no
-            cache); False recomputes the whole sequence.
+            cache); False recomputes the whole sequence. A :class:`~lopd_lightning.teacher.prefix_cache.PrefixStore`
+            (for a teacher whose weights stay constant: the pretraining's) keeps each row's prefix across calls
+            instead of recomputing it.
 
     Returns:
         () float32: ``-sum(mask * logp) / sum(mask)`` over the predicted tokens ``input_ids[:, 1:]`` with
@@ -68,7 +70,9 @@ def latent_nll(
     mask = assistant_mask[:, 1:].bool() & attention_mask[:, 1:].bool()  # [B, T-1]
     positions = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # logits that predict masked tokens
     prefix = None
-    if prefix_cache:
+    if isinstance(prefix_cache, PrefixStore):
+        prefix = prefix_cache.prefix(teacher, input_ids, attention_mask, context_position)
+    elif prefix_cache:
         n_prefix = prefix_length(attention_mask, context_position)
         prefix = teacher.own_prefix(input_ids, attention_mask, n_prefix) if n_prefix > 0 else None
     logits = teacher.logits_on_student_positions(

@@ -44,6 +44,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lopd_lightning.composer.losses import latent_nll, latent_spread, pretraining_objective
+from lopd_lightning.teacher.prefix_cache import PrefixStore
 from lopd_lightning.composer.model import (
     LR_SCHEDULES,
     ClipNorms,
@@ -196,12 +197,15 @@ def with_own_record(retrieved: list[list[Experience]], records: Sequence[Experie
 
 
 def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Example], records: Sequence[Experience],
-                       *, step: int, pool: Sequence[int] | None = None) -> PretrainingLosses:
+                       *, step: int, pool: Sequence[int] | None = None,
+                       prefixes: PrefixStore | None = None) -> PretrainingLosses:
     """L_pre of one step on ``records`` (the bank records of ``examples``, row for row): see the module
     docstring. Reads ``module.hparams``: ``warm_start_self_retrieval``, ``warm_start_task_weight``,
     ``warm_start_reconstruction_weight``, ``warm_start_reconstruction_noise``, ``num_experiences``, ``seed``.
     ``pool``: the tokens the reconstruction noise draws from (:func:`token_pool` of every pretraining
-    record; None: this step's records').
+    record; None: this step's records'). ``prefixes``: a :class:`~lopd_lightning.teacher.prefix_cache.PrefixStore`
+    that keeps the teacher's prompt prefixes across steps (the teacher's weights do not change in pretraining);
+    None computes them in each step's own no-grad pass.
 
     Raises:
         ValueError: ``num_experiences`` is 0 (no latent to pretrain).
@@ -227,6 +231,8 @@ def pretraining_losses(module: LOPDModule, task: Task, examples: Sequence[Exampl
     # the prompt before the latents (the system prompt and tool schemas) once, without gradients (the teacher's
     # weights are constants here): latent_nll's prefix_cache, as the training step's teacher_prefix_cache
     cached = bool(hp.get("teacher_prefix_cache", True)) and not hp.get("gradient_checkpointing", False)
+    if cached and prefixes is not None:
+        cached = prefixes
     if hp.warm_start_task_weight > 0:
         task_nll = latent_nll(module.teacher, composed, batch.input_ids, batch.attention_mask, batch.context_position,
                               batch.assistant_mask, prefix_cache=cached)
@@ -307,9 +313,10 @@ def warm_start(module: LOPDModule, datamodule: Any) -> None:
     scheduler = pretraining_scheduler(module, optimizer, len(draws))
     pool = token_pool(module.tokenizer, pretraining_records(module, datamodule.train_examples)) \
         if module.hparams.warm_start_reconstruction_noise > 0 else []
+    prefixes = PrefixStore()  # the teacher's weights stay as they are for the whole warm start
     for step, chosen in enumerate(draws):
         examples = [datamodule.example(r.task_id) for r in chosen]
-        losses = pretraining_losses(module, datamodule.task, examples, chosen, step=step, pool=pool)
+        losses = pretraining_losses(module, datamodule.task, examples, chosen, step=step, pool=pool, prefixes=prefixes)
         losses.loss.backward()
         clip_pretraining_grads(module)
         optimizer.step()
@@ -358,6 +365,8 @@ class ComposerPretraining(LightningModule):
                                        seed=hp.seed)
         #: the tokens of every record, what the reconstruction noise draws from
         self.pool = token_pool(module.tokenizer, records) if hp.warm_start_reconstruction_noise > 0 else []
+        #: the teacher's prompt prefixes, kept across steps (its weights do not change in this stage)
+        self.prefixes = PrefixStore()
         self.strict_loading = False  # checkpoints hold phi only
 
     def trainable_names(self) -> set[str]:
@@ -375,7 +384,8 @@ class ComposerPretraining(LightningModule):
         records = self.draws[step]
         examples = [self.examples[r.task_id] for r in records]
         self.lopd.train()
-        losses = pretraining_losses(self.lopd, self.task, examples, records, step=step, pool=self.pool)
+        losses = pretraining_losses(self.lopd, self.task, examples, records, step=step, pool=self.pool,
+                                    prefixes=self.prefixes)
         self.log_dict({"pretrain/loss": losses.loss.detach(), "pretrain/task_nll": losses.task_nll,
                        "pretrain/reconstruction_nll": losses.reconstruction_nll,
                        "pretrain/latent_spread": losses.spread}, prog_bar=True, batch_size=len(records))
