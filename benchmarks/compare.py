@@ -7,7 +7,7 @@
     python benchmarks/compare.py --plan evidence --generation-backend vllm --lopd .venv-vllm/bin/lopd
     python benchmarks/compare.py --aggregate-only        # compare.{json,png,md} from the run files there are
     python benchmarks/compare.py --plan experience --sweep-lr 3e-5,1e-4,3e-4 --lopd .venv-vllm/bin/lopd   # issue 33
-    python benchmarks/compare.py --plan experience --lopd .venv-vllm/bin/lopd   # issue 33: 15 runs, resumable
+    python benchmarks/compare.py --plan experience --lopd .venv-vllm/bin/lopd   # issue 33: 21 runs, resumable
     python benchmarks/compare.py --config-dir configs/compare_tiny --budget 8 --in-process   # smoke test
 
 Each run merges ``<config-dir>/common.yaml`` with ``<config-dir>/<method>.yaml`` and its own settings
@@ -21,7 +21,8 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
   the last at its end (:func:`evaluation_interval`); per question from ``<log_dir>/generations/val_step_<k>.jsonl``.
 - **Resume**: a ``last.ckpt`` is saved every ``--checkpoint-every`` steps in the run folder; a run with
   no result file whose folder holds a checkpoint of the same config continues from it
-  (``lopd fit ... --ckpt_path``). A finished run with the same config is read back, never run again.
+  (``lopd fit ... --ckpt_path``). A finished run with the same config is read back, never run again (its run
+  folders' paths compared as locations: compare_runs.same_config).
 - **Provenance**: each finished run writes ``<runs-dir>/<method>/seed_<s>.json`` (default
   ``benchmarks/results/compare_runs``, to be committed at once) with the hash of the ``src/`` tree it ran
   on, its generation backend, its config, its curves, its per-question held-out results and ``provenance``
@@ -32,15 +33,17 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
   refused). The aggregation reads every run file there and refuses to mix src trees, backends, budgets,
   held-out sets, start students, banks, composers or library versions unless ``--src-tree`` / ``--backend``
   / ``--budget`` / ``--student-hash`` / ``--bank-hash`` / ``--composer-hash`` / ``--versions`` choose
-  (compare_runs.py); ``--same-input KIND:REBUILT=ORIGINAL`` counts a rebuilt student, bank or composer as the
-  original (recorded in the results as ``same_inputs``).
+  (compare_runs.py; composers are compared among the runs of each ``composer_path``: lopd_paper reads a
+  composer of its own); ``--same-input KIND:REBUILT=ORIGINAL`` counts a rebuilt student, bank or composer as the
+  original (recorded in the results as ``same_inputs``). A plan or sweep refuses to start while a composer one
+  of its runs reads is missing, naming the folder and the ``lopd pretrain-composer`` command that makes it.
 - **Plans** (compare_plans.py): ``grid`` (``--methods`` x ``--seeds``, seed-major), ``evidence``
   (:func:`evidence_plan`: LOPD and GRPO seed 0, then their seeds 1-2, then SDPO, lopd_m0, OPSD, Skill-SD,
   lopd_balanced and lopd_m0_balanced; 192 trajectories a run; the start student of
   ``benchmarks/start_student.py``; learning rates from the sweep) or ``experience`` (issue 33, hidden_rules:
-  :func:`experience_plan`, 15 runs from configs/experience, 280 trajectories and a held-out evaluation at
-  every 10% of them; its own run files, ``experience_runs``, and results, ``experience_compare.*``, which
-  also carry ``task_calibration``). ``--seed-cap N`` runs at most N seeds a method of a fixed plan.
+  :func:`experience_plan`, 21 runs from configs/experience (the first 15, then lopd_paper and opsd_reference),
+  280 trajectories and a held-out evaluation at every 10% of them; its own run files, ``experience_runs``, and
+  results, ``experience_compare.*``, which also carry ``task_calibration``). ``--seed-cap N`` runs at most N seeds a method of a fixed plan.
 - **Learning-rate sweep** (``--sweep-lr``, compare_sweep.py): LOPD and GRPO (experience: and OPSD) at each
   rate, 64 trajectories, seed 0, judged on a dev slice of the train split (``data.init_args.dev_slice``),
   never on the held-out questions; writes ``compare_lr_sweep.json`` (experience: ``experience_lr_sweep.json``);
@@ -263,6 +266,31 @@ def run_config(config: dict[str, Any], spec: RunSpec, *, root: Path, student: st
     return config
 
 
+def pretrain_command(config_dir: Path, method: str, folder: str) -> str:
+    """The ``lopd pretrain-composer`` command that writes the composer ``method``'s config reads from ``folder``
+    (as in the header of configs/experience/lopd.yaml: composer_path set to null for the stage that comes before
+    the composer exists; it does not generate, so HF)."""
+    where = _path(Path(config_dir))
+    return (f"lopd pretrain-composer -c {where}/common.yaml -c {where}/{method}.yaml --model.init_args.composer_path=null "
+            f"--model.init_args.generation_backend=hf --out {folder}")
+
+
+def missing_composer_error(missing: list[str], configs: dict[str, dict[str, Any]], config_dir: Path,
+                           order: tuple[str, ...] = ()) -> str:
+    """The one ``error:`` line of a plan or sweep that would start while a composer its runs read is missing
+    (``missing``: compare_provenance.missing_composers of the runs' configs): per folder, the methods that read it
+    and the command that makes it, from the config of the first of ``configs`` (in ``order``, then by name) whose
+    ``composer_path`` is that folder (lopd for runs/experience/composer, lopd_paper for its own composer_paper)."""
+    names = sorted(configs, key=lambda m: (order.index(m) if m in order else len(order), m))
+    parts = []
+    for folder in missing:
+        readers = [m for m in names if configs[m].get("model", {}).get("init_args", {}).get("composer_path") == folder]
+        command = pretrain_command(config_dir, readers[0], folder) if readers else "lopd pretrain-composer --out " + folder
+        parts.append(f"no pretrained composer in {folder} (read by {', '.join(readers) or 'the runs'}): pretrain it "
+                     f"first with `{command}` (add --resume to continue a stopped pretraining)")
+    return "error: " + "; ".join(parts)
+
+
 def run_configs(args: argparse.Namespace, configs: dict[str, dict[str, Any]], specs: list[RunSpec], root: Path,
                 student: str | None) -> list[dict[str, Any]]:
     """:func:`run_config` of every spec, with the command line's settings; a budget or evaluation count that does
@@ -401,7 +429,7 @@ def run_one(spec: RunSpec, config: dict[str, Any], *, root: Path, result_path: P
     run_dir = Path(root) / spec.method / spec.name
     if result_path.exists() and not rerun:
         previous = json.loads(result_path.read_text())
-        if previous.get("config") == config:
+        if compare_runs.same_config(previous.get("config"), config):
             print(f"== {spec.method} {spec.name}: finished, read back from {result_path}", flush=True)
             return previous
         raise SystemExit(f"error: {result_path} holds a finished {spec.method} {spec.name} run of another config; "
@@ -473,8 +501,7 @@ def run_sweep(args: argparse.Namespace, configs: dict[str, dict[str, Any]], stud
     if args.dry_run:
         return dry_run(specs, full, root, [root / s.method / f"{s.name}.json" for s in specs])
     if missing := missing_composers(full):
-        raise SystemExit(f"error: no pretrained composer in {', '.join(missing)}: pretrain it first with the "
-                         f"`lopd pretrain-composer` command in the header of {args.config_dir}/lopd.yaml")
+        raise SystemExit(missing_composer_error(missing, configs, args.config_dir, plan.order))
     results: dict[str, dict[float, dict[str, Any]]] = {}
     with locked(root):
         for spec, config in zip(specs, full):
@@ -655,8 +682,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.dry_run:
         return dry_run(specs, full, args.root, [run_file(args.runs_dir, s.method, s.seed) for s in specs])
     if missing := missing_composers(full):
-        raise SystemExit(f"error: no pretrained composer in {', '.join(missing)}: pretrain it first with the "
-                         f"`lopd pretrain-composer` command in the header of {args.config_dir}/lopd.yaml")
+        raise SystemExit(missing_composer_error(missing, configs, args.config_dir, plan.order))
     with locked(args.root):  # one compare.py (and its lopd commands) at a time on these runs
         for spec, config in zip(specs, full):
             run_one(spec, config, root=args.root, result_path=run_file(args.runs_dir, spec.method, spec.seed),

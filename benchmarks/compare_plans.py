@@ -5,14 +5,18 @@
 - ``evidence`` (issue 17, BFCL live_simple): :func:`evidence_plan`, 192 trajectories a run, 3 held-out
   evaluations after the start, the start student of ``benchmarks/start_student.py``.
 - ``experience`` (issue 33, hidden_rules): :func:`experience_plan`: LOPD, GRPO and OPSD at seed 0, then at
-  seed 1, then at seed 2; then Skill-SD, lopd_frozen and lopd_m0 with two seeds each (15 runs), from
-  configs/experience, the in-context start student ``runs/hidden_rules/sft_student_in_context``; 280
-  trajectories a run and 10 held-out evaluations after the start, one every 10% of the budget
+  seed 1, then at seed 2; then Skill-SD, lopd_frozen and lopd_m0 with two seeds each (the first 15 runs); then
+  the two added later, seed by seed (lopd_paper 0, opsd_reference 0, lopd_paper 1, ...; 6 runs, so that the 15
+  committed runs keep their places), from configs/experience, the in-context start student
+  ``runs/hidden_rules/sft_student_in_context``; 280 trajectories a run and 10 held-out evaluations after the start, one every 10% of the budget
   (:func:`check_exact_evaluations`: 20% and 30% are measured points); run files in
   ``benchmarks/results/experience_runs``, results ``experience_compare.{json,png,md}`` with the task
   calibration's numbers (:func:`task_calibration`). Its learning-rate sweep covers LOPD, GRPO and OPSD;
   Skill-SD takes GRPO's rate (its module, ``SkillSDModule``, derives from ``GRPOModule``: GRPO plus a
   self-distillation term) and the LOPD ablations (lopd_frozen, lopd_m0) take LOPD's (:data:`EXPERIENCE_PARENTS`).
+  The two added methods: ``lopd_paper`` (LOPD in its authors' setting: self-retrieval, K = 32, J = 3, its own
+  pretrained composer at ``runs/experience/composer_paper``, a frozen bank) takes LOPD's rate, ``opsd_reference``
+  (OPSD whose teacher reads the task's own reference solution as text, no bank: lopd_paper's fair twin) OPSD's.
 
 Why 280 and not 256 trajectories: the issue asks for at least 256 and for held-out success at every 10% of
 the budget; every method here takes 4 trajectories a step, and 10% of 256 is 25.6 trajectories, not a whole
@@ -36,21 +40,33 @@ EVIDENCE_SEEDS = {"lopd": 3, "grpo": 3, "sdpo": 2, "lopd_m0": 2, "opsd": 1, "ski
 EVIDENCE_BUDGET = 192
 EVIDENCE_STUDENT = "runs/evidence/sft_student"  # benchmarks/start_student.py's output
 
-#: the experience plan's methods in order (issue 33): the three-seed methods first, then the rest.
-EXPERIENCE_METHODS = ("lopd", "grpo", "opsd", "skill_sd", "lopd_frozen", "lopd_m0")
-EXPERIENCE_SEEDS = {"lopd": 3, "grpo": 3, "opsd": 3, "skill_sd": 2, "lopd_frozen": 2, "lopd_m0": 2}
+#: the experience plan's methods in order (issue 33): the three-seed methods first, then the rest; last, the two
+#: added after the first 15 runs were committed (:data:`EXPERIENCE_TAIL`), so that those keep their places.
+EXPERIENCE_METHODS = ("lopd", "grpo", "opsd", "skill_sd", "lopd_frozen", "lopd_m0", "lopd_paper", "opsd_reference")
+EXPERIENCE_SEEDS = {"lopd": 3, "grpo": 3, "opsd": 3, "skill_sd": 2, "lopd_frozen": 2, "lopd_m0": 2, "lopd_paper": 3,
+                    "opsd_reference": 3}
+#: run seed by seed after the rest (lopd_paper 0, opsd_reference 0, lopd_paper 1, ...): the fair twins, LOPD in its
+#: authors' setting and OPSD on the task's own reference, so that a plan stopped part-way has pairs of them.
+EXPERIENCE_TAIL = ("lopd_paper", "opsd_reference")
 EXPERIENCE_BUDGET = 280
 EXPERIENCE_EVALUATIONS = 10
 EXPERIENCE_STUDENT = "runs/hidden_rules/sft_student_in_context"
 #: whose swept learning rate each method takes: Skill-SD GRPO's (SkillSDModule derives from GRPOModule), the
-#: LOPD ablations LOPD's; LOPD, GRPO and OPSD are swept themselves.
+#: LOPD ablations and lopd_paper LOPD's, opsd_reference OPSD's; LOPD, GRPO and OPSD are swept themselves.
 EXPERIENCE_PARENTS = {"lopd": "lopd", "grpo": "grpo", "opsd": "opsd", "skill_sd": "grpo", "lopd_frozen": "lopd",
-                      "lopd_m0": "lopd"}
+                      "lopd_m0": "lopd", "lopd_paper": "lopd", "opsd_reference": "opsd"}
 #: issue 33's questions beyond GRPO: LOPD against OPSD with the same experience as text, the learned composer
-#: against the frozen one, the margin against m = 0, and against Skill-SD
-EXPERIENCE_CONTRASTS = (("lopd", "opsd"), ("lopd", "lopd_frozen"), ("lopd", "lopd_m0"), ("lopd", "skill_sd"))
+#: against the frozen one, the margin against m = 0, and against Skill-SD; then the added methods: LOPD in its
+#: authors' setting against its fair twin (OPSD on the task's own reference), against the cross-task OPSD and
+#: against the project's LOPD, and the two OPSDs against each other (each method's "against GRPO" is
+#: ``paired_vs_grpo``, for every method)
+EXPERIENCE_CONTRASTS = (("lopd", "opsd"), ("lopd", "lopd_frozen"), ("lopd", "lopd_m0"), ("lopd", "skill_sd"),
+                        ("lopd_paper", "opsd_reference"), ("lopd_paper", "opsd"), ("opsd_reference", "opsd"),
+                        ("lopd_paper", "lopd"))
 EXPERIENCE_OTHERS = ("lopd_frozen and lopd_m0 take LOPD's rate (an ablation of LOPD changes one thing); Skill-SD "
-                     "takes GRPO's (SkillSDModule derives from GRPOModule: GRPO plus a self-distillation term)")
+                     "takes GRPO's (SkillSDModule derives from GRPOModule: GRPO plus a self-distillation term); "
+                     "lopd_paper (LOPD in its authors' setting) takes LOPD's and opsd_reference (OPSD on the task's "
+                     "own reference) OPSD's")
 #: the task calibration of issue 33, item 1 (benchmarks/task_calibration.py on the in-context start student, at the
 #: runs' 96 new tokens).
 CALIBRATION = "benchmarks/results/task_calibration_hidden_rules_in_context_96.json"
@@ -77,6 +93,7 @@ class Plan:
     seeds: dict[str, int] | None = None  # None: --methods x --seeds
     head: tuple[str, ...] = ()
     order: tuple[str, ...] = ALL_METHODS
+    tail: tuple[str, ...] = ()  # run seed-major after the rest of ``order`` (seeded_plan)
     exact_evaluations: bool = False  # the evaluations must fall at exactly k / evaluations of the budget
     calibration: str | None = None
     #: a second checkpoint after every held-out evaluation, so that a run stopped during one resumes before it
@@ -96,7 +113,8 @@ PLANS = {
         evaluations=EXPERIENCE_EVALUATIONS, student=EXPERIENCE_STUDENT, results="experience_compare",
         runs_dir="experience_runs", sweep_file="experience_lr_sweep.json", sweep_methods=("lopd", "grpo", "opsd"),
         parents=EXPERIENCE_PARENTS, others=EXPERIENCE_OTHERS, seeds=EXPERIENCE_SEEDS, head=("lopd", "grpo", "opsd"),
-        order=EXPERIENCE_METHODS, exact_evaluations=True, calibration=CALIBRATION, evaluated_checkpoint=True,
+        order=EXPERIENCE_METHODS, tail=EXPERIENCE_TAIL, exact_evaluations=True, calibration=CALIBRATION,
+        evaluated_checkpoint=True,
         contrasts=EXPERIENCE_CONTRASTS,
         student_hint="python benchmarks/start_student.py --task hidden_rules --task-options "
                      "'{\"references\": \"format_only\"}' --in-context-fraction 0.5 --steps 36 --out "
@@ -105,11 +123,19 @@ PLANS = {
 
 
 # ---------------------------------------------------------------------- the runs of a plan
-def seeded_plan(seeds: dict[str, int], head: tuple[str, ...], order: tuple[str, ...]) -> list[tuple[str, int]]:
+def _seed_major(seeds: dict[str, int], methods: tuple[str, ...]) -> list[tuple[str, int]]:
+    """``methods`` all at seed 0, then at seed 1, ... (each up to its own count of ``seeds``)."""
+    return [(m, s) for s in range(max((seeds.get(m, 0) for m in methods), default=0)) for m in methods
+            if s < seeds.get(m, 0)]
+
+
+def seeded_plan(seeds: dict[str, int], head: tuple[str, ...], order: tuple[str, ...],
+                tail: tuple[str, ...] = ()) -> list[tuple[str, int]]:
     """``(method, seed)``: the ``head`` methods seed-major (all at seed 0, then at seed 1, ...), then every other
-    method of ``order`` with its seeds, so that a plan stopped part-way has answered the main question first."""
-    plan = [(m, s) for s in range(max((seeds[m] for m in head), default=0)) for m in head if s < seeds[m]]
-    return plan + [(m, s) for m in order if m not in head for s in range(seeds.get(m, 0))]
+    method of ``order`` with its seeds, so that a plan stopped part-way has answered the main question first; then
+    the ``tail`` methods seed-major (methods added to a plan after its first runs: those keep their places)."""
+    middle = [(m, s) for m in order if m not in head and m not in tail for s in range(seeds.get(m, 0))]
+    return _seed_major(seeds, head) + middle + _seed_major(seeds, tail)
 
 
 def evidence_plan(seeds: dict[str, int] | None = None) -> list[tuple[str, int]]:
@@ -122,8 +148,10 @@ def evidence_plan(seeds: dict[str, int] | None = None) -> list[tuple[str, int]]:
 
 def experience_plan(seeds: dict[str, int] | None = None) -> list[tuple[str, int]]:
     """``(method, seed)`` in the order of issue 33: LOPD, GRPO and OPSD at seed 0, 1 and 2 (seed-major), then
-    Skill-SD, lopd_frozen and lopd_m0 at seeds 0 and 1: 15 runs."""
-    return seeded_plan(dict(EXPERIENCE_SEEDS if seeds is None else seeds), PLANS["experience"].head, EXPERIENCE_METHODS)
+    Skill-SD, lopd_frozen and lopd_m0 at seeds 0 and 1 (the first 15 runs), then lopd_paper and opsd_reference at
+    seeds 0, 1 and 2 (seed-major): 21 runs."""
+    plan = PLANS["experience"]
+    return seeded_plan(dict(EXPERIENCE_SEEDS if seeds is None else seeds), plan.head, plan.order, plan.tail)
 
 
 def grid_plan(methods: list[str], seeds: list[int]) -> list[tuple[str, int]]:
@@ -144,12 +172,13 @@ def plan_runs(plan: Plan, *, methods: list[str], seeds: list[int], seed_cap: int
         runs = grid_plan(methods, seeds)
     else:
         counts = {m: min(n, seed_cap) if seed_cap is not None else n for m, n in plan.seeds.items()}
-        runs = seeded_plan(counts, plan.head, plan.order)
+        runs = seeded_plan(counts, plan.head, plan.order, plan.tail)
     if only is None:
         return runs
     if unknown := [f"{m}:{s}" for m, s in only if (m, s) not in runs]:
         capped = seed_cap is not None and plan.seeds is not None and all(
-            (m, s) in seeded_plan(dict(plan.seeds), plan.head, plan.order) for m, s in only if (m, s) not in runs)
+            (m, s) in seeded_plan(dict(plan.seeds), plan.head, plan.order, plan.tail) for m, s in only
+            if (m, s) not in runs)
         raise ValueError(f"--only {' '.join(unknown)}: not a run of the {plan.name} plan"
                          + (f" with --seed-cap {seed_cap}" if capped else "")
                          + f"; its runs are {' '.join(f'{m}:{s}' for m, s in runs)}")

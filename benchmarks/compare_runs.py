@@ -16,7 +16,9 @@
   result, ``<runs-dir>/<method>/seed_<s>.json`` (committed as it is written). The aggregation refuses
   to mix runs of different ``src/`` trees, generation backends, budgets, held-out sets, start students,
   banks, pretrained composers or library versions (``provenance``, compare_provenance.py;
-  :class:`MixedRuns`) unless it is told which ones to use.
+  :class:`MixedRuns`) unless it is told which ones to use. The composer check is per ``composer_path``: the runs
+  that read one composer folder must agree on its hash, while runs of different folders (the experience plan's
+  lopd_paper, with a composer of its own) read different composers by design.
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ def resume_step(run_dir: Path, config: dict[str, Any], src: dict[str, Any]) -> t
     last = run_dir / "checkpoints" / "last.ckpt"
     if not last.exists():
         return None
-    if read_config(run_dir / "run.yaml") != config:
+    if not same_config(read_config(run_dir / "run.yaml"), config):
         print(f"   {run_dir} holds a run of another config: starting over", flush=True)
         return None
     attempts = json.loads((run_dir / "attempts.json").read_text()) if (run_dir / "attempts.json").exists() else []
@@ -276,9 +278,9 @@ def dry_run(specs: list[Any], configs: list[dict[str, Any]], root: Path, results
         run_dir = Path(root) / spec.method / spec.name
         last = run_dir / "checkpoints" / "last.ckpt"
         if result_path.exists():
-            same = json.loads(result_path.read_text()).get("config") == config
+            same = same_config(json.loads(result_path.read_text()).get("config"), config)
             state = "finished" if same else "another config finished (--rerun replaces it)"
-        elif last.exists() and read_config(run_dir / "run.yaml") == config:
+        elif last.exists() and same_config(read_config(run_dir / "run.yaml"), config):
             resume = resume_checkpoint(run_dir, config, quiet=True)
             state = "new (its last.ckpt cannot be resumed)" if resume is None else \
                 f"resumable at step {resume[1]}"
@@ -380,6 +382,43 @@ def _matches(run: dict[str, Any], name: str, wanted: Any, same_inputs: dict[str,
     return value is None or str(value).startswith(str(wanted))  # a run without one is not filtered out
 
 
+def composer_folder(run: dict[str, Any]) -> str | None:
+    """The ``model.init_args.composer_path`` a run's config names (normalised), or None (no composer, or a run file
+    without its config): the runs of one folder must have read one composer (:func:`select_runs`)."""
+    init = ((run.get("config") or {}).get("model") or {}).get("init_args") or {}
+    return os.path.normpath(str(init["composer_path"])) if init.get("composer_path") else None
+
+
+#: checks of :data:`UNIFORM` made within groups of runs rather than over all of them: the provenance key, and how a
+#: run's group is read (runs of different groups may differ in that key; None is one group of its own).
+PER_GROUP = {"composer_hash": ("composer_path", composer_folder)}
+
+
+#: the keys of the config values compare.run_config writes as paths (compare._path: relative inside the repository,
+#: absolute outside it, so a checkout whose runs/ links elsewhere writes them absolute): the logger's folder, the
+#: summary's file and the checkpoints' folder.
+PATH_KEYS = ("save_dir", "json_path", "dirpath")
+
+
+def _resolved_paths(config: Any, root: Path) -> Any:
+    """``config`` with each :data:`PATH_KEYS` value resolved against ``root`` (an absolute one as it is)."""
+    if isinstance(config, dict):
+        return {k: str((Path(root) / v).resolve()) if k in PATH_KEYS and isinstance(v, str)
+                else _resolved_paths(v, root) for k, v in config.items()}
+    if isinstance(config, list):
+        return [_resolved_paths(v, root) for v in config]
+    return config
+
+
+def same_config(recorded: dict[str, Any] | None, config: dict[str, Any], root: Path = REPO_ROOT) -> bool:
+    """Whether a finished run's recorded config is ``config``, the run folders' paths compared as the locations
+    they name: the experience plan's first 15 runs ran in a worktree whose ``runs/`` linked to this checkout's, so
+    their files record ``/work/main/runs/experience/...`` where a run here writes ``runs/experience/...``."""
+    if recorded is None:
+        return False
+    return recorded == config or _resolved_paths(recorded, root) == _resolved_paths(config, root)
+
+
 def _run_name(run: dict[str, Any]) -> str:
     return run.get("path") or f"{run['method']}/seed_{run['seed']}"
 
@@ -400,7 +439,9 @@ def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, back
     ``backend``, ``budget`` and the provenance prefixes (``student_hash``, ``bank_hash``, ``composer_hash``,
     ``versions``: a run's ``provenance.versions_key``; a run without the value passes) where given, checked
     to share one src tree, backend, budget, held-out set, start student, bank, composer and library versions
-    (:data:`UNIFORM`; runs without a bank or composer are left out of those two checks). ``same_inputs``
+    (:data:`UNIFORM`; runs without a bank or composer are left out of those two checks; the composer is checked
+    among the runs of each ``composer_path``, :data:`PER_GROUP`: runs of two composer folders read two composers by
+    design, runs of one folder must have read one). ``same_inputs``
     (``{"student_hash": {rebuilt: original}, ...}``, compare.py's ``--same-input``): inputs rebuilt on another
     machine that the user declares the same as the plan's (their evidence in benchmarks/README.md) take part in
     the check, and in the filters, under the original's hash.
@@ -419,16 +460,22 @@ def select_runs(runs: list[dict[str, Any]], *, src_tree: str | None = None, back
                         f"{sorted({r['generation_backend'] for r in runs})}, budgets {sorted({r['budget_trajectories'] for r in runs})}")
     for what, read, flag, key in UNIFORM:
         value = _read_as(read, key, same_inputs)
-        groups: dict[str, list[dict[str, Any]]] = {}
+        group_name, group_of = PER_GROUP.get(key or "", (None, lambda r: None))
+        parts: dict[str | None, list[dict[str, Any]]] = {}
         for r in chosen:
-            if value(r) is not None:
-                groups.setdefault(value(r), []).append(r)
-        if len(groups) > 1:
-            labels = _versions_labels(groups) if what == "library versions" else {k: k for k in groups}
-            listed = "; ".join(f"{labels[k]}: {', '.join(map(_run_name, v))}" for k, v in sorted(groups.items()))
-            how = f"aggregate one with {flag}" if flag else "rerun the runs that differ"
-            kind = SAME_INPUT_KIND_OF.get(key)
-            if kind is not None:  # a rebuild of the same input on another machine (benchmarks/README.md)
-                how += f", or declare a rebuilt one the original with --same-input {kind}:REBUILT=ORIGINAL"
-            raise MixedRuns(f"refusing to aggregate runs from {len(groups)} {what} ({listed}); {how}")
+            parts.setdefault(group_of(r), []).append(r)
+        for part, members in sorted(parts.items(), key=lambda item: str(item[0])):
+            groups: dict[str, list[dict[str, Any]]] = {}
+            for r in members:
+                if value(r) is not None:
+                    groups.setdefault(value(r), []).append(r)
+            if len(groups) > 1:
+                labels = _versions_labels(groups) if what == "library versions" else {k: k for k in groups}
+                listed = "; ".join(f"{labels[k]}: {', '.join(map(_run_name, v))}" for k, v in sorted(groups.items()))
+                how = f"aggregate one with {flag}" if flag else "rerun the runs that differ"
+                kind = SAME_INPUT_KIND_OF.get(key)
+                if kind is not None:  # a rebuild of the same input on another machine (benchmarks/README.md)
+                    how += f", or declare a rebuilt one the original with --same-input {kind}:REBUILT=ORIGINAL"
+                among = f" among the runs of {group_name} {part}" if part is not None else ""
+                raise MixedRuns(f"refusing to aggregate runs from {len(groups)} {what}{among} ({listed}); {how}")
     return chosen

@@ -1,5 +1,5 @@
-"""benchmarks/compare.py --plan experience (issue 33, item 3): the configs (configs/experience), the 15 runs in
-their order, the held-out evaluations at every 10% of the budget, the learning rates of the sweep (LOPD, GRPO,
+"""benchmarks/compare.py --plan experience (issue 33, item 3): the configs (configs/experience), the 21 runs in
+their order (the 15 committed first, then lopd_paper and opsd_reference), the held-out evaluations at every 10% of the budget, the learning rates of the sweep (LOPD, GRPO,
 OPSD; the others their parent's), the provenance recorded for each run (compare_provenance.py) and the
 aggregation's refusal to mix it, the task calibration in experience_compare.json, and a tiny end-to-end run."""
 
@@ -19,10 +19,17 @@ from test_compare import fake_run, write_runs
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIENCE = ROOT / "configs" / "experience"
 TINY = ROOT / "configs" / "experience_tiny"
-METHODS = ("lopd", "grpo", "opsd", "skill_sd", "lopd_frozen", "lopd_m0")
-ORDER = [("lopd", 0), ("grpo", 0), ("opsd", 0), ("lopd", 1), ("grpo", 1), ("opsd", 1), ("lopd", 2), ("grpo", 2),
-         ("opsd", 2), ("skill_sd", 0), ("skill_sd", 1), ("lopd_frozen", 0), ("lopd_frozen", 1), ("lopd_m0", 0),
-         ("lopd_m0", 1)]
+METHODS = ("lopd", "grpo", "opsd", "skill_sd", "lopd_frozen", "lopd_m0", "lopd_paper", "opsd_reference")
+#: the plan's first 15 runs, committed in benchmarks/results/experience_runs: they keep their places
+FIRST_15 = [("lopd", 0), ("grpo", 0), ("opsd", 0), ("lopd", 1), ("grpo", 1), ("opsd", 1), ("lopd", 2), ("grpo", 2),
+            ("opsd", 2), ("skill_sd", 0), ("skill_sd", 1), ("lopd_frozen", 0), ("lopd_frozen", 1), ("lopd_m0", 0),
+            ("lopd_m0", 1)]
+#: then the two added methods, seed by seed (the fair twins in pairs)
+ORDER = FIRST_15 + [("lopd_paper", 0), ("opsd_reference", 0), ("lopd_paper", 1), ("opsd_reference", 1),
+                    ("lopd_paper", 2), ("opsd_reference", 2)]
+RESULTS = ROOT / "benchmarks" / "results"
+#: the composer folders of the experience configs
+COMPOSER, COMPOSER_PAPER = "runs/experience/composer", "runs/experience/composer_paper"
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +38,29 @@ def compare():
 
 
 # ---------------------------------------------------------------------- the plan
-def test_the_experience_plan_lists_its_15_runs_in_order(compare, tmp_path, capsys):
-    assert compare.experience_plan() == ORDER
+def test_the_experience_plan_lists_its_runs_in_order(compare, tmp_path, capsys):
+    assert compare.experience_plan() == ORDER and len(ORDER) == 21
+    committed = sorted((p.parent.name, int(p.stem.removeprefix("seed_")))
+                       for p in (RESULTS / "experience_runs").glob("*/seed_*.json"))
+    assert sorted(ORDER[:15]) == committed  # the committed runs come first, in their order
     (tmp_path / "experience_lr_sweep.json").write_text(json.dumps({"chosen": {"lopd": 3e-5, "grpo": 1e-5, "opsd": 1e-4}}))
     base = ["--plan", "experience", "--dry-run", "--out-dir", str(tmp_path), "--root", str(tmp_path / "runs")]
     rows = compare.main(base)["plan"]
-    # LOPD's ablations take LOPD's rate, Skill-SD GRPO's (SkillSDModule derives from GRPOModule)
-    rates = {"lopd": 3e-5, "lopd_frozen": 3e-5, "lopd_m0": 3e-5, "grpo": 1e-5, "skill_sd": 1e-5, "opsd": 1e-4}
+    # LOPD's ablations and lopd_paper take LOPD's rate, Skill-SD GRPO's (SkillSDModule derives from GRPOModule),
+    # opsd_reference OPSD's
+    rates = {"lopd": 3e-5, "lopd_frozen": 3e-5, "lopd_m0": 3e-5, "grpo": 1e-5, "skill_sd": 1e-5, "opsd": 1e-4,
+             "lopd_paper": 3e-5, "opsd_reference": 1e-4}
     assert [(r["method"], r["run"], r["budget"], r["steps"], r["learning_rate"], r["state"]) for r in rows] == [
         (m, f"seed_{s}", 280, 70, rates[m], "new") for m, s in ORDER]
-    assert compare.compare_plans.EXPERIENCE_PARENTS["skill_sd"] == "grpo"
+    parents = compare.compare_plans.EXPERIENCE_PARENTS
+    assert (parents["skill_sd"], parents["lopd_paper"], parents["opsd_reference"]) == ("grpo", "lopd", "opsd")
+    others = compare.compare_plans.EXPERIENCE_OTHERS
+    assert "lopd_paper (LOPD in its authors' setting) takes LOPD's" in others and "opsd_reference" in others
+    rows = compare.main([*base, "--only", "opsd_reference:2", "lopd_paper:0"])["plan"]
+    assert [(r["method"], r["run"], r["learning_rate"]) for r in rows] == [("lopd_paper", "seed_0", 3e-5),
+                                                                          ("opsd_reference", "seed_2", 1e-4)]
+    capped = compare.main([*base, "--seed-cap", "1"])["plan"]
+    assert [r["method"] for r in capped] == list(METHODS)
     # --only: some of the plan's runs, in the plan's order, whatever order they are named in
     rows = compare.main([*base, "--only", "opsd:1", "grpo:1"])["plan"]
     assert [(r["method"], r["run"], r["learning_rate"]) for r in rows] == [("grpo", "seed_1", 1e-5), ("opsd", "seed_1", 1e-4)]
@@ -306,10 +326,16 @@ def test_the_experience_configs_share_the_task_student_sampling_and_bank(compare
         assert reads == (method.startswith("lopd") or method == "opsd")
         if reads:
             assert (init["bank_path"], init["embedder"]) == ("runs/experience/bank", "minilm")
-        assert init.get("composer_path") == ("runs/experience/composer" if method.startswith("lopd") else None)
+        # lopd_paper reads a composer of its own (its config's); the other LOPD runs share one
+        own = COMPOSER_PAPER if method == "lopd_paper" else COMPOSER
+        assert init.get("composer_path") == (own if method.startswith("lopd") else None), method
     heldout = get_task("hidden_rules", **configs["lopd"]["data"]["init_args"]["task_options"]).examples("val")
     assert configs["lopd"]["data"]["init_args"]["val_limit"] == len(heldout) == 200  # every held-out task (>= 150)
     assert configs["opsd"]["model"]["init_args"]["privileged_context"] == "retrieved"
+    # the fair twin reads the task's own reference as text: no bank, so its provenance has no bank hash
+    assert configs["opsd_reference"]["model"]["init_args"]["privileged_context"] == "reference"
+    assert compare.compare_provenance.bank_hash(configs["opsd_reference"]) is None
+    assert compare.compare_provenance.composer_hash(configs["opsd_reference"]["model"]["init_args"].get("composer_path")) is None
     lopd = configs["lopd"]
     for ablation, key, value in (("lopd_frozen", "freeze_composer", True), ("lopd_m0", "margin", 0.0)):
         other = configs[ablation]
@@ -483,6 +509,183 @@ def test_a_student_loaded_by_name_is_not_mixed_with_a_student_folder(compare, tm
     assert list(compare.main([*base, "--student-hash", "name smollm2"])["methods"]) == ["grpo"]
 
 
+def with_composer(run, folder):
+    """``run`` with a config naming ``folder`` as its composer_path (the run files' own configs do)."""
+    run["config"] = {"model": {"init_args": {"composer_path": folder}}}
+    return run
+
+
+def test_composers_are_compared_among_the_runs_of_each_composer_folder(compare, tmp_path):
+    """lopd_paper reads a composer of its own (runs/experience/composer_paper): its runs aggregate beside the other
+    LOPD runs, which read runs/experience/composer, while two composers in one folder are still refused, naming
+    the folder, and a rebuilt one is still declared with --same-input."""
+    final = {"q0": True, "q1": False, "q2": True, "q3": False}
+    out, runs = tmp_path / "out", tmp_path / "out" / "experience_runs"
+    base = ["--plan", "experience", "--aggregate-only", "--out-dir", str(out), "--bootstrap", "200", "--calibration", "none"]
+
+    def lopd_run(method, seed, composer, folder):
+        return with_composer(with_provenance(fake_run(method, seed, final=final), bank="b1", composer=composer), folder)
+
+    write_runs(runs, lopd_run("lopd", 0, "c1", COMPOSER), lopd_run("lopd_paper", 0, "p1", COMPOSER_PAPER),
+               with_provenance(fake_run("opsd_reference", 0, final=final)))  # no bank, no composer
+    data = compare.main(base)
+    assert list(data["methods"]) == ["lopd", "lopd_paper", "opsd_reference"]
+    assert {m: p["composer_hash"] for m, p in data["provenance"].items()} == {"lopd": "c1", "lopd_paper": "p1",
+                                                                            "opsd_reference": None}
+    assert data["provenance"]["opsd_reference"]["bank_hash"] is None
+    # the filter still picks by hash: a run of the other folder is left out, a run without a composer stays
+    assert list(compare.main([*base, "--composer-hash", "c1"])["methods"]) == ["lopd", "opsd_reference"]
+
+    def refused(folder, listed, kind="composer"):
+        return (rf"^error: refusing to aggregate runs from 2 pretrained composers \(composer hash\) among the runs of "
+                rf"composer_path {folder} \({listed}\); aggregate one with --composer-hash HASH, or declare a rebuilt one "
+                rf"the original with --same-input {kind}:REBUILT=ORIGINAL$")
+
+    write_runs(runs, lopd_run("lopd_frozen", 0, "c2", COMPOSER))  # one folder, two composers: refused as before
+    with pytest.raises(SystemExit, match=refused(COMPOSER, r"c1: lopd/seed_0\.json; c2: lopd_frozen/seed_0\.json")):
+        compare.main(base)
+    declared = compare.main([*base, "--same-input", "composer:c2=c1"])
+    assert list(declared["methods"]) == ["lopd", "lopd_frozen", "lopd_paper", "opsd_reference"]
+    (runs / "lopd_frozen" / "seed_0.json").unlink()
+    write_runs(runs, lopd_run("lopd_paper", 1, "p2", COMPOSER_PAPER))  # and in lopd_paper's own folder
+    with pytest.raises(SystemExit, match=refused(COMPOSER_PAPER, r"p1: lopd_paper/seed_0\.json; p2: lopd_paper/seed_1\.json")):
+        compare.main(base)
+    write_runs(runs, lopd_run("lopd_paper", 1, "p1", "runs/experience/./composer_paper/"))  # the same folder, spelt otherwise
+    assert compare.main(base)["methods"]["lopd_paper"]["seeds"] == [0, 1]
+    # runs whose files hold no config (written before configs were recorded) form one group, as before
+    assert compare.compare_runs.composer_folder(fake_run("lopd", 0, final=final)) is None
+
+
+def test_the_added_contrasts_give_reasons_without_runs_and_numbers_with_them(compare, tmp_path):
+    """The four contrasts of lopd_paper and opsd_reference are null with the side that has no run, and measured
+    once both sides have runs; adding those runs changes no number of the other methods (LOPD's budget fractions
+    key on lopd and grpo only) and the table lists the new methods."""
+    out, runs = tmp_path / "out", tmp_path / "out" / "experience_runs"
+    base = ["--plan", "experience", "--aggregate-only", "--out-dir", str(out), "--bootstrap", "200", "--calibration", "none"]
+    finals = ({"q0": True, "q1": False, "q2": True, "q3": False}, {"q0": True, "q1": True, "q2": False, "q3": False})
+    for method, curve in (("lopd", (0.1, 0.6)), ("grpo", (0.0, 0.3)), ("opsd", (0.2, 0.4))):
+        write_runs(runs, *(with_provenance(fake_run(method, s, final=finals[s], curve=(curve[0], curve[1] + s / 10)))
+                           for s in (0, 1)))
+    before = compare.main(base)
+    contrasts = compare.compare_plans.EXPERIENCE_CONTRASTS
+    assert [(c["method"], c["reference"]) for c in before["contrasts"]] == list(contrasts)
+    reasons = {(c["method"], c["reference"]): c["reason"] for c in before["contrasts"]}
+    assert reasons == {("lopd", "opsd"): None, ("lopd", "lopd_frozen"): "lopd_frozen has no run",
+                       ("lopd", "lopd_m0"): "lopd_m0 has no run", ("lopd", "skill_sd"): "skill_sd has no run",
+                       ("lopd_paper", "opsd_reference"): "lopd_paper and opsd_reference have no run",
+                       ("lopd_paper", "opsd"): "lopd_paper has no run", ("opsd_reference", "opsd"): "opsd_reference has no run",
+                       ("lopd_paper", "lopd"): "lopd_paper has no run"}
+    for c in before["contrasts"][4:]:
+        assert (c["final_reward_difference"], c["final_reward_difference_ci"], c["heldout_two_level"]) == (None, None, None)
+        assert c["heldout_two_level_reason"] == c["reason"]
+    md = (out / "experience_compare.md").read_text()
+    assert "- lopd_paper vs opsd_reference: not measured (lopd_paper and opsd_reference have no run)." in md
+
+    for method, curve in (("lopd_paper", (0.1, 0.5)), ("opsd_reference", (0.3, 0.7))):
+        write_runs(runs, *(with_provenance(fake_run(method, s, final=finals[1 - s], curve=(curve[0], curve[1] - s / 10)))
+                           for s in (0, 1)))
+    after = compare.main(base)
+    assert list(after["methods"]) == ["lopd", "grpo", "opsd", "lopd_paper", "opsd_reference"]
+    for c in after["contrasts"][4:]:
+        assert c["reason"] is None and c["heldout_two_level"]["n_questions"] == 4, c
+    twins = after["contrasts"][4]
+    # each seed's final reward: the trailing mean of its two points (the window, 3 steps, is longer than the run)
+    paper, reference = [(0.1 + 0.5) / 2, (0.1 + 0.4) / 2], [(0.3 + 0.7) / 2, (0.3 + 0.6) / 2]
+    assert twins["final_reward_difference"] == pytest.approx(sum(paper) / 2 - sum(reference) / 2)
+    assert after["contrasts"][:4] == before["contrasts"][:4]
+    for name in ("lopd", "grpo", "opsd"):
+        assert after["methods"][name] == before["methods"][name]
+    fractions = [k for k in before if k.startswith(("lopd_", "grpo_"))]
+    assert fractions and {k: after[k] for k in fractions} == {k: before[k] for k in fractions}
+    assert after["methods"]["lopd_paper"]["paired_vs_grpo"] is not None  # each method against GRPO: paired_vs_grpo
+    md = (out / "experience_compare.md").read_text()
+    assert "| lopd_paper | 0,1 |" in md and "| opsd_reference | 0,1 |" in md
+    assert "- lopd_paper vs opsd_reference: final training reward -0.200" in md
+
+
+def test_the_committed_aggregate_is_rebuilt_with_its_numbers_and_the_added_contrasts(compare, tmp_path, monkeypatch):
+    """experience_compare.json rebuilt from the committed run files with its own command line: every key as
+    committed (but those that record when, where and with which checkout it was written), its contrasts as
+    committed, and each contrast added since null with its reason while a side has no run file."""
+    committed = json.loads((RESULTS / "experience_compare.json").read_text())
+    monkeypatch.chdir(ROOT)  # its command line's paths are the repository's
+    assert "--out-dir" not in committed["argv"]
+    compare.main([*committed["argv"], "--out-dir", str(tmp_path)])
+    rebuilt = json.loads((tmp_path / "experience_compare.json").read_text())
+    recorded = {"timestamp", "git_sha", "argv", "hardware", "versions"}
+    assert set(rebuilt) == set(committed)
+    for key in set(committed) - recorded - {"contrasts"}:
+        assert rebuilt[key] == committed[key], key
+    n = len(committed["contrasts"])
+    assert rebuilt["contrasts"][:n] == committed["contrasts"]
+    with_runs = {p.parent.name for p in (RESULTS / "experience_runs").glob("*/seed_*.json")}
+    added = compare.compare_plans.EXPERIENCE_CONTRASTS[n:]
+    assert [(c["method"], c["reference"]) for c in rebuilt["contrasts"][n:]] == list(added)
+    for c in rebuilt["contrasts"][n:]:
+        missing = [m for m in (c["method"], c["reference"]) if m not in with_runs]
+        assert bool(c["reason"]) == bool(missing) and (c["heldout_two_level"] is None) == bool(missing), c
+
+
+def test_the_committed_runs_are_read_back_as_finished_where_the_plan_resumes(compare):
+    """The committed runs ran in a worktree whose runs/ linked to this checkout's: their configs name the run
+    folders as /work/main/runs/experience/..., a run here as runs/experience/...; the plan reads them back as
+    finished (the same folders), so it resumes with the added runs."""
+    rows = compare.main(["--plan", "experience", "--dry-run"])["plan"]
+    assert [(r["method"], int(r["run"].removeprefix("seed_"))) for r in rows] == ORDER
+    committed = {(p.parent.name, p.stem) for p in (RESULTS / "experience_runs").glob("*/seed_*.json")}
+    for row in rows:
+        assert (row["state"] == "finished") == ((row["method"], row["run"]) in committed), row
+    same = compare.compare_runs.same_config
+    config = {"trainer": {"logger": {"init_args": {"save_dir": "runs/experience", "name": "lopd"}}}, "seed": 1}
+    absolute = {"trainer": {"logger": {"init_args": {"save_dir": str(ROOT / "runs" / "experience"), "name": "lopd"}}},
+                "seed": 1}
+    assert same(absolute, config) and same(config, config) and not same(None, config)
+    assert not same({**absolute, "seed": 2}, config)  # any other difference is another config
+    elsewhere = {"trainer": {"logger": {"init_args": {"save_dir": "/elsewhere/runs/experience", "name": "lopd"}}}, "seed": 1}
+    assert not same(elsewhere, config)
+
+
+def test_the_plan_refuses_to_start_while_a_composer_its_runs_read_is_missing(compare, tmp_path):
+    """Per composer folder: the methods that read it and the `lopd pretrain-composer` command of their config (lopd
+    for the shared composer, lopd_paper for its own), before any run starts; with --only, only the runs named."""
+    work = tmp_path / "work"
+    configs = tiny_configs(tmp_path, work)
+    base = ["--plan", "experience", "--config-dir", str(configs), "--student", "tiny", "--budget", "8", "--evaluations",
+            "2", "--lr-file", "none", "--root", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out"), "--in-process"]
+    shared, own = str(work / "composer"), str(work / "composer_paper")
+
+    def refusal(folder, method, readers):
+        return (f"no pretrained composer in {folder} (read by {readers}): pretrain it first with `lopd pretrain-composer "
+                f"-c {configs}/common.yaml -c {configs}/{method}.yaml --model.init_args.composer_path=null "
+                f"--model.init_args.generation_backend=hf --out {folder}` (add --resume to continue a stopped pretraining)")
+
+    with pytest.raises(SystemExit) as refused:
+        compare.main(base)
+    assert str(refused.value) == ("error: " + refusal(shared, "lopd", "lopd, lopd_frozen, lopd_m0") + "; "
+                                  + refusal(own, "lopd_paper", "lopd_paper"))
+    (work / "composer").mkdir(parents=True)
+    (work / "composer" / "composer.pt").write_bytes(b"phi")
+    for only in (["lopd:0", "lopd_paper:0"], ["lopd_paper:1"]):  # the shared one is there: only lopd_paper's is missing
+        with pytest.raises(SystemExit) as refused:
+            compare.main([*base, "--only", *only])
+        assert str(refused.value) == "error: " + refusal(own, "lopd_paper", "lopd_paper")
+    (work / "composer" / "composer.pt").unlink()
+    with pytest.raises(SystemExit) as refused:
+        compare.main([*base, "--only", "lopd_frozen:0"])  # an ablation's composer is made with LOPD's config
+    assert str(refused.value) == "error: " + refusal(shared, "lopd", "lopd, lopd_frozen, lopd_m0")
+    assert not (tmp_path / "runs").exists()  # refused before any run
+    # the experience configs: the commands of their headers
+    real = {m: compare.method_config(EXPERIENCE, m) for m in METHODS}
+    for method, folder in (("lopd", COMPOSER), ("lopd_paper", COMPOSER_PAPER)):
+        line = compare.missing_composer_error([folder], real, EXPERIENCE, compare.PLANS["experience"].order)
+        command = (f"lopd pretrain-composer -c configs/experience/common.yaml -c configs/experience/{method}.yaml "
+                   f"--model.init_args.composer_path=null --model.init_args.generation_backend=hf --out {folder}")
+        assert f"no pretrained composer in {folder} (read by {method}" in line and f"`{command}`" in line
+        header = " ".join(line.lstrip("#").strip().rstrip("\\") for line in (EXPERIENCE / f"{method}.yaml").read_text()
+                          .splitlines() if line.startswith("#"))
+        assert command in " ".join(header.split()), method
+
+
 def test_the_aggregation_reads_the_default_calibration_without_the_flag(compare, tmp_path):
     """--calibration left out meant --calibration none: str(None).lower() is "none"."""
     write_runs(tmp_path / "experience_runs", with_provenance(fake_run("lopd", 0, final={"q0": True, "q1": False})))
@@ -506,16 +709,42 @@ def test_task_calibration_reads_the_three_numbers_or_says_why_not(compare, tmp_p
 
 
 # ---------------------------------------------------------------------- end to end, tiny
-def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compare, tmp_path):
-    from lopd_lightning.cli import main as lopd
-
-    configs, work = tmp_path / "configs", tmp_path / "work"
+def tiny_configs(tmp_path: Path, work: Path) -> Path:
+    """configs/experience_tiny in ``tmp_path/configs``, its bank and composers under ``work``; with a tiny
+    lopd_paper (the tiny LOPD in its authors' setting: self-retrieval, a base teacher, the long framing, the
+    composer's KL per rollout and joint clipping, no MemoryRefresh, a composer of its own in ``work/composer_paper``)
+    and opsd_reference (the task's own reference as text, no bank) where that folder has none."""
+    configs = tmp_path / "configs"
     configs.mkdir()
     for path in TINY.glob("*.yaml"):  # the tiny configs, their bank and composer in this test's folder
         (configs / path.name).write_text(path.read_text().replace("runs/experience_tiny", str(work)))
-    stage = ["-c", str(configs / "common.yaml"), "-c", str(configs / "lopd.yaml"), "--model.init_args.composer_path=null"]
-    assert lopd(["build-memory", *stage, "--from-references"]) == 0
-    assert lopd(["pretrain-composer", *stage, "--out", str(work / "composer"), "--steps", "1"]) == 0
+    if not (configs / "lopd_paper.yaml").exists():
+        paper = yaml.safe_load((configs / "lopd.yaml").read_text())
+        paper["model"]["init_args"].update(
+            composer_path=str(work / "composer_paper"), num_experiences=3, allow_self_retrieval=True,
+            teacher_mode="base", context_framing="from_scratch", composer_kl_mean="rollout", composer_clip_joint=1.0,
+            warm_start_reconstruction_weight=0.0, warm_start_self_retrieval=True)
+        paper.pop("trainer")  # a frozen bank: no MemoryRefresh
+        (configs / "lopd_paper.yaml").write_text(yaml.safe_dump(paper))
+    if not (configs / "opsd_reference.yaml").exists():
+        (configs / "opsd_reference.yaml").write_text(yaml.safe_dump({
+            "model": {"class_path": "lopd_lightning.modules.OPSDModule",
+                      "init_args": {"group_size": 1, "privileged_context": "reference", "context_framing": "from_scratch"}},
+            "data": {"init_args": {"examples_per_step": 4}}}))
+    return configs
+
+
+def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compare, tmp_path):
+    from lopd_lightning.cli import main as lopd
+
+    work = tmp_path / "work"
+    configs = tiny_configs(tmp_path, work)
+    for method, folder in (("lopd", "composer"), ("lopd_paper", "composer_paper")):  # each composer from its config
+        stage = ["-c", str(configs / "common.yaml"), "-c", str(configs / f"{method}.yaml"),
+                 "--model.init_args.composer_path=null"]
+        if method == "lopd":
+            assert lopd(["build-memory", *stage, "--from-references"]) == 0
+        assert lopd(["pretrain-composer", *stage, "--out", str(work / folder), "--steps", "1"]) == 0
     out, calibration = tmp_path / "out", ROOT / compare.compare_plans.CALIBRATION
     data = compare.main(["--plan", "experience", "--config-dir", str(configs), "--student", "tiny", "--budget", "8",
                          "--evaluations", "2", "--seed-cap", "1", "--lr-file", "none", "--root", str(tmp_path / "runs"),
@@ -525,10 +754,11 @@ def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compa
     assert saved["task_calibration"]["student_success"] == 0.135 and saved["task_calibration"]["same_student_as_runs"] is False
     assert (out / "experience_compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Task calibration (200 held-out tasks" in (out / "experience_compare.md").read_text()
-    # issue 33's questions beyond GRPO: LOPD against OPSD, the frozen composer, m = 0 and Skill-SD
+    # issue 33's questions beyond GRPO: LOPD against OPSD, the frozen composer, m = 0 and Skill-SD; then the added ones
     assert [(c["method"], c["reference"]) for c in saved["contrasts"]] == list(compare.compare_plans.EXPERIENCE_CONTRASTS)
     assert all(c["reason"] is None and c["heldout_two_level"]["n_questions"] == 4 for c in saved["contrasts"])
     assert "- lopd vs lopd_frozen: final training reward" in (out / "experience_compare.md").read_text()
+    assert "- lopd_paper vs opsd_reference: final training reward" in (out / "experience_compare.md").read_text()
     for key in ("lopd_heldout_budget_fraction_to_grpo_final", "lopd_budget_fraction_to_grpo_final", "val_examples"):
         assert key in saved
     runs = {m: json.loads((out / "experience_runs" / m / "seed_0.json").read_text()) for m in METHODS}
@@ -544,9 +774,14 @@ def test_the_tiny_experience_plan_runs_every_method_and_records_provenance(compa
         composers.add(p["composer_hash"])
         if method != "grpo":
             assert saved["methods"][method]["paired_vs_grpo_two_level"]["n_questions"] == 4
-    assert len(banks - {None}) == 1 and len(composers - {None}) == 1  # one bank, one composer for every run
-    expected = hashlib.sha256((work / "composer" / "composer.pt").read_bytes()).hexdigest()[:16]
-    assert composers - {None} == {expected}
+    assert len(banks - {None}) == 1  # one bank for every run that reads one (not opsd_reference: its own reference)
+    # one composer per folder: lopd_paper's own, and the one every other LOPD run reads (aggregated together)
+    expected = {folder: hashlib.sha256((work / folder / "composer.pt").read_bytes()).hexdigest()[:16]
+                for folder in ("composer", "composer_paper")}
+    for method, run in runs.items():
+        if method.startswith("lopd"):
+            assert run["provenance"]["composer_hash"] == expected["composer_paper" if method == "lopd_paper" else "composer"]
+    assert composers - {None} == set(expected.values())
 
 
 # ---------------------------------------------------------------------- held-out success per category
