@@ -120,7 +120,8 @@ def test_bad_input_is_one_line(tmp_path):
 
     # a typo'd step is refused before any step runs (a build can take an hour)
     assert last_line(str(checkout), "student", "studnet") == (
-        "error: unknown step 'studnet': use student, bank or composer (or --same-input KIND:REBUILT=ORIGINAL)")
+        "error: unknown step 'studnet': use student, bank, composer or composer_paper (or --same-input "
+        "KIND:REBUILT=ORIGINAL)")
     assert last_line(str(checkout), "student", "--same-input") == (
         "error: --same-input needs KIND:REBUILT=ORIGINAL, for example --same-input student:66976bd00baa61a7=3761f00976a961fa")
     # a malformed declaration: compare.py's own refusal (compare_args.same_inputs), before any step
@@ -161,3 +162,59 @@ def test_another_src_tree_or_other_libraries_are_refused_before_any_step(tmp_pat
     assert done.returncode == 1
     assert "error: PYTHON's libraries differ from the start student's (have, built with): transformers " in done.stderr
     assert " / 0.0.1: install those versions" in done.stderr
+
+
+def _composer(here: Path, folder: str, content: bytes) -> str:
+    """Write a stand-in pretrained composer (built already: the step only checks it); returns its composer_hash."""
+    (here / "runs" / "experience" / folder).mkdir(parents=True)
+    (here / "runs" / "experience" / folder / "composer.pt").write_bytes(content)
+    return hashlib.sha256(content).hexdigest()[:16]
+
+
+def _paper_run(here: Path, seed: int, composer: str | None, tree: str) -> None:
+    """A committed lopd_paper run file recording ``composer`` and the src tree ``tree``."""
+    folder = here / "benchmarks" / "results" / "experience_runs" / "lopd_paper"
+    folder.mkdir(parents=True, exist_ok=True)
+    run = {"src": {"src_tree": tree}, "git_sha": "abc1234", "provenance": {"composer_hash": composer}}
+    (folder / f"seed_{seed}.json").write_text(json.dumps(run))
+
+
+def test_composer_paper_reports_its_hash_until_a_lopd_paper_run_records_one(tmp_path):
+    """lopd_paper's own composer (runs/experience/composer_paper): checked against nothing while no committed
+    lopd_paper run recorded a composer (the hash it built is reported, and the src tree it built on, which need
+    not be the plan's), then against that run's hash and src tree; the shared composer's check is unchanged."""
+    here, checkout = _layout(tmp_path, {"composer": "0" * 16})
+    built = _composer(here, "composer_paper", b"paper phi")
+    run_file = here / "benchmarks" / "results" / "experience_runs" / "lopd" / "seed_1.json"
+    plan = json.loads(run_file.read_text())
+    tree = plan["src"]["src_tree"]
+    run_file.write_text(json.dumps({**plan, "src": {"src_tree": "f" * 40}}))  # the plan's runs: another src tree
+    done = _run(here, str(checkout), "composer_paper")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines() == [
+        f"composer_paper: no committed lopd_paper run yet; building on {checkout}'s src/ tree {tree} (the lopd_paper "
+        "runs must run on it)",
+        f"composer_paper: {built} (no committed lopd_paper run records a composer_hash yet: those runs will record this one)"]
+    bad = _run(here, str(checkout), "composer", "composer_paper")  # the shared composer still needs the plan's tree
+    assert bad.returncode == 1 and bad.stdout.strip().splitlines()[-1].startswith(f"error: {checkout}'s src/ is tree {tree}, "
+                                                                                  f"the plan's runs had {'f' * 40}")
+    run_file.write_text(json.dumps(plan))
+
+    _paper_run(here, 0, None, "e" * 40)  # a run without a composer hash is not the reference
+    _paper_run(here, 1, built, tree)
+    done = _run(here, str(checkout), "composer_paper")
+    assert done.returncode == 0 and done.stdout.strip().splitlines() == [f"composer_paper: {built}, as the plan's runs recorded"]
+    _paper_run(here, 1, "1" * 16, tree)  # another composer recorded: stops, and a declaration of it goes on
+    bad = _run(here, str(checkout), "composer_paper")
+    assert bad.returncode == 1
+    assert bad.stdout.strip().splitlines()[-1].startswith(f"error: the rebuilt composer_paper hashes {built}, the plan's "
+                                                          f"runs recorded {'1' * 16} (remove runs/experience/composer_paper")
+    assert bad.stdout.rstrip().endswith(f"--same-input composer:{built}={'1' * 16})")
+    declared = _run(here, str(checkout), "composer_paper", "--same-input", f"composer:{built}={'1' * 16}")
+    assert declared.returncode == 0
+    assert declared.stdout.strip() == f"composer_paper: {built}, declared the plan's {'1' * 16} (--same-input composer:{built}={'1' * 16})"
+    _paper_run(here, 1, built, "d" * 40)  # the lopd_paper runs ran on another src tree: refused before any step
+    bad = _run(here, str(checkout), "composer_paper")
+    assert bad.stdout.strip().splitlines()[-1] == (
+        f"error: {checkout}'s src/ is tree {tree}, the lopd_paper runs had {'d' * 40} "
+        "(benchmarks/results/experience_runs/lopd_paper/seed_1.json): check out their commit, abc1234")
