@@ -5,6 +5,8 @@
 - ``lopd build-memory -c CONFIG [--from-references] [--out FOLDER]``: build the experience bank offline.
 - ``lopd pretrain-composer -c CONFIG [--out FOLDER] [--steps N] [--resume]``: pretrain LOPD's composer on the
   bank, as a stage of its own (saved where ``model.init_args.composer_path`` reads it).
+- ``lopd privilege-check -c CONFIG [--requests N] [--out FILE.json]``: whether the configured teacher, with its
+  context, solves more train requests greedily than the student (:mod:`lopd_lightning.privilege`).
 - ``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]``: replay every reference solution through
   the task's reward, with the turn limit of training.
 - ``lopd tasks list``: the registered task names.
@@ -12,7 +14,7 @@
   Face folder (:mod:`lopd_lightning.export`).
 
 The modules: ``training`` (fit/validate/test: the LightningCLI), ``commands`` (build-memory,
-pretrain-composer, tasks, export), ``errors`` (the one-line errors); this one holds the entry point
+pretrain-composer, privilege-check, tasks, export), ``errors`` (the one-line errors); this one holds the entry point
 :func:`main` (the ``lopd`` console script; ``python -m lopd_lightning.cli`` runs it too).
 
 A mistake the user can fix (a bad key or value, a missing folder, an unknown task) ends the command with
@@ -36,6 +38,7 @@ from lopd_lightning.cli.commands import (
     build_memory_command,
     export_command,
     pretrain_composer_command,
+    privilege_check_command,
     tasks_command,
 )
 from lopd_lightning.cli.errors import (
@@ -63,6 +66,7 @@ __all__ = [
     "main",
     "parse_error_message",
     "pretrain_composer_command",
+    "privilege_check_command",
     "tasks_command",
 ]
 
@@ -73,6 +77,7 @@ COMMANDS: dict[str, str] = {
     "test": "greedy episodes of the configured student on the test split",
     "build-memory": "build LOPD's experience bank offline: lopd build-memory -c CONFIG [--from-references]",
     "pretrain-composer": "pretrain LOPD's composer on the bank: lopd pretrain-composer -c CONFIG [--steps N] [--resume]",
+    "privilege-check": "is the teacher privileged? lopd privilege-check -c CONFIG [--requests N] [--out FILE.json]",
     "tasks": "list the tasks, or replay a task's reference solutions: lopd tasks list | verify NAME",
     "export": "the student of a checkpoint as a Hugging Face folder: lopd export CKPT --out FOLDER [--adapter]",
 }
@@ -157,6 +162,8 @@ def _dispatch(argv: list[str]) -> int:
         return build_memory_command(rest)
     if command == "pretrain-composer":
         return pretrain_composer_command(rest)
+    if command == "privilege-check":
+        return privilege_check_command(rest)
     if command == "export":
         return export_command(rest)
     if command in LIGHTNING_COMMANDS or (command.startswith("-") and any(a in LIGHTNING_COMMANDS for a in argv)):

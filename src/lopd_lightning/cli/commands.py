@@ -1,8 +1,12 @@
-"""The commands of ``lopd`` outside LightningCLI: ``tasks``, ``build-memory``, ``pretrain-composer`` and ``export``.
+"""The commands of ``lopd`` outside LightningCLI: ``tasks``, ``build-memory``, ``pretrain-composer``,
+``privilege-check`` and ``export``.
 
 - ``lopd build-memory -c CONFIG [--from-references] [--out FOLDER]``: build the experience bank offline.
 - ``lopd pretrain-composer -c CONFIG [--out FOLDER] [--steps N] [--resume]``: pretrain LOPD's composer on the
   bank (:mod:`lopd_lightning.composer.pretrain`) and save it where ``model.init_args.composer_path`` reads it.
+- ``lopd privilege-check -c CONFIG [--requests N] [--out FILE.json]``: is the configured teacher privileged, with
+  its context (LOPD: the latents of ``composer_path``'s composer), on the first N train requests
+  (:mod:`lopd_lightning.privilege`)?
 - ``lopd tasks verify NAME|module.Class [--limit N] [--max-turns N]``: replay every reference solution
   through the task's reward, with the turn limit of training; ``lopd tasks list``: the registered names.
 - ``lopd export CHECKPOINT --out FOLDER [--adapter]``: the student of any method's checkpoint as a
@@ -29,7 +33,8 @@ from lopd_lightning.cli.errors import (
 from lopd_lightning.cli.training import lightning_cli
 from lopd_lightning.hints import did_you_mean
 
-__all__ = ["build_memory_command", "export_command", "pretrain_composer_command", "tasks_command"]
+__all__ = ["build_memory_command", "export_command", "pretrain_composer_command", "privilege_check_command",
+           "tasks_command"]
 
 log = logging.getLogger("lopd_lightning")
 
@@ -274,6 +279,105 @@ def pretrain_composer_command(argv: list[str]) -> int:
           f"L_init {metrics.get('pretrain/task_nll', float('nan')):.3f}, "
           f"L_rec {metrics.get('pretrain/reconstruction_nll', float('nan')):.3f}, "
           f"latent spread {metrics.get('pretrain/latent_spread', float('nan')):.3f} -> {out}")
+    return 0
+
+
+def _git_sha() -> str | None:
+    """The commit of the package's checkout (None: not a git checkout, or git missing)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                              text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def privilege_check_command(argv: list[str]) -> int:
+    """``lopd privilege-check -c CONFIG [--requests N] [--out FILE.json]``: is the teacher privileged?
+
+    Builds the configured LOPDModule or OPSDModule and its DataModule (the config is read as ``lopd
+    pretrain-composer`` reads it; an LOPD composer comes from ``model.init_args.composer_path``, a fresh one
+    without it: the command runs no warm start), runs :func:`~lopd_lightning.privilege.check_privilege` once on
+    the first ``--requests`` train requests (on the GPU when the trainer's accelerator allows one), prints
+    :meth:`~lopd_lightning.privilege.PrivilegeReport.line` (and, for an LOPD teacher no better than its student,
+    the warning naming the keys to look at) and writes the report with the config, the package versions and
+    the git commit to ``--out``. The exit status is 0 whether or not the teacher is privileged.
+    """
+    parser = ArgumentParser(prog="lopd privilege-check")
+    parser.add_argument("-c", "--config", action="append", required=True, help="the LOPD or OPSD fit config(s)")
+    parser.add_argument("--requests", type=int, default=32, help="the first N train requests (default 32)")
+    parser.add_argument("--out", default=None, help="write the report as JSON to this file")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="token limit of the greedy replies (default: the module's greedy validation's)")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per decoding batch (default 8)")
+    args, rest = parser.parse_known_args(argv)
+    for option, value in (("--requests", args.requests), ("--batch-size", args.batch_size),
+                          ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise CLIError(f"lopd privilege-check: {option} must be >= 1, got {value}", 2)
+    if args.out is not None and Path(args.out).is_dir():
+        raise CLIError(f"lopd privilege-check: --out {args.out} is a folder; give a file name "
+                       f"(e.g. {args.out}/privilege.json)", 2)
+
+    import json
+
+    import torch
+
+    from lopd_lightning.modules import LOPDModule, OPSDModule
+    from lopd_lightning.privilege import check_privilege, not_privileged_warning
+
+    config_args = ["--trainer.logger=false", *[a for c in args.config for a in ("-c", c)], *rest]
+    parsed = lightning_cli(config_args, run=False, instantiate=False)  # the config only: nothing is built yet
+    model_config = parsed.config.model
+    cls = import_class(model_config.class_path)
+    if not (isinstance(cls, type) and issubclass(cls, (LOPDModule, OPSDModule))):
+        raise CLIError(f"model.class_path {model_config.class_path} has no privileged teacher to check; "
+                       f"privilege-check is for LOPDModule or OPSDModule (or a subclass)", 2)
+    cli = lightning_cli(config_args, run=False)
+    module, dm = cli.model, cli.datamodule
+    if getattr(dm.task, "multi_turn", False):
+        raise CLIError(f"data.init_args.task {getattr(dm.task, 'name', type(dm.task).__name__)!r} is multi-turn; "
+                       f"privilege-check scores one greedy reply per request (single-turn tasks only)", 2)
+    accelerator = str(parsed.config.trainer.get("accelerator") or "auto")
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        module.to("cuda")
+    examples = dm.train_examples[: args.requests]
+    composer_path = model_config.init_args.get("composer_path") if issubclass(cls, LOPDModule) else None
+    if issubclass(cls, LOPDModule) and not composer_path:
+        print("note: model.init_args.composer_path is null, so this checks a fresh composer (fit would warm-start it "
+              "first when warm_start_steps > 0); `lopd pretrain-composer` makes one to check", flush=True)
+    report = check_privilege(module, dm.task, examples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    print(report.line(), flush=True)
+    warning = not_privileged_warning(module, report)
+    if warning:
+        log.warning(warning)
+    if args.out is not None:
+        import lightning
+        import transformers
+
+        import lopd_lightning
+
+        config = json.loads(json.dumps(parsed.config.as_dict(), default=str))
+        record = {
+            "report": report.as_dict(),
+            "metrics": report.metrics(),
+            "privileged": report.privileged,
+            "module": model_config.class_path,
+            "task": getattr(dm.task, "name", type(dm.task).__name__),
+            "composer_path": composer_path,
+            "request_ids": [example.id for example in examples],
+            "config": config,
+            "argv": list(argv),
+            "versions": {"lopd_lightning": lopd_lightning.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "lightning": lightning.__version__},
+            "git_sha": _git_sha(),
+        }
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {out}")
     return 0
 
 
