@@ -283,7 +283,7 @@ def test_unknown_commands_and_missing_config_files_are_one_line(tmp_path, capsys
     code, err = run_main(["fitt", "-c", str(TINY_YAML)], capsys)
     assert code == 2
     assert_one_line_error(err, "unknown command 'fitt'; did you mean 'fit'? (commands: fit, validate, test, "
-                               "build-memory, pretrain-composer, tasks, export; see `lopd --help`)")
+                               "build-memory, pretrain-composer, privilege-check, tasks, export; see `lopd --help`)")
     code, err = run_main(["fit", "-c", str(tmp_path / "none.yaml")], capsys)
     assert code == 2
     assert_one_line_error(err, f"-c/--config: File does not exist: '{tmp_path / 'none.yaml'}'")
@@ -418,7 +418,7 @@ def test_help_lists_every_command_and_no_predict(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     commands = [line.split()[0] for line in out.split("commands:\n")[1].split("\n\n")[0].splitlines()]
-    assert commands == ["fit", "validate", "test", "build-memory", "pretrain-composer", "tasks", "export"]
+    assert commands == ["fit", "validate", "test", "build-memory", "pretrain-composer", "privilege-check", "tasks", "export"]
     assert "--debug" in out and "predict" not in out
     code, err = run_main(["predict", "-c", str(TINY_YAML)], capsys)
     assert code == 2 and err.startswith("error: unknown command 'predict'")
