@@ -514,9 +514,7 @@ class LOPDModule(OnPolicyModule):
         code, 1.0), else the compressor to ``composer_clip_compressor`` and the encoder LoRA to
         ``composer_clip_lora`` (:func:`~lopd_lightning.composer.model.clip_composer_grads`).
 
-        Returns:
-            The norm(s) before clipping: () float (joint; 0 without gradients) or :class:`ClipNorms`.
-        """
+        Returns the norm(s) before clipping: () float (joint; 0 without gradients) or :class:`ClipNorms`."""
         joint = self.hparams.get("composer_clip_joint")
         if joint is None:
             return clip_composer_grads(self.composer, compressor_clip=self.hparams.composer_clip_compressor,
