@@ -189,7 +189,7 @@ def evaluate(module, task, examples, *, greedy: bool = False, text: dict | None 
         into["info_ratio"] = (scores["latent_wrong"] - scores["latent"]) / (scores["text_wrong"] - scores["text"])
         into["closing_ratio"] = (scores["none"] - scores["latent"]) / (scores["none"] - scores["text"])
     if greedy:
-        from privileged_margin import teacher_greedy_reply
+        from lopd_lightning.privilege import teacher_greedy_reply
 
         contains = {"none": 0, "text": 0, "latent": 0}
         result["replies"] = {"none": [], "text": [], "latent": []}

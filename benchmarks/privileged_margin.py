@@ -97,6 +97,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, package_versions, run_metadata, write_json_atomic  # noqa: E402
 from compare_stats import paired_differences, t_interval  # noqa: E402
 
+from lopd_lightning.privilege import reply_outcome, teacher_greedy_reply  # noqa: E402
+
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 #: bump when this script's warm start of a composer changes (the composer cache's key holds it)
@@ -350,60 +352,11 @@ def warm_start_examples(module, datamodule, n: int) -> list:
     return [datamodule.example(task_id) for task_id in seen][:n]
 
 
-def teacher_greedy_reply(module, task, example, *, context_ids=None, composer=None, composed=None,
-                         max_new_tokens: int) -> str:
-    """The teacher's own greedy reply to ``example`` with a text context, the latents of ``composer`` (of the
-    example's retrieved experiences), or given latents ``composed`` (a ComposerOutput of one row)."""
-    import torch
-
-    from lopd_lightning.rollout import encode_prompt
-
-    messages = module.build_messages(task, example)
-    prompt = encode_prompt(module.tokenizer, messages, tools=task.tools(example))
-    ids = torch.tensor([prompt.input_ids])
-    attn = torch.ones_like(ids)
-    kwargs: dict[str, Any] = {}
-    if composer is not None:
-        composed = composer.compose([[(example.text, e.trace) for e in module.retrieve(task, [example])[0]]])
-    if composed is not None:
-        kwargs.update(latents=composed.latents, latent_mask=composed.latent_mask)
-    elif context_ids is not None:
-        kwargs["context_ids"] = [context_ids]
-    inputs = module.teacher.insert_context(ids, attn, [prompt.context_position], **kwargs)
-    eos = {module.tokenizer.eos_token_id}
-    reply: list[int] = []
-    with torch.no_grad(), module.teacher.teacher_scope() as model:
-        out = model(**inputs.model_kwargs(), use_cache=True)
-        cache_key = "cache" if "cache" in out else "past_key_values"  # the name differs across transformers 5.x
-        cache, mask, position = out[cache_key], inputs.attention_mask, inputs.position_ids[:, -1:]
-        for _ in range(max_new_tokens):
-            token = int(out.logits[0, -1].argmax())
-            if token in eos:
-                break
-            reply.append(token)
-            mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-            position = position + 1
-            out = model(input_ids=torch.tensor([[token]]), attention_mask=mask, position_ids=position,
-                        use_cache=True, **{cache_key: cache})
-            cache = out[cache_key]
-    return module.tokenizer.decode(reply, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
 def random_record(module, seed: int, example_id: str):
     """The ``text_random`` experience of a question: one bank record drawn by a generator seeded with the
     question's id (the same for its trajectories and for the teacher's own answer)."""
     records = [record for record in module.bank.records if record.task_id != example_id]  # a train question's own
     return records[random.Random(f"{seed}:{example_id}").randrange(len(records))]  # solution is not "random"
-
-
-def reply_outcome(task, example, reply: str) -> tuple[float, str | None]:
-    """The checked reward of a single-turn reply (one episode step) and the checker's error (None when it passed
-    or gave none)."""
-    from lopd_lightning.tasks import episode_reward
-
-    episode = task.start(example)
-    result = episode.step(reply)
-    return episode_reward(task, example, episode), (result.info or {}).get("error")
 
 
 def latent_rms(module, composer, batch) -> float:

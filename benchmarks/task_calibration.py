@@ -29,7 +29,7 @@ requests for ``hidden_rules``; ``--limit N`` takes the first N):
      ``benchmarks/privileged_margin.py``'s ``text_nearest`` teacher context and as LOPD frames its
      experiences (``SelfTeacher.encode_text_context``: ``DEFAULT_FRAMING_PREFIX + trace +
      DEFAULT_FRAMING_SUFFIX`` of ``teacher/splice.py``, inserted at the start of the first user message's
-     content by ``SelfTeacher.insert_context``), answered by ``privileged_margin.teacher_greedy_reply``
+     content by ``SelfTeacher.insert_context``), answered by ``lopd_lightning.privilege.teacher_greedy_reply``
      (one task at a time, KV cache, ``--max-new-tokens``).
    ``pairing_check``: the first ``--pairing-check`` tasks are also answered by ``text_nearest``'s code with an
    empty context; how many of those replies equal the student's own says how far the two answers differ by
@@ -65,7 +65,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, run_metadata, write_json_atomic  # noqa: E402
-from privileged_margin import Journal, file_stamp, reply_outcome, teacher_greedy_reply  # noqa: E402
+from privileged_margin import Journal, file_stamp  # noqa: E402
+
+from lopd_lightning.privilege import reply_outcome, teacher_greedy_reply  # noqa: E402
 from compare_stats import paired_differences  # noqa: E402
 from start_student import LORA, greedy_batches, task_options  # noqa: E402
 

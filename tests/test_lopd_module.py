@@ -273,13 +273,9 @@ def at_loss_positions(logits: torch.Tensor, mask: torch.Tensor, *, full_length: 
     return (logits[:, :-1] if full_length else logits)[mask]
 
 
-@pytest.mark.parametrize("weighting", ["paper", "balanced"])
-def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir, weighting):
-    """Delta = mean_b [sum_t w (2 r_b - 1)(log pT - log pS) / sum_t w] (balanced: half the mean over the
-    successes plus half that over the failures); KL on top-M(teacher) + tail."""
-    top_m = 8
-    module = make_module(bank_dir, distill_top_k=top_m, margin_weighting=weighting)
-    captured = {}
+def capture_student_and_teacher(module: LOPDModule, captured: dict) -> None:
+    """Wrap the student's and the teacher's passes of ``module`` so that each call leaves its outputs (float64
+    copies) in ``captured["student"]`` and ``captured["teacher"]``."""
     student_forward, teacher_logits = module.student_forward, module.teacher.on_student_positions
 
     def grab_student(*args, **kwargs):
@@ -294,6 +290,16 @@ def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir, we
 
     module.student_forward = grab_student
     module.teacher.on_student_positions = grab_teacher
+
+
+@pytest.mark.parametrize("weighting", ["paper", "balanced"])
+def test_logged_margin_and_kl_match_a_naive_recomputation(tmp_path, bank_dir, weighting):
+    """Delta = mean_b [sum_t w (2 r_b - 1)(log pT - log pS) / sum_t w] (balanced: half the mean over the
+    successes plus half that over the failures); KL on top-M(teacher) + tail."""
+    top_m = 8
+    module = make_module(bank_dir, distill_top_k=top_m, margin_weighting=weighting)
+    captured = {}
+    capture_student_and_teacher(module, captured)
     rec = Recorder()
     # EvenToy: rows of even examples have reward 1 (A = +1), the others 0 (A = -1)
     make_trainer(tmp_path, max_steps=1, callbacks=[rec]).fit(module, make_dm(EvenToy(), examples_per_step=4))

@@ -14,27 +14,15 @@ from lightning.pytorch.callbacks import Callback
 
 from lopd_lightning.cli import lightning_cli
 from lopd_lightning.losses.lm_head import rollout_mean
-from lopd_lightning.memory import ExperienceBank
-from lopd_lightning.memory.embed import get_embedder
 from lopd_lightning.modules import LOPDModule, OPSDModule
 from lopd_lightning.rollout import batch_from_conversations
 from lopd_lightning.tasks.toy import ToyTask
 from lopd_lightning.teacher import FRAMINGS, resolve_framing
 from helpers import EvenToy, quiet_trainer
-from test_lopd_module import make_dm, make_module, reference_experiences
+from test_lopd_module import bank_dir, capture_student_and_teacher, make_dm, make_module  # noqa: F401  (bank_dir: a fixture)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-
-
-@pytest.fixture(scope="module")
-def bank_dir(tmp_path_factory) -> Path:
-    """A saved bank (hashing embedder) of the toy train split's 24 reference solutions."""
-    folder = tmp_path_factory.mktemp("bank")
-    bank = ExperienceBank(get_embedder("hashing"))
-    bank.add(reference_experiences(ToyTask()))
-    bank.save(folder)
-    return folder
 
 
 class Recorder(Callback):
@@ -137,25 +125,14 @@ def test_the_composers_kl_is_the_chosen_mean_of_a_naive_per_token_kl(tmp_path, b
     top_m = 8
     module = make_module(bank_dir, distill_top_k=top_m, composer_kl_mean=kl_mean)
     captured = {}
-    student_forward, teacher_logits = module.student_forward, module.teacher.on_student_positions
+    capture_student_and_teacher(module, captured)
     composer_kl = module._composer_distillation
-
-    def grab_student(*args, **kwargs):
-        out = student_forward(*args, **kwargs)
-        captured["student"] = out.values.detach().double().clone()
-        return out
-
-    def grab_teacher(*args, **kwargs):
-        out = teacher_logits(*args, **kwargs)
-        captured["teacher"] = out.detach().double().clone()
-        return out
 
     def grab_kl(*args, **kwargs):
         out = composer_kl(*args, **kwargs)
         captured["distill_c"] = float(out.detach())
         return out
 
-    module.student_forward, module.teacher.on_student_positions = grab_student, grab_teacher
     module._composer_distillation = grab_kl
     rec = Recorder()
     quiet_trainer(tmp_path, max_steps=1, callbacks=[rec]).fit(module, make_dm(EvenToy(), examples_per_step=4))
@@ -195,7 +172,7 @@ def test_the_rollout_mean_of_rollouts_of_unequal_lengths_differs_from_the_token_
         generator = torch.Generator().manual_seed(1)
         student = torch.randn(int(mask.sum()), 259, generator=generator, dtype=torch.float64)
         teacher = torch.randn(int(mask.sum()), 259, generator=generator, dtype=torch.float64)
-        means[kl_mean] = float(module._composer_distillation(batch, mask, student, teacher))
+        means[kl_mean] = float(module._composer_distillation(mask, student, teacher, float(mask.sum())))
         per_token = module.lm_head.reverse_kl(student, teacher, top_k=8)
         rows = mask.nonzero()[:, 0]
         lengths = mask.sum(dim=1)

@@ -392,7 +392,7 @@ class LOPDModule(OnPolicyModule):
             if frozen:  # Delta is a measurement; the composer's loss is the zero term below
                 distill_c = anchor = loss_composer = delta.new_zeros(())
             else:
-                distill_c = self._composer_distillation(batch, mask, student.detach(), teacher)
+                distill_c = self._composer_distillation(mask, student.detach(), teacher, num_tokens)
                 anchor = anchor_loss(composed.latents, self.anchor_latents(batch), composed.latent_mask)
                 loss_composer = composer_objective(distill_c, delta, anchor, beta=self.beta, margin=self.margin,
                                                    anchor_weight=self.hparams.anchor_weight)
@@ -402,15 +402,14 @@ class LOPDModule(OnPolicyModule):
         loss_composer = loss_composer + 0.0 * sum(local(p).sum() for p in self.composer.trainable_parameters())
         return LOPDLosses(loss_student, loss_composer, distill_c, delta, anchor, has_latents)
 
-    def _composer_distillation(self, batch: RolloutBatch, mask: Tensor, student: Tensor, teacher: Tensor) -> Tensor:
+    def _composer_distillation(self, mask: Tensor, student: Tensor, teacher: Tensor, num_tokens: float) -> Tensor:
         """The composer's L_distill(phi; student detached) (``student`` already detached): the global token mean
         (``composer_kl_mean: token``, :func:`~lopd_lightning.losses.lm_head.distillation_loss`) or the mean over
         rollouts of each rollout's token mean (``rollout``, :func:`~lopd_lightning.losses.lm_head.rollout_mean`),
         over all ranks' rollouts that have loss tokens."""
         head, top_k, tau = self.lm_head, self.hparams.distill_top_k, self.hparams.distill_temperature
         if self.hparams.get("composer_kl_mean", "token") == "token":
-            return distillation_loss(head, student, teacher, top_k=top_k, temperature=tau,
-                                     num_tokens=self.num_loss_tokens(batch))
+            return distillation_loss(head, student, teacher, top_k=top_k, temperature=tau, num_tokens=num_tokens)
         per_token = head.reverse_kl(student, teacher, top_k=top_k, temperature=tau)  # [N]
         rollouts = int(mask.any(dim=1).sum())  # this rank's rollouts with loss tokens; the denominator is its share
         return rollout_mean(per_token, mask, num_rollouts=self.global_count(rollouts) / self.global_count(1))
