@@ -22,7 +22,7 @@ that each run's peak memory is its own). Every run logs to TensorBoard under ``<
 - **Resume**: a ``last.ckpt`` is saved every ``--checkpoint-every`` steps in the run folder; a run with
   no result file whose folder holds a checkpoint of the same config continues from it
   (``lopd fit ... --ckpt_path``). A finished run with the same config is read back, never run again (its run
-  folders' paths compared as locations: compare_runs.same_config).
+  folders' paths compared as the plan's folders they name, in whichever checkout: compare_runs.same_config).
 - **Provenance**: each finished run writes ``<runs-dir>/<method>/seed_<s>.json`` (default
   ``benchmarks/results/compare_runs``, to be committed at once) with the hash of the ``src/`` tree it ran
   on, its generation backend, its config, its curves, its per-question held-out results and ``provenance``

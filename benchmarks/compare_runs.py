@@ -400,23 +400,35 @@ PER_GROUP = {"composer_hash": ("composer_path", composer_folder)}
 PATH_KEYS = ("save_dir", "json_path", "dirpath")
 
 
-def _resolved_paths(config: Any, root: Path) -> Any:
-    """``config`` with each :data:`PATH_KEYS` value resolved against ``root`` (an absolute one as it is)."""
-    if isinstance(config, dict):
-        return {k: str((Path(root) / v).resolve()) if k in PATH_KEYS and isinstance(v, str)
-                else _resolved_paths(v, root) for k, v in config.items()}
-    if isinstance(config, list):
-        return [_resolved_paths(v, root) for v in config]
-    return config
+def _same_location(recorded: str, planned: str, root: Path) -> bool:
+    """Whether two run-folder paths name one run folder: the same place once resolved against ``root``, or a
+    relative ``planned`` path that ``recorded`` ends with (the same folder of the plan in the checkout the run
+    was recorded in, e.g. ``/work/main/runs/experience/lopd`` for ``runs/experience/lopd`` in a clone elsewhere)."""
+    if (Path(root) / recorded).resolve() == (Path(root) / planned).resolve():
+        return True
+    tail = Path(planned).parts
+    return not Path(planned).is_absolute() and Path(recorded).parts[-len(tail):] == tail
+
+
+def _same_paths(recorded: Any, config: Any, root: Path) -> bool:
+    """``recorded == config`` with each :data:`PATH_KEYS` value compared by :func:`_same_location`."""
+    if isinstance(recorded, dict) and isinstance(config, dict):
+        return recorded.keys() == config.keys() and all(
+            _same_location(recorded[k], v, root) if k in PATH_KEYS and isinstance(v, str)
+            and isinstance(recorded[k], str) else _same_paths(recorded[k], v, root) for k, v in config.items())
+    if isinstance(recorded, list) and isinstance(config, list):
+        return len(recorded) == len(config) and all(_same_paths(r, c, root) for r, c in zip(recorded, config))
+    return recorded == config
 
 
 def same_config(recorded: dict[str, Any] | None, config: dict[str, Any], root: Path = REPO_ROOT) -> bool:
-    """Whether a finished run's recorded config is ``config``, the run folders' paths compared as the locations
-    they name: the experience plan's first 15 runs ran in a worktree whose ``runs/`` linked to this checkout's, so
-    their files record ``/work/main/runs/experience/...`` where a run here writes ``runs/experience/...``."""
+    """Whether a finished run's recorded config is ``config``, the run folders' paths compared as the folders of
+    the plan they name (:func:`_same_location`): the experience plan's first 15 runs ran in a worktree whose
+    ``runs/`` linked to another checkout's, so their files record ``/work/main/runs/experience/...`` where a run
+    in any clone writes ``runs/experience/...``."""
     if recorded is None:
         return False
-    return recorded == config or _resolved_paths(recorded, root) == _resolved_paths(config, root)
+    return recorded == config or _same_paths(recorded, config, root)
 
 
 def _run_name(run: dict[str, Any]) -> str:

@@ -641,8 +641,11 @@ def test_the_committed_runs_are_read_back_as_finished_where_the_plan_resumes(com
                 "seed": 1}
     assert same(absolute, config) and same(config, config) and not same(None, config)
     assert not same({**absolute, "seed": 2}, config)  # any other difference is another config
-    elsewhere = {"trainer": {"logger": {"init_args": {"save_dir": "/elsewhere/runs/experience", "name": "lopd"}}}, "seed": 1}
-    assert not same(elsewhere, config)
+    clone = {"trainer": {"logger": {"init_args": {"save_dir": "/elsewhere/runs/experience", "name": "lopd"}}}, "seed": 1}
+    assert same(clone, config)  # the plan's folder in a clone elsewhere (CI checks out to another path)
+    for other in ("/elsewhere/runs/other", "/elsewhere/experience", "runs/experience/lopd"):
+        moved = {"trainer": {"logger": {"init_args": {"save_dir": other, "name": "lopd"}}}, "seed": 1}
+        assert not same(moved, config), other
 
 
 def test_the_plan_refuses_to_start_while_a_composer_its_runs_read_is_missing(compare, tmp_path):
