@@ -92,13 +92,22 @@ def test_an_unknown_margin_weighting_names_the_field_and_the_choices(no_model_lo
 
 
 def test_more_experiences_than_the_bank_holds_names_the_field(tmp_path):
+    """Refused when fit starts, before the first step, unless a MemoryRefresh fills the bank (``lopd fit`` says it
+    before the weights load: tests/test_cli.py); a bank_capacity below J is refused at once."""
     task = ToyTask()
     bank = ExperienceBank(get_embedder("hashing"))
     ex = task.examples("train")[0]
     bank.add([Experience(task_id=ex.id, task_text=ex.text, trace="answer", reward=1.0)])
     bank.save(tmp_path / "bank")
-    with pytest.raises(ValueError, match=r"num_experiences J=2 is larger than the bank .* \(1 experiences\); set model.init_args.num_experiences <= 1"):
-        LOPDModule("tiny", **TINY_LOPD, bank_path=str(tmp_path / "bank"))
+    module = LOPDModule("tiny", **TINY_LOPD, bank_path=str(tmp_path / "bank"))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"num_experiences J=2 is larger than the bank .* \(1 experiences\); set "
+                                         r"model.init_args.num_experiences <= 1, build a larger bank"):
+        trainer.fit(module, OnPolicyDataModule(task, examples_per_step=1))
+    assert trainer.global_step == 0
+    with pytest.raises(ValueError, match=r"^model.init_args.bank_capacity=1 is smaller than num_experiences J=2"):
+        LOPDModule("no-such-model", **TINY_LOPD, bank_path=str(tmp_path / "bank"), bank_capacity=1)
 
 
 # ------------------------------------------------------------------------------------------ numbers

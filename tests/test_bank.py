@@ -256,7 +256,8 @@ def test_save_load_round_trip(tmp_path):
     queries = ["task 1", "task 4", "something else"]
     before = bank.search(["t1", "t4", "zz"], queries, 3)
     bank.save(tmp_path / "bank")
-    assert sorted(p.name for p in (tmp_path / "bank").iterdir()) == ["embeddings.npy", "experiences.jsonl", "meta.json"]
+    assert sorted(p.name for p in (tmp_path / "bank").iterdir()) == ["embeddings.npy", "experiences.jsonl", "manifest.json",
+                                                                 "meta.json"]
 
     calls = emb.calls
     loaded = ExperienceBank.load(tmp_path / "bank", emb)

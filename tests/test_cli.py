@@ -337,19 +337,24 @@ def one_experience_bank(folder: Path) -> Path:
 
 
 def test_a_missing_or_too_small_bank_fails_before_the_student_loads(tmp_path, capsys, no_model_loading):
+    """A bank smaller than J is refused by lopd fit when no MemoryRefresh fills it (tiny.yaml's is turned off here)."""
     from lopd_lightning.modules import LOPDModule
 
     with pytest.raises(FileNotFoundError, match=r"model.init_args.bank_path '.*none' holds no experience bank"):
         LOPDModule("tiny", bank_path=str(tmp_path / "none"))
     bank = one_experience_bank(tmp_path / "bank")
-    with pytest.raises(ValueError, match=r"num_experiences J=2 is larger than the bank .*\(1 experiences\)"):
-        LOPDModule("tiny", bank_path=str(bank), num_experiences=2)
-    with pytest.raises(ValueError, match=r"\(1 experiences\)"):  # a capacity below J counts too
+    with pytest.raises(ValueError, match=r"model.init_args.bank_capacity=1 is smaller than num_experiences J=2"):
         LOPDModule("tiny", bank_path=str(bank), num_experiences=2, bank_capacity=1)
-    code, err = run_main(["fit", "-c", str(TINY_YAML), f"--model.init_args.bank_path={bank}"], capsys)
+    no_refresh = tmp_path / "no_refresh.yaml"
+    no_refresh.write_text("trainer:\n  callbacks:\n    - class_path: lopd_lightning.modules.lopd_callbacks.MemoryRefresh\n"
+                          "      init_args: {every_n_steps: 0}\n")
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "-c", str(no_refresh), f"--model.init_args.bank_path={bank}"],
+                         capsys)
     assert code == 1
     assert_one_line_error(err, f"num_experiences J=2 is larger than the bank at '{bank}' (1 experiences); "
-                               f"set model.init_args.num_experiences <= 1 or build a larger bank (`lopd build-memory`)")
+                               f"set model.init_args.num_experiences <= 1, build a larger bank (`lopd build-memory`), or "
+                               f"add lopd_lightning.modules.lopd_callbacks.MemoryRefresh to trainer.callbacks to fill it "
+                               f"from the run's own successes (retrieval then starts once it holds J)")
 
 
 def test_tiny_yaml_outside_the_repository_says_its_relative_bank_path_is_read_from_the_working_directory(

@@ -739,8 +739,10 @@ def test_an_empty_bank_that_memory_refresh_fills_says_how_many_steps_trained_not
     with caplog.at_level("WARNING"):
         make_trainer(tmp_path, max_steps=3, callbacks=[Solves(), refresh]).fit(make_module(None), make_dm())
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert "model.init_args.bank_path is null: LOPD trains nothing until MemoryRefresh adds" in warnings[0]
-    assert any("the bank was empty for the first 2 steps, which trained nothing; it now holds" in w for w in warnings)
+    assert warnings[0] == ("model.init_args.bank_path is null: LOPD's teacher reads no experience, and LOPD trains "
+                           "nothing, until MemoryRefresh has filled the bank to J=2")
+    assert any("the bank held fewer than J=2 experiences for the first 2 steps, which retrieved nothing and trained "
+               "nothing; it now holds" in w for w in warnings)
     assert refresh.empty_steps == 2 and refresh.state_dict()["empty_steps"] == 2
     caplog.clear()
     with caplog.at_level("WARNING"):  # never filled: said once at the end

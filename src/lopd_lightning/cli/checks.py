@@ -8,8 +8,9 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
 - an LOPD-only callback (``MarginSchedule``, ``MemoryRefresh``:
   :class:`~lopd_lightning.modules.lopd_callbacks.LOPDOnlyCallback`) with another method, e.g. an LOPD config
   whose ``model.class_path`` was switched to ``GRPOModule``;
-- LOPD with no bank (``model.init_args.bank_path`` null, J > 0) and no ``MemoryRefresh`` to fill it: every step
-  would train nothing (:func:`~lopd_lightning.memory.persistence.check_bank_fills`, which ``fit`` runs too);
+- LOPD with a bank of fewer than J experiences (``model.init_args.bank_path`` null or an empty bank, J > 0) and no
+  ``MemoryRefresh`` to fill it: every step would train nothing
+  (:func:`~lopd_lightning.memory.persistence.check_bank_fills`, which ``fit`` runs too);
 - a sharded ``trainer.strategy`` where it cannot run: DeepSpeed with LOPD (two optimisers), or without the
   ``deepspeed`` package; FSDP or DeepSpeed on a machine without CUDA (Lightning refuses FSDP on CPU: ``The
   strategy `fsdp` requires a GPU accelerator``; torch's FSDP without a device: ``FSDP needs a non-CPU
@@ -65,10 +66,10 @@ def check_fit_config(config: Any) -> None:
     Raises:
         CLIError: a negative or non-finite learning rate (``model.init_args.learning_rate``, ``*_lr``);
             ``trainer.accumulate_grad_batches`` other than 1; an LOPD-only callback in ``trainer.callbacks``
-            with a model class that is not an LOPDModule; an LOPD fit with no bank that nothing fills; a sharded
-            strategy where it cannot run (:func:`check_strategy`) or with ``generation_backend: vllm``
-            (:func:`check_generation_backend`); a torchrun or SLURM layout other than the config's
-            (:func:`check_launcher`). One line naming the key and the fix, status 1.
+            with a model class that is not an LOPDModule; an LOPD fit on a bank of fewer than J experiences that
+            nothing fills; a sharded strategy where it cannot run (:func:`check_strategy`) or with
+            ``generation_backend: vllm`` (:func:`check_generation_backend`); a torchrun or SLURM layout other
+            than the config's (:func:`check_launcher`). One line naming the key and the fix, status 1.
     """
     model, trainer = _get(config, "model"), _get(config, "trainer")
     for key, value in _items(_get(model, "init_args")):
@@ -173,21 +174,24 @@ def _default(cls: type, name: str) -> Any:
 
 
 def _check_bank_fills(method: type, init: dict[str, Any], callbacks: list[tuple[Any, dict[str, Any]]]) -> None:
-    from lopd_lightning.modules.lopd_callbacks import MemoryRefresh
-    from lopd_lightning.memory.persistence import check_bank_fills
+    from lopd_lightning.memory.persistence import check_bank, check_bank_fills
     from lopd_lightning.modules import LOPDModule
+    from lopd_lightning.modules.lopd_callbacks import MemoryRefresh
 
     if not issubclass(method, LOPDModule):
         return
     bank_path = init.get("bank_path", _default(method, "bank_path"))
-    if bank_path:
-        return  # a missing or too small bank is refused by the module's own checks, also before the weights load
-    if any(isinstance(cls, type) and issubclass(cls, MemoryRefresh)
-           and args.get("every_n_steps", _default(cls, "every_n_steps")) for cls, args in callbacks):
-        return  # MemoryRefresh fills it: fit warns once that the first steps train nothing
+    num_experiences = int(init.get("num_experiences", _default(method, "num_experiences")) or 0)
+    refresh = any(isinstance(cls, type) and issubclass(cls, MemoryRefresh)
+                  and args.get("every_n_steps", _default(cls, "every_n_steps")) for cls, args in callbacks)
+    if refresh or num_experiences <= 0:
+        return  # MemoryRefresh fills it (fit warns once that the first steps train nothing), or J needs no bank
     try:
-        check_bank_fills(0, int(init.get("num_experiences", _default(method, "num_experiences")) or 0), bank_path,
-                         refresh=False)
+        size = check_bank(str(bank_path), capacity=init.get("bank_capacity")) if bank_path else 0
+    except (OSError, ValueError):
+        return  # no bank, or a damaged one: the module's own check says so, also before the weights load
+    try:
+        check_bank_fills(size, num_experiences, bank_path, refresh=False)
     except ValueError as error:
         raise CLIError(str(error), 1) from None
 

@@ -483,17 +483,23 @@ class ExperienceBank:
 
     def save(self, folder: str | Path) -> Path:
         """Write ``experiences.jsonl`` (one record a line, with its ``id``), ``embeddings.npy`` ((N, dim)
-        float32) and ``meta.json`` (embedder name, dim, settings, counters) into ``folder`` (created;
-        :func:`~lopd_lightning.memory.persistence.write_bank_folder`).
+        float32), ``meta.json`` (embedder name, dim, settings, counters) and their ``manifest.json`` (record count,
+        checksums) into ``folder`` (created; :func:`~lopd_lightning.memory.persistence.write_bank_folder`: a save
+        that fails leaves the bank that was there).
 
         Returns:
             The folder.
+
+        Raises:
+            OSError: a file could not be written.
         """
         return write_bank_folder(folder, self.state_dict())
 
     @classmethod
     def load(cls, folder: str | Path, embedder: TextEmbedder, **settings: Any) -> ExperienceBank:
-        """Read a bank written by :meth:`save`.
+        """Read a bank written by :meth:`save`, checked against its ``manifest.json`` (a folder without one is read
+        unchecked), records that repeat an earlier one dropped
+        (:func:`~lopd_lightning.memory.persistence.read_bank_folder`).
 
         Args:
             folder: the folder of ``experiences.jsonl``, ``embeddings.npy``, ``meta.json``.
@@ -502,7 +508,9 @@ class ExperienceBank:
             **settings: constructor options overriding the stored ones (``capacity``, ``eviction``, ...).
 
         Raises:
-            FileNotFoundError: a file is missing.
+            FileNotFoundError: no ``meta.json``.
+            BankFileError: a file is missing or damaged (a line that is not a record is named by its number),
+                or the files do not match ``manifest.json``.
         """
         stored, state = read_bank_folder(folder)
         bank = cls(embedder, **{**stored, **settings})

@@ -58,6 +58,10 @@ def lopd_only_refusal(callbacks: list[type[LOPDOnlyCallback]], method: str) -> s
 class MemoryRefresh(LOPDOnlyCallback):
     """Every ``every_n_steps`` steps, add the successful rollouts of the last steps to the bank.
 
+    It lets LOPD start on an empty bank (``bank_path: null``, an empty bank folder) or one of fewer than J
+    experiences: the teacher reads no experience (and LOPD trains nothing) until the bank holds J, which fit
+    says when it starts and this callback when retrieval starts.
+
     Args:
         every_n_steps: refresh period in optimiser steps; 0 turns the refresh off (the paper's frozen bank).
         min_reward: a trajectory enters the bank when its reward is >= this.
@@ -82,20 +86,23 @@ class MemoryRefresh(LOPDOnlyCallback):
         self.min_reward = min_reward
         self.pending: list[dict[str, Any]] = []
         self.added_total = 0
-        #: steps that ran with an empty bank (no experiences: LOPD trained nothing in them)
+        #: steps that ran with fewer than J experiences in the bank (no retrieval: LOPD trained nothing in them)
         self.empty_steps = 0
 
     @property
     def fills_bank(self) -> bool:
-        """True when it adds trajectories to the bank (``every_n_steps`` > 0): LOPD may then start on an empty one."""
+        """True when it adds trajectories to the bank (``every_n_steps`` > 0): LOPD may then start on an empty or
+        small one, and retrieves once it holds J experiences."""
         return self.every_n_steps > 0
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.every_n_steps == 0:  # setup refused any module that is not an LOPDModule
             return
-        was_empty = len(pl_module.bank) == 0  # the bank changes only here, so it was empty all step
-        self.empty_steps += was_empty
+        wanted = int(pl_module.hparams.num_experiences)
+        # the bank changes only here, so it held fewer than J (and nothing was retrieved) all step
+        was_short = len(pl_module.bank) < wanted
+        self.empty_steps += was_short
         rewards = batch.rewards.tolist()
         for i, reward in enumerate(rewards):
             if reward >= self.min_reward:
@@ -104,16 +111,20 @@ class MemoryRefresh(LOPDOnlyCallback):
                 )
         if trainer.global_step % self.every_n_steps == 0:
             self.refresh(trainer, pl_module)
-        if was_empty and len(pl_module.bank):
-            log.warning("the bank was empty for the first %d steps, which trained nothing; it now holds %d "
-                        "experiences", self.empty_steps, len(pl_module.bank))
+        if was_short and len(pl_module.bank) >= wanted:
+            log.warning("the bank held fewer than J=%d experiences for the first %d steps, which retrieved nothing and "
+                        "trained nothing; it now holds %d experiences, and retrieval starts", wanted, self.empty_steps,
+                        len(pl_module.bank))
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.every_n_steps and len(pl_module.bank) == 0 and self.empty_steps:
-            log.warning("the bank stayed empty: all %d steps ran without experiences and trained nothing; build "
+        wanted = int(pl_module.hparams.num_experiences)
+        if self.every_n_steps and len(pl_module.bank) < wanted and self.empty_steps:
+            held = "stayed empty" if len(pl_module.bank) == 0 else \
+                f"never reached J={wanted} experiences (it holds {len(pl_module.bank)})"
+            log.warning("the bank %s: all %d steps ran without experiences and trained nothing; build "
                         "one with `lopd build-memory -c CONFIG --from-references` (model.init_args.bank_path)",
-                        self.empty_steps)
+                        held, self.empty_steps)
 
     def refresh(self, trainer: Trainer, pl_module: LightningModule) -> int:
         """Add the pending candidates (from every rank) to the bank; returns how many entered it."""
