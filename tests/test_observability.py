@@ -387,6 +387,34 @@ def test_standalone_validate_returns_and_logs_its_metrics(tmp_path):
     assert len(rows) == VAL_EXAMPLES
 
 
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_validate_or_test_of_a_checkpoint_is_labelled_with_its_step(tmp_path, caplog, stage):
+    """`lopd validate --ckpt_path` on a step-4 checkpoint used its weights but reported "val after step 0", wrote
+    val_step_0.jsonl and logged at x = 0 (the global_step of a Trainer that never trained): it read as a check of
+    the untrained model."""
+    fit = quiet_trainer(tmp_path / "fit", max_steps=4)
+    dm = make_dm()
+    fit.fit(make_module(), dm)
+    ckpt = tmp_path / "step4.ckpt"
+    fit.save_checkpoint(ckpt)
+    prefix = "val" if stage == "validate" else "test"
+    trainer = quiet_trainer(tmp_path, limit_val_batches=None, logger=TensorBoardLogger(save_dir=str(tmp_path), name=stage))
+    with caplog.at_level(logging.INFO, logger="lopd_lightning.modules.evaluation"):
+        (results,) = getattr(trainer, stage)(make_module(), dm, ckpt_path=str(ckpt), verbose=False)
+    assert trainer.global_step == 0  # the Trainer's own count: not what the labels say
+    log_dir = Path(trainer.logger.log_dir)
+    assert sorted(p.name for p in (log_dir / "generations").iterdir()) == [f"{prefix}_step_4.jsonl"]
+    assert {json.loads(line)["step"] for line in (log_dir / "generations" / f"{prefix}_step_4.jsonl").open()} == {4}
+    scalars, texts = read_events(log_dir)
+    assert [step for step, _ in scalars[f"{prefix}/reward_mean"]] == [4]
+    assert [step for step, _ in texts[f"samples/{prefix}/text_summary"]] == [4]
+    assert "step" not in scalars and "epoch" not in scalars
+    assert [m.split(":")[0] for m in caplog.messages if " after step " in m] == [f"{prefix} after step 4"]
+    val_ids = [ex.id for ex in dm.val_examples]
+    assert results[f"{prefix}/reward_mean"] == pytest.approx(sum(even(i) for i in val_ids) / len(val_ids))
+    assert results["step"] == 4.0
+
+
 def test_negative_settings_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="model.init_args.log_samples"):
         make_module(log_samples=-1)

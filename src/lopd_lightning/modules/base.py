@@ -570,6 +570,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint(self, checkpoint)
         self.mark_weights_changed()  # an engine with its own weights (vLLM) syncs before its next rollouts
+        #: the training steps of the weights last loaded from a checkpoint (``lopd validate --ckpt_path``'s label)
+        self.checkpoint_step = int(checkpoint.get("global_step", 0))
         state = checkpoint["lopd_state"]
         self.rollouts_consumed = int(state["rollouts_consumed"])
         self.non_finite_steps = int(state["non_finite_steps"])

@@ -9,6 +9,8 @@ used alone). Lightning's validation loop hands it the DataModule's val examples
 ``<split>/turns_mean``, ``<split>/reply_tokens_mean`` and ``<split>/cut_at_length_rate`` (per reply; left
 out when no rank generated a reply) at x = the training steps done (and ``by_rollouts/<split>_...``),
 the samples and the generations file (:mod:`lopd_lightning.modules.observability`), and one INFO line.
+``lopd validate|test --ckpt_path`` labels all of them with the checkpoint's own step
+(:meth:`~EvaluationMixin.evaluated_step`), not with the 0 its Trainer counts.
 
 Under DDP the logged values count the examples that the distributed sampler repeats to even out the
 ranks; the generations file keeps each example once.
@@ -102,7 +104,7 @@ class EvaluationMixin(ObservabilityMixin):
         if values is None:
             return
         self.last_val = values
-        self.val_history = getattr(self, "val_history", []) + [(int(self.global_step), self.last_val)]
+        self.val_history = getattr(self, "val_history", []) + [(self.evaluated_step(), self.last_val)]
 
     @override
     def test_step(self, examples: list[Example], batch_idx: int) -> None:
@@ -128,6 +130,16 @@ class EvaluationMixin(ObservabilityMixin):
                 self.last_val = values
                 self.val_history = getattr(self, "val_history", []) + [(0, values)]
 
+    def evaluated_step(self) -> int:
+        """The training steps of the weights being evaluated: under ``validate``/``test`` of a checkpoint
+        (``ckpt_path``), the checkpoint's ``global_step``; else ``trainer.global_step`` (a fit's, or a module
+        validated after its fit on the same Trainer; 0 for one never trained)."""
+        trainer = self._trainer
+        if (trainer is not None and trainer.state.fn != "fit" and trainer.ckpt_path
+                and getattr(self, "checkpoint_step", None) is not None):
+            return int(self.checkpoint_step)
+        return int(self.global_step)
+
     def reset_evaluation(self) -> None:
         """Forget the episodes of the current evaluation (metrics and batches)."""
         for metric in (self.val_reward, self.val_success, self.val_turns, self.val_reply_tokens,
@@ -146,8 +158,11 @@ class EvaluationMixin(ObservabilityMixin):
 
         Inside ``fit`` the values are written straight to the loggers at x = the training steps done
         (``self.log`` would file the validation after step k under k - 1); they still reach
-        ``trainer.callback_metrics`` (checkpoint monitors). ``direct_step`` writes at that step instead
-        (outside Lightning's validation loop, e.g. the evaluation before training, at 0).
+        ``trainer.callback_metrics`` (checkpoint monitors). Under ``validate``/``test`` they go through
+        ``self.log`` (the results ``trainer.validate`` returns), with a ``step`` value that Lightning's loggers take
+        for the x: :meth:`evaluated_step`, the checkpoint's step under ``--ckpt_path`` (Lightning would write 0).
+        ``direct_step`` writes at that step instead (outside Lightning's validation loop, e.g. the evaluation
+        before training, at 0).
         """
         if self.val_reward.update_count == 0:
             self.eval_batches = []
@@ -163,9 +178,10 @@ class EvaluationMixin(ObservabilityMixin):
             if not torch.isnan(value):
                 values[f"{prefix}/{name}"] = value
         in_fit = self._trainer is not None and self.trainer.state.fn == "fit"
-        step = int(self.global_step) if direct_step is None else int(direct_step)
+        step = self.evaluated_step() if direct_step is None else int(direct_step)
         if direct_step is None and not in_fit:  # `lopd validate` / `lopd test`: Lightning's loggers and results
-            self.log_dict(values, prog_bar=False)
+            # Lightning's loggers write at a logged "step" (else at its fit loop's steps: 0 under validate)
+            self.log_dict({**values, "step": float(step)}, prog_bar=False)
         else:
             if direct_step is None:
                 self.log_dict(values, prog_bar=False, logger=False)
