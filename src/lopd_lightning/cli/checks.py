@@ -23,6 +23,11 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
   ``--ntasks-per-node``): Lightning refuses these only when fit launches, after the student loaded, with a
   traceback on every rank (:func:`check_launcher`).
 
+And, for ``fit``, ``validate`` and ``test`` alike (:func:`check_output_folders`), every folder the run will
+write into (a logger's ``save_dir``, ``trainer.default_root_dir``, a callback's ``dirpath`` or ``json_path``, an
+SFT ``save_dir``) that it could not create: a regular file on the way, or no permission (Lightning found it
+only when it first wrote, after the student loaded, with a ``NotADirectoryError`` traceback).
+
 Each raises :class:`~lopd_lightning.cli.errors.CLIError` (status 1) with one line naming the key and the fix.
 """
 
@@ -32,11 +37,13 @@ import inspect
 import math
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from lopd_lightning.cli.errors import CLIError, import_class
 
-__all__ = ["check_fit_config", "check_generation_backend", "check_launcher", "check_strategy"]
+__all__ = ["check_fit_config", "check_folder", "check_generation_backend", "check_launcher", "check_output_folders",
+           "check_strategy"]
 
 
 def _get(node: Any, key: str) -> Any:
@@ -98,6 +105,61 @@ def check_fit_config(config: Any) -> None:
     check_strategy(method, _get(trainer, "strategy"))
     check_launcher(trainer)
     _check_bank_fills(method, dict(_items(_get(model, "init_args"))), callbacks)
+
+
+def check_folder(key: str, folder: Any, *, what: str = "folder") -> None:
+    """Refuse ``folder`` (the value of config key ``key``) when a run could not create it or write into it
+    (:func:`~lopd_lightning.io.unwritable_folder_reason`); nothing is created.
+
+    Args:
+        what: what is written there, for the message ("folder", "file's folder").
+
+    Raises:
+        CLIError: one line naming ``key``, the reason and the fix, status 1.
+    """
+    from lopd_lightning.io import unwritable_folder_reason
+
+    if folder is None or str(folder) == "":
+        return
+    reason = unwritable_folder_reason(str(folder))
+    if reason is not None:
+        raise CLIError(f"{key} {str(folder)!r}: the run cannot create or write this {what} ({reason}); set {key} to a "
+                       f"folder it can write", 1)
+
+
+def _nodes(node: Any, key: str) -> list[tuple[str, Any]]:
+    """(key, node) of a config value that is one class node or a list of them (``trainer.logger``,
+    ``trainer.callbacks``): ``key`` for one, ``key[i]`` for the i-th of a list."""
+    if isinstance(node, (list, tuple)):
+        return [(f"{key}[{i}]", n) for i, n in enumerate(node)]
+    return [] if node is None or isinstance(node, bool) else [(key, node)]
+
+
+def check_output_folders(config: Any) -> None:
+    """Refuse, before anything is built, a folder the run would write into and cannot create: each logger's
+    ``save_dir`` (and ``root_dir``), ``trainer.default_root_dir`` (Lightning's default logger and checkpoints
+    go there), each callback's ``dirpath`` (ModelCheckpoint) and the folder of its ``json_path``
+    (RunSummary), and the model's ``save_dir`` (SFTModule's student). The generations go under the logger's
+    folder, so its ``save_dir`` covers them.
+
+    Raises:
+        CLIError: :func:`check_folder`'s line for the first such key.
+    """
+    trainer, model = _get(config, "trainer"), _get(config, "model")
+    check_folder("trainer.default_root_dir", _get(trainer, "default_root_dir"))
+    for key, node in _nodes(_get(trainer, "logger"), "trainer.logger"):
+        for name, value in _items(_get(node, "init_args")):
+            if name in ("save_dir", "root_dir") and isinstance(value, (str, os.PathLike)):
+                check_folder(f"{key}.init_args.{name}", value)
+    for key, node in _nodes(_get(trainer, "callbacks"), "trainer.callbacks"):
+        for name, value in _items(_get(node, "init_args")):
+            if name == "dirpath" and isinstance(value, (str, os.PathLike)):
+                check_folder(f"{key}.init_args.dirpath", value)
+            elif name == "json_path" and isinstance(value, (str, os.PathLike)):
+                check_folder(f"{key}.init_args.json_path", Path(value).parent, what="file's folder")
+    save_dir = _get(_get(model, "init_args"), "save_dir")
+    if isinstance(save_dir, (str, os.PathLike)):
+        check_folder("model.init_args.save_dir", save_dir)
 
 
 def _sharded_kind(strategy: Any) -> str | None:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lopd_lightning.cli.checks import check_folder
 from lopd_lightning.cli.errors import (
     ArgumentParser,
     CLIError,
@@ -189,6 +190,7 @@ def build_memory_command(argv: list[str]) -> int:
     out = args.out or init.bank_path
     if not out:
         raise CLIError("give --out FOLDER or set model.init_args.bank_path in the config", 2)
+    check_folder("--out" if args.out else "model.init_args.bank_path", out)  # before anything loads
     start = time.perf_counter()
     experiences = None
     if args.from_references and init.embedder != "backbone":
@@ -261,6 +263,7 @@ def pretrain_composer_command(argv: list[str]) -> int:
     out = args.out or init.composer_path
     if not out:
         raise CLIError("give --out FOLDER or set model.init_args.composer_path in the config", 2)
+    check_folder("--out" if args.out else "model.init_args.composer_path", out)  # before anything loads
     if args.resume and not (Path(out) / "checkpoints" / "last.ckpt").is_file():
         raise CLIError(f"--resume: {out}/checkpoints/last.ckpt does not exist (check --out, or leave --resume out "
                        f"to start over)", 2)
