@@ -57,11 +57,13 @@ class BatchLog(Callback):
 
 # ------------------------------------------------------------------ MemoryRefresh, hand-built inputs
 class FakeModule:
-    """What MemoryRefresh uses of a module: ``bank``, ``experience_from_trajectory``, ``log`` (callback_metrics),
-    ``log_step_scalars`` and ``log_by_rollouts`` (the loggers)."""
+    """What MemoryRefresh uses of a module: ``bank``, ``hparams.num_experiences`` (J: the bank is short below it),
+    ``experience_from_trajectory``, ``log`` (callback_metrics), ``log_step_scalars`` and ``log_by_rollouts`` (the
+    loggers)."""
 
     def __init__(self):
         self.bank = ExperienceBank(get_embedder("hashing"))
+        self.hparams = SimpleNamespace(num_experiences=2)
         self.logged = {}
         self.written = {}
         self.hook_calls = []
@@ -157,7 +159,7 @@ def test_memory_refresh_in_a_fit_grows_the_bank_with_successes_only(tmp_path):
 
 
 def test_memory_refresh_off_leaves_the_bank_frozen(tmp_path):
-    module = make_module(bank_path=None)  # the one experience added below
+    module = make_module(bank_path=None, num_experiences=1)  # the one experience added below: J of them
     module.bank.add([Experience(task_id="seed/0", task_text="Repeat the word: apple", trace="apple", reward=1.0)])
     log = BatchLog()
     fit(tmp_path, module, OnPolicyDataModule(EvenToy(), examples_per_step=4), [MemoryRefresh(every_n_steps=0), log])
