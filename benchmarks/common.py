@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib
-import json
 import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -130,25 +128,9 @@ def run_metadata(*, seed: int, argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
-    """Write ``data`` as indented JSON to ``path`` atomically (a temporary file in the same folder, then
-    ``os.replace``), creating the folder. Returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    """Write ``data`` as indented JSON to ``path`` atomically (:func:`lopd_lightning.io.write_json`: a temporary
+    file in the same folder, fsynced, then ``os.replace``; an interrupted write leaves the previous file),
+    creating the folder. Returns the path."""
+    from lopd_lightning.io import write_json
+
+    return write_json(path, data, indent=2)

@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import run_metadata  # noqa: E402
+from common import run_metadata, write_json_atomic  # noqa: E402
 from compare_provenance import file_sha256, student_hash  # noqa: E402
 
 #: the last line `lopd pretrain-composer` prints (composer/pretrain.py's summary).
@@ -216,8 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if other is not None:
         results["compared_to"] = compare_curves(curve, other, args.compare_to, window)
     try:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json_atomic(results, args.out)
     except OSError as error:
         raise SystemExit(f"error: cannot write --out {args.out}: {error}") from None
     print(f"{args.task}: {results['pretrain_steps']} steps, L_rec {results['final']['L_rec']}, spread "

@@ -1,5 +1,6 @@
 """Callbacks for any method: the run summary, the last checkpoint at the final step, and progress bars
-that count training steps.
+that count training steps; and :class:`AtomicCheckpointIO`, the checkpoint writer every on-policy module
+installs (a checkpoint appears whole or not at all).
 
 The LOPD-only callbacks (``MemoryRefresh``, ``MarginSchedule``) are beside LOPD, in
 :mod:`lopd_lightning.modules.lopd_callbacks`.
@@ -7,11 +8,16 @@ The LOPD-only callbacks (``MemoryRefresh``, ``MarginSchedule``) are beside LOPD,
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
+
+from lopd_lightning.io import atomic_write, write_json
 
 
 class RunSummary(Callback):
@@ -20,7 +26,8 @@ class RunSummary(Callback):
 
     Args:
         metric: the validation tag to report (e.g. ``"val/success_rate"``).
-        json_path: also write the summary there (None: print only).
+        json_path: also write the summary there (None: print only); the file is replaced whole or not at all
+            (:func:`~lopd_lightning.io.write_json`), and ``lopd fit`` checks its folder before the model loads.
     """
 
     def __init__(self, metric: str = "val/success_rate", json_path: str | None = None):
@@ -76,8 +83,6 @@ class RunSummary(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_rank != 0:
             return
-        import json
-
         s = self.summary(trainer, pl_module)
         fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(s["seconds_per_step_median"].items()))
@@ -91,11 +96,8 @@ class RunSummary(Callback):
             + f"checkpoint: {s['checkpoint']}",
             flush=True,
         )
-        if self.json_path:
-            from pathlib import Path
-
-            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.json_path).write_text(json.dumps(s, indent=2))
+        if self.json_path:  # whole or not at all: a failed write leaves the previous summary
+            write_json(self.json_path, s, indent=2)
 
 
 class LastCheckpointAtTrainEnd(Callback):
@@ -127,6 +129,45 @@ class LastCheckpointAtTrainEnd(Callback):
                 # final state must be written as a file of its own
                 callback._last_checkpoint_saved = ""
                 callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` whose local saves are written beside the target and renamed into place
+    (:func:`~lopd_lightning.io.atomic_write`), so that a save that fails or is killed half-way leaves the previous
+    checkpoint whole.
+
+    Lightning's own writer serialises the checkpoint in memory, writes it to a file in the system's temporary
+    folder and moves that into place (fsspec's transaction): a rename where both are on one filesystem; a copy
+    into the target elsewhere (a ``/tmp`` on local disk, checkpoints on a network filesystem), which a full disk
+    or a kill leaves truncated where the previous checkpoint was. Remote paths (``s3://``, ...) and saves with
+    ``storage_options`` go through Lightning's writer (an object store replaces an object whole); loading and
+    removing are Lightning's.
+
+    Every on-policy module installs it in place of Lightning's default writer when a stage starts
+    (:meth:`~lopd_lightning.modules.observability.ObservabilityMixin.configure_callbacks`); a writer given in
+    ``trainer.plugins`` (or a strategy's own, e.g. DeepSpeed's) is left alone.
+    """
+
+    @staticmethod
+    def install(trainer: Trainer) -> bool:
+        """Put an :class:`AtomicCheckpointIO` in place of ``trainer``'s checkpoint writer when that is exactly
+        Lightning's default ``TorchCheckpointIO``; returns whether it did."""
+        strategy = trainer.strategy
+        if type(strategy.checkpoint_io) is not TorchCheckpointIO:
+            return False
+        strategy.checkpoint_io = AtomicCheckpointIO()
+        return True
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        text = os.fspath(path)
+        if storage_options is not None or ("://" in text and not text.startswith("file://")):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        import torch
+
+        with atomic_write(Path(text.removeprefix("file://")), "wb") as f:
+            torch.save(checkpoint, f)
 
 
 def step_description(trainer: Trainer) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from typing_extensions import override
 
-from lopd_lightning.callbacks import LastCheckpointAtTrainEnd, step_progress_bar
+from lopd_lightning.callbacks import AtomicCheckpointIO, LastCheckpointAtTrainEnd, step_progress_bar
+from lopd_lightning.io import atomic_write
 from lopd_lightning.rollout import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,8 @@ class ObservabilityMixin(LightningModule):
     def write_generations(self, prefix: str, step: int, records: list[dict[str, Any]]) -> Path | None:
         """Write ``records`` to ``<log_dir>/generations/<prefix>_step_<step>.jsonl`` (rank 0, one JSON
         object a line); returns the path, or None when nothing was written. The file appears whole or not at
-        all (written beside it, then renamed): a process killed while writing leaves no part of it, so a
+        all (:func:`~lopd_lightning.io.atomic_write`: written beside it, then renamed): a process killed or a
+        disk filled while writing leaves no part of it (and an earlier file of that name as it was), so a
         reader (benchmarks/compare_runs.py's resume, which re-runs an evaluation whose file is missing) never
         takes half an evaluation for a finished one."""
         if not self.hparams.save_generations or self.global_rank != 0 or not records:
@@ -183,13 +184,10 @@ class ObservabilityMixin(LightningModule):
         directory = self.generations_dir()
         if directory is None:
             return None
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{prefix}_step_{step}.jsonl"
-        partial = path.with_name(path.name + ".partial")
-        with partial.open("w", encoding="utf-8") as f:
+        with atomic_write(path, "w") as f:  # the folder created
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-        os.replace(partial, path)
         return path
 
     def log_sample_text(self, prefix: str, step: int, records: list[dict[str, Any]]) -> None:
@@ -280,9 +278,13 @@ class ObservabilityMixin(LightningModule):
         ``setup`` included) instead of overriding the Trainer's with its INFO line on every run.
 
         And :class:`~lopd_lightning.callbacks.LastCheckpointAtTrainEnd`, so that a ``ModelCheckpoint`` with
-        ``save_last`` leaves ``last.ckpt`` at the final step, not at its schedule's last multiple."""
+        ``save_last`` leaves ``last.ckpt`` at the final step, not at its schedule's last multiple.
+
+        And, not a callback: the Trainer's checkpoint writer, when it is Lightning's default, becomes
+        :class:`~lopd_lightning.callbacks.AtomicCheckpointIO` (a checkpoint appears whole or not at all)."""
         if self._trainer is None:
             return []
+        AtomicCheckpointIO.install(self.trainer)
         # Lightning would replace a Trainer's own one (same type) with an INFO line on every later stage
         final = [] if any(isinstance(c, LastCheckpointAtTrainEnd) for c in self.trainer.callbacks) \
             else [LastCheckpointAtTrainEnd()]
