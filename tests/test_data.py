@@ -133,9 +133,10 @@ def test_a_dev_slice_of_the_train_split_replaces_validation_and_leaves_training(
     # val_limit limits the slice, another seed draws another slice
     assert ids(OnPolicyDataModule("toy", dev_slice=6, val_limit=2).val_examples) == ids(dm.val_examples[:2])
     assert ids(OnPolicyDataModule("toy", dev_slice=6, dev_slice_seed=1).val_examples) != ids(dm.val_examples)
-    for size in (0, len(train)):
-        with pytest.raises(ValueError, match=rf"data.init_args.dev_slice must be in \[1, {len(train) - 1}\].*got {size}"):
-            _ = OnPolicyDataModule("toy", dev_slice=size).train_examples
+    with pytest.raises(ValueError, match=rf"data.init_args.dev_slice must be in \[1, {len(train) - 1}\].*got {len(train)}"):
+        _ = OnPolicyDataModule("toy", dev_slice=len(train)).train_examples
+    with pytest.raises(ValueError, match=r"^data.init_args.dev_slice must be an int >= 1, or null for the val split; got 0$"):
+        OnPolicyDataModule("toy", dev_slice=0)  # refused at once (lopd fit: before the student loads)
 
 
 def test_example_lookup_and_bad_options():
@@ -144,7 +145,7 @@ def test_example_lookup_and_bad_options():
     assert dm.example(val_id).id == val_id
     with pytest.raises(KeyError, match="no example with id"):
         dm.example("toy/999")
-    with pytest.raises(ValueError, match="examples_per_step must be >= 1"):
+    with pytest.raises(ValueError, match=r"^data.init_args.examples_per_step must be an int >= 1, got 0$"):
         OnPolicyDataModule("toy", examples_per_step=0)
     with pytest.raises(ValueError, match="task_options are only for a task given by name"):
         OnPolicyDataModule(ToyTask(), task_options={"seed": 1})

@@ -137,8 +137,9 @@ class OnPolicyDataModule(LightningDataModule):
     the data would no longer be on-policy.
 
     Raises:
-        ValueError: ``examples_per_step`` or ``val_batch_size`` below 1, ``train_limit`` or ``val_limit`` not
-            an int >= 1 (or null), or ``task_options`` with a Task instance.
+        ValueError: ``examples_per_step`` or ``val_batch_size`` below 1, ``train_limit``, ``val_limit`` or
+            ``dev_slice`` not an int >= 1 (or null) (:meth:`check_options`), or ``task_options`` with a Task
+            instance.
     """
 
     def __init__(
@@ -155,13 +156,8 @@ class OnPolicyDataModule(LightningDataModule):
         dev_slice_seed: int = 0,
     ):
         super().__init__()
-        if examples_per_step < 1:
-            raise ValueError(f"examples_per_step must be >= 1, got {examples_per_step}")
-        if val_batch_size < 1:
-            raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
-        for key, limit in (("train_limit", train_limit), ("val_limit", val_limit)):
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-                raise ValueError(f"data.init_args.{key} must be an int >= 1, or null for all the examples; got {limit!r}")
+        self.check_options(examples_per_step=examples_per_step, val_batch_size=val_batch_size,
+                           train_limit=train_limit, val_limit=val_limit, dev_slice=dev_slice)
         self.task = get_task(task, **(task_options or {})) if isinstance(task, str) else task
         if task_options and not isinstance(task, str):
             raise ValueError("task_options are only for a task given by name; configure a Task instance directly")
@@ -179,6 +175,25 @@ class OnPolicyDataModule(LightningDataModule):
         self.position = 0
         #: what makes the training batches (:meth:`setup` binds the Trainer's LightningModule).
         self.rollout_source: RolloutSource | None = None
+
+    @staticmethod
+    def check_options(*, examples_per_step: Any = 8, val_batch_size: Any = 8, train_limit: Any = None,
+                      val_limit: Any = None, dev_slice: Any = None, **_: Any) -> None:
+        """The constructor's checks of its numeric options, on their own: ``lopd fit|validate|test`` runs them
+        on the config before the student loads (LightningCLI builds the model before the DataModule).
+        Other keyword options are ignored (the task's are the task's).
+
+        Raises:
+            ValueError: ``examples_per_step`` or ``val_batch_size`` below 1; ``train_limit``, ``val_limit`` or
+                ``dev_slice`` not an int >= 1 (or null); each naming ``data.init_args.<key>``.
+        """
+        for key, value in (("examples_per_step", examples_per_step), ("val_batch_size", val_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.init_args.{key} must be an int >= 1, got {value!r}")
+        for key, limit in (("train_limit", train_limit), ("val_limit", val_limit), ("dev_slice", dev_slice)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                what = "the val split" if key == "dev_slice" else "all the examples"
+                raise ValueError(f"data.init_args.{key} must be an int >= 1, or null for {what}; got {limit!r}")
 
     def _dev_positions(self) -> set[int]:
         """Positions in the task's train split of the dev slice (empty without ``dev_slice``)."""

@@ -23,10 +23,19 @@ load): mistakes that would otherwise end, minutes later, in a traceback from tor
   ``--ntasks-per-node``): Lightning refuses these only when fit launches, after the student loaded, with a
   traceback on every rank (:func:`check_launcher`).
 
-And, for ``fit``, ``validate`` and ``test`` alike (:func:`check_output_folders`), every folder the run will
-write into (a logger's ``save_dir``, ``trainer.default_root_dir``, a callback's ``dirpath`` or ``json_path``, an
-SFT ``save_dir``) that it could not create: a regular file on the way, or no permission (Lightning found it
-only when it first wrote, after the student loaded, with a ``NotADirectoryError`` traceback).
+And, for ``fit``, ``validate`` and ``test`` alike (:func:`check_run_config`):
+
+- every folder the run will write into (a logger's ``save_dir``, ``trainer.default_root_dir``, a callback's
+  ``dirpath`` or ``json_path``, an SFT ``save_dir``) that it could not create: a regular file on the way, or no
+  permission (Lightning found it only when it first wrote, after the student loaded, with a
+  ``NotADirectoryError`` traceback; :func:`check_output_folders`);
+- the DataModule's numeric options (LightningCLI builds the DataModule after the model:
+  :meth:`~lopd_lightning.data.OnPolicyDataModule.check_options`);
+- a ``trainer`` option Lightning's ``Trainer`` refuses (``max_steps: -5``, ``devices: 0``, ``limit_val_batches:
+  1.5``, ``accelerator: gpu`` without one...): the Trainer, built last, refused it after the student loaded; now
+  a Trainer with the config's plain options (no logger, callbacks or plugins) is built first and its refusal
+  named by key (:func:`check_trainer_options`);
+- a ``ckpt_path`` that names no file (:func:`check_ckpt_path`).
 
 Each raises :class:`~lopd_lightning.cli.errors.CLIError` (status 1) with one line naming the key and the fix.
 """
@@ -42,8 +51,8 @@ from typing import Any
 
 from lopd_lightning.cli.errors import CLIError, import_class
 
-__all__ = ["check_fit_config", "check_folder", "check_generation_backend", "check_launcher", "check_output_folders",
-           "check_strategy"]
+__all__ = ["check_ckpt_path", "check_data_config", "check_fit_config", "check_folder", "check_generation_backend",
+           "check_launcher", "check_output_folders", "check_run_config", "check_strategy", "check_trainer_options"]
 
 
 def _get(node: Any, key: str) -> Any:
@@ -160,6 +169,129 @@ def check_output_folders(config: Any) -> None:
     save_dir = _get(_get(model, "init_args"), "save_dir")
     if isinstance(save_dir, (str, os.PathLike)):
         check_folder("model.init_args.save_dir", save_dir)
+
+
+def check_run_config(config: Any, subcommand: str | None) -> None:
+    """Every check of a parsed ``fit``/``validate``/``test`` config (``config``: the subcommand's) that needs
+    nothing built: :func:`check_fit_config` (``fit`` only), :func:`check_ckpt_path`, :func:`check_data_config`,
+    :func:`check_output_folders` and :func:`check_trainer_options`, in that order.
+
+    Raises:
+        CLIError: the first refusal, one line naming the key, status 1.
+    """
+    if subcommand == "fit":
+        check_fit_config(config)
+    check_ckpt_path(_get(config, "ckpt_path"))
+    check_data_config(_get(config, "data"))
+    check_output_folders(config)
+    check_trainer_options(_get(config, "trainer"))
+
+
+#: ``ckpt_path`` values Lightning resolves itself (the best or last checkpoint of the run, SLURM's, a registry's)
+_CKPT_NAMES = ("best", "last", "hpc", "registry")
+
+
+def check_ckpt_path(ckpt_path: Any) -> None:
+    """Refuse a ``ckpt_path`` that names no file (Lightning said so after the student loaded).
+
+    Raises:
+        CLIError: naming ``ckpt_path``, status 1.
+    """
+    if ckpt_path is None or not isinstance(ckpt_path, (str, os.PathLike)):
+        return
+    text = os.fspath(ckpt_path)
+    if text in _CKPT_NAMES or text.startswith("registry:") or ("://" in text and not text.startswith("file://")):
+        return
+    path = Path(text.removeprefix("file://"))
+    if not path.is_file():
+        what = "a folder, not a checkpoint file" if path.is_dir() else "no such file"
+        raise CLIError(f"ckpt_path {text!r}: {what}; give a .ckpt a run wrote (its checkpoints folder, e.g. "
+                       f"<log_dir>/checkpoints/last.ckpt), one of {', '.join(_CKPT_NAMES[:2])}, or leave --ckpt_path out", 1)
+
+
+def check_data_config(data: Any) -> None:
+    """Run :meth:`~lopd_lightning.data.OnPolicyDataModule.check_options` on the config's ``data.init_args`` when
+    ``data.class_path`` is an OnPolicyDataModule (LightningCLI builds the DataModule after the model).
+
+    Raises:
+        CLIError: its refusal, naming ``data.init_args.<key>``, status 1.
+    """
+    from lopd_lightning.data import OnPolicyDataModule
+
+    cls = import_class(str(_get(data, "class_path") or ""))
+    if not (isinstance(cls, type) and issubclass(cls, OnPolicyDataModule)):
+        return
+    try:
+        cls.check_options(**dict(_items(_get(data, "init_args"))))
+    except ValueError as error:
+        raise CLIError(str(error), 1) from None
+
+
+#: the ``trainer`` options that are objects, built by LightningCLI (not given to the Trainer built to check)
+_TRAINER_OBJECTS = ("logger", "callbacks", "plugins", "profiler", "model_registry")
+
+
+def _plain_trainer_options(trainer: Any) -> dict[str, Any]:
+    """The config's ``trainer`` options that differ from the Trainer's defaults and are plain values (no class
+    node: a strategy given by class is built by LightningCLI)."""
+    import lightning.pytorch as pl
+
+    defaults = inspect.signature(pl.Trainer.__init__).parameters
+    options = {}
+    for key, value in _items(trainer):
+        parameter = defaults.get(key)
+        if parameter is None or key in _TRAINER_OBJECTS or hasattr(value, "get") or isinstance(value, dict):
+            continue
+        if value != parameter.default:
+            options[key] = value
+    return options
+
+
+def _build_trainer(options: dict[str, Any]) -> None:
+    """A Trainer of ``options`` (nothing attached, nothing logged), to see whether Lightning refuses them."""
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
+
+    quiet = [logging.getLogger(name) for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")]
+    levels = [logger.level for logger in quiet]
+    try:
+        for logger in quiet:
+            logger.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pl.Trainer(**{"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                          "enable_model_summary": False, **options, "callbacks": []})
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+
+
+def check_trainer_options(trainer: Any) -> None:
+    """Refuse, before the student loads, what Lightning's ``Trainer`` refuses of the config's plain ``trainer``
+    options (a bad ``max_steps``, ``devices``, ``limit_val_batches``, ``precision``, ``accelerator``, ``max_time``,
+    strategy name...): a Trainer with those options and no logger, callbacks or plugins is built (LightningCLI
+    builds the real one after the model), and a refusal is named by the option that makes it, found by
+    building a Trainer with each option alone.
+
+    Raises:
+        CLIError: ``trainer.<key>=<value>: <Lightning's message>``, status 1.
+    """
+    options = _plain_trainer_options(trainer)
+    try:
+        _build_trainer(options)
+    except Exception as error:  # Lightning's refusals: MisconfigurationException, ValueError, TypeError...
+        culprit = None
+        for key, value in options.items():
+            try:
+                _build_trainer({key: value})
+            except Exception as alone:
+                culprit, error = key, alone
+                break
+        text = " ".join(str(error).split()) or type(error).__name__
+        where = f"trainer.{culprit}={options[culprit]!r}" if culprit else "trainer"
+        raise CLIError(f"{where}: {text}", 1) from None
 
 
 def _sharded_kind(strategy: Any) -> str | None:

@@ -7,8 +7,9 @@ class does not take is one line naming the key and the closest argument it does 
 meaning its docstring gives: ``model.init_args.rollouts_per_example`` suggests ``group_size``).
 Before ``fit`` builds anything, :func:`~lopd_lightning.cli.checks.check_fit_config` refuses what would fail
 only after the student loaded (a negative learning rate, gradient accumulation, an LOPD-only callback on
-another method), and before any subcommand builds anything :func:`~lopd_lightning.cli.checks.check_output_folders`
-refuses a folder the run would write into and cannot create.
+another method), and before any subcommand builds anything :func:`~lopd_lightning.cli.checks.check_run_config`
+refuses a folder the run would write into and cannot create, a DataModule or Trainer option out of range, a
+``ckpt_path`` that names no file.
 
 Interpolation: a value ``${a.b.c}`` (OmegaConf) takes the value of the key ``a.b.c``, written as its path
 from the config's top (``${model.init_args.max_new_tokens}``, ``${trainer.max_steps}``; no ``fit.``) in a
@@ -26,7 +27,7 @@ import argparse
 import re
 from typing import Any
 
-from lopd_lightning.cli.checks import check_fit_config, check_output_folders
+from lopd_lightning.cli.checks import check_run_config
 from lopd_lightning.cli.errors import CLIError, interpolation_error_message, parse_error_message
 from lopd_lightning.hints import did_you_mean
 
@@ -149,9 +150,7 @@ def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             check_task_name(config)
-            if self.subcommand == "fit":
-                check_fit_config(self.config.fit)
-            check_output_folders(config)
+            check_run_config(config, self.subcommand)
 
         def instantiate_classes(self) -> None:
             if instantiate:

@@ -44,6 +44,7 @@ from lopd_lightning.modules.evaluation import EvaluationMixin
 from lopd_lightning.modules.hooked_task import ModuleHookedTask
 from lopd_lightning.modules.observability import ObservabilityMixin
 from lopd_lightning.modules.optimization import OptimizationMixin
+from lopd_lightning.modules.ranges import check_option_ranges
 from lopd_lightning.rollout import RolloutBatch, batch_from_conversations, generate_rollouts
 from lopd_lightning.rollout.backends import GenerationBackend
 from lopd_lightning.rollout.registry import BACKENDS, VLLM_SHARDED_REFUSAL, check_vllm_options, make_backend
@@ -149,7 +150,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
 
     Raises:
         ValueError: ``group_size`` < 1, ``temperature`` <= 0 (with vLLM: above 2, which vLLM refuses), a negative
-            logging option, a bad LoRA setting or a vLLM engine dtype that cannot hold the student's merged weights
+            logging option, an option of this class or a subclass out of its range
+            (:data:`~lopd_lightning.modules.ranges.OPTION_RANGES`: ``max_new_tokens`` < 1, ``top_p`` outside
+            (0, 1], a negative ``grad_clip``...), a bad LoRA setting or a vLLM engine dtype that cannot hold the student's merged weights
             (before the weights load: :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`).
 
     Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``). The
@@ -190,7 +193,8 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
         vllm_options: dict[str, Any] | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters()  # the arguments of the whole constructor chain: a method's own too
+        check_option_ranges(self.hparams)  # before the weights load
         self.automatic_optimization = False
         if group_size < 1:
             raise ValueError(f"model.init_args.group_size must be >= 1, got {group_size}")

@@ -116,8 +116,11 @@ class GRPOModule(OnPolicyModule):
                 f"one task), got {group_size}; set model.init_args.group_size to 2 or more "
                 "(docs/METHOD.md: G = 4)"
             )
-        if not 0.0 <= clip_eps_low < 1.0 or not clip_eps_high >= 0.0:
-            raise ValueError(f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
+        if not 0.0 <= clip_eps_low < 1.0:
+            raise ValueError(f"model.init_args.clip_eps_low must be in [0, 1) (the ratio's lower clip is 1 - it), "
+                             f"got {clip_eps_low}")
+        if not clip_eps_high >= 0.0:
+            raise ValueError(f"model.init_args.clip_eps_high must be >= 0, got {clip_eps_high}")
         if not kl_coef >= 0.0:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         if ppo_epochs < 1:

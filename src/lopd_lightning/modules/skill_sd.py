@@ -211,13 +211,12 @@ class SkillSDModule(GRPOModule):
             raise ValueError(f"teacher_mode must be 'live', 'base' or 'ema', got {teacher_mode!r}")
         if not sdl_coef >= 0:
             raise ValueError(f"sdl_coef must be >= 0, got {sdl_coef}")
-        if max_skills < 1 or skill_refresh_every < 0 or skill_max_new_tokens < 1:
-            raise ValueError(
-                f"need max_skills >= 1, skill_refresh_every >= 0 and skill_max_new_tokens >= 1, got "
-                f"{max_skills}, {skill_refresh_every}, {skill_max_new_tokens}"
-            )
-        if skill_buffer_size < 1 or skill_examples < 1 or skill_trajectory_chars < 1:
-            raise ValueError("skill_buffer_size, skill_examples and skill_trajectory_chars must be >= 1")
+        for key, value, low in (("max_skills", max_skills, 1), ("skill_refresh_every", skill_refresh_every, 0),
+                                ("skill_max_new_tokens", skill_max_new_tokens, 1),
+                                ("skill_buffer_size", skill_buffer_size, 1), ("skill_examples", skill_examples, 1),
+                                ("skill_trajectory_chars", skill_trajectory_chars, 1)):
+            if value < low:
+                raise ValueError(f"model.init_args.{key} must be >= {low}, got {value}")
         if not ucb_c >= 0:
             raise ValueError(f"ucb_c must be >= 0, got {ucb_c}")
         super().__init__(model, **kwargs)
