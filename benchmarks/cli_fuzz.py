@@ -12,7 +12,11 @@ on the command line of ``fit``, ``validate`` or ``test``:
 - ``missing_path``: a file or folder that is not there (``model.init_args.model``, ``bank_path``,
   ``composer_path``, ``ckpt_path``, a ``-c`` file, a task class's module);
 - ``unwritable_folder``: an output folder under a regular file (``trainer.default_root_dir``, the logger's
-  ``save_dir``, SFT's ``save_dir``).
+  ``save_dir``, SFT's ``save_dir``);
+- ``bad_choice``: an option that takes one of a few names given another (``teacher_mode``,
+  ``generation_backend``, ``embedder``, ``context_framing``, ``divergence``, ``trainer.accelerator``...);
+- ``broken_config``: a further ``-c`` file that is not a YAML mapping with each key once (a bracket left open,
+  a tab, a list, a scalar, an empty file, a repeated key, a bad indent), named by the file.
 
 Each case must end with exit status 1 or 2, the last line of stderr ``error: ...`` naming the key (the only
 ``error:`` line), no traceback (an exception out of ``main``), and no started run: loading the student's weights
@@ -68,6 +72,8 @@ SUBCOMMANDS = ("fit", "validate", "test")
 
 #: a placeholder in a case's arguments for a regular file (made once per run of the cases)
 A_FILE = "{A_FILE}"
+#: a placeholder for the fresh folder a case's ``files`` are written into
+A_DIR = "{DIR}"
 
 
 class RunStarted(BaseException):
@@ -83,9 +89,12 @@ class Case:
     kind: str
     key: str
     args: tuple[str, ...]
+    #: (name, text) of the files the case writes into a fresh folder first (``{DIR}`` in ``args`` and ``key``)
+    files: tuple[tuple[str, str], ...] = ()
 
-    def argv(self, a_file: str) -> list[str]:
-        return [self.subcommand, *METHODS[self.method], *(a.replace(A_FILE, a_file) for a in self.args)]
+    def argv(self, a_file: str, folder: str = "") -> list[str]:
+        return [self.subcommand, *METHODS[self.method],
+                *(a.replace(A_FILE, a_file).replace(A_DIR, folder) for a in self.args)]
 
 
 @dataclass
@@ -97,6 +106,7 @@ class Outcome:
     last: str
     started: bool = False
     exception: str | None = None
+    folder: str = ""
 
     def problem(self, case: Case) -> str | None:
         """Why the outcome breaks the contract (None: it keeps it)."""
@@ -108,7 +118,7 @@ class Outcome:
             return f"exit status {self.code!r}"
         if len(self.errors) != 1 or not self.last.startswith("error: "):
             return f"{len(self.errors)} error lines, last line {self.last!r}"
-        if case.key not in self.last:
+        if case.key.replace(A_DIR, self.folder) not in self.last:
             return f"the error line does not name {case.key}: {self.last!r}"
         return None
 
@@ -314,8 +324,52 @@ def unwritable_folder(draw, method: str) -> Case:
     return Case(method, draw(st.sampled_from(SUBCOMMANDS)), "unwritable_folder", key, args)
 
 
+#: (key, the methods that have it (None: all), its valid names): options that take one of a few names
+CHOICES: tuple[tuple[str, tuple[str, ...] | None, tuple[str, ...]], ...] = (
+    ("model.init_args.generation_backend", None, ("hf", "vllm")),
+    ("model.init_args.teacher_mode", ("lopd", "skill_sd"), ("live", "base", "ema")),
+    ("model.init_args.embedder", ("lopd", "opsd"), ("minilm", "backbone", "hashing")),
+    ("model.init_args.context_framing", ("lopd", "opsd"), ("short", "from_scratch")),
+    ("model.init_args.margin_weighting", ("lopd",), ("paper", "balanced")),
+    ("model.init_args.composer_architecture", ("lopd",), ("memory_tokens", "perceiver")),
+    ("model.init_args.composer_kl_mean", ("lopd",), ("token", "rollout")),
+    ("model.init_args.warm_start_lr_schedule", ("lopd",), ("constant", "cosine")),
+    ("model.init_args.privileged_context", ("opsd",), ("reference", "retrieved")),
+    ("model.init_args.divergence", ("sdpo", "opsd"), ("jsd", "forward_kl", "topk_reverse_kl")),
+    ("trainer.accelerator", None, ("auto", "cpu", "cuda", "gpu", "tpu", "mps")),
+    ("trainer.precision", None, ()),
+    ("trainer.strategy", None, ()),
+)
+
+
+@st.composite
+def bad_choice(draw, method: str) -> Case:
+    options = [(key, valid) for key, methods, valid in CHOICES if methods is None or method in methods]
+    key, valid = draw(st.sampled_from(options))
+    value = draw(st.from_regex(r"[a-z]{2,8}(_[a-z]{2,6})?", fullmatch=True).filter(
+        lambda v: v not in valid and v not in ("null", "none", "true", "false", "yes", "no", "on", "off", "auto")
+        and not v.startswith(("bf", "fp", "ddp", "fsdp", "deepspeed", "single", "xla"))))
+    return Case(method, draw(st.sampled_from(SUBCOMMANDS)), "bad_choice", key, (f"--{key}={value}",))
+
+
+#: YAML texts that are not a config mapping with each key once
+BROKEN_CONFIGS = ("model: [unclosed\n", "\tmodel: 1\n", "- a\n- b\n", "just a string\n", "",
+                  "model:\n  init_args: {a: 1\n", "trainer: {max_steps: 3}\ntrainer: {max_steps: 4}\n",
+                  "key: value\n  bad indent: 2\n", "model: !!python/object:os.system {}\n",
+                  "data:\n  init_args:\n    val_limit: 2\n    val_limit: 3\n", "{a: 1}}\n")
+
+
+@st.composite
+def broken_config(draw, method: str) -> Case:
+    text = draw(st.sampled_from(BROKEN_CONFIGS))
+    name = draw(st.from_regex(r"[a-z]{1,8}", fullmatch=True)) + ".yaml"
+    return Case(method, draw(st.sampled_from(SUBCOMMANDS)), "broken_config", f"-c {A_DIR}/{name}",
+                ("-c", f"{A_DIR}/{name}"), files=((name, text),))
+
+
 KINDS = {"unknown_key": unknown_key, "wrong_type": wrong_type, "out_of_range": out_of_range,
-         "missing_path": missing_path, "unwritable_folder": unwritable_folder}
+         "missing_path": missing_path, "unwritable_folder": unwritable_folder, "bad_choice": bad_choice,
+         "broken_config": broken_config}
 
 
 def cases(kind: str) -> st.SearchStrategy[Case]:
@@ -353,10 +407,13 @@ def run_case(case: Case, a_file: str) -> Outcome:
 
     err = io.StringIO()
     outcome = Outcome(code=None, errors=[], last="")
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.chdir(REPO_ROOT):
+    with tempfile.TemporaryDirectory(prefix="cli_fuzz_case_") as folder, contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.chdir(REPO_ROOT):
+        outcome.folder = folder
+        for name, text in case.files:
+            (Path(folder) / name).write_text(text)
         try:
-            outcome.code = main(case.argv(a_file))
+            outcome.code = main(case.argv(a_file, folder))
         except SystemExit as exit_info:
             outcome.code = exit_info.code
         except RunStarted:

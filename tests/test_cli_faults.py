@@ -221,3 +221,38 @@ def test_build_memory_that_keeps_nothing_writes_nothing(tmp_path, capsys):
     code, err = run_main(["build-memory", "-c", str(TINY_YAML), "--from-references", "--min-reward", "1.5",
                           "--out", str(tmp_path / "new")], capsys)
     assert code == 1 and err.strip().endswith("lower --min-reward") and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("model: [unclosed\n", "not valid YAML (line 2, column 1: expected ',' or ']', but got '<stream end>'); fix the file"),
+    ("trainer: {max_steps: 3}\ntrainer: {max_steps: 4}\n",
+     "repeats the key 'trainer' (lines 1 and 2; YAML would keep the last one); give each key once"),
+    ("data:\n  init_args:\n    val_limit: 2\n    val_limit: 3\n",
+     "repeats the key 'val_limit' (lines 3 and 4; YAML would keep the last one); give each key once"),
+    ("- a\n- b\n", "a YAML list, not a mapping; a config maps keys (model:, data:, trainer:...) to values"),
+    ("", "the file is empty; give a YAML mapping (model:, data:, trainer:...) or leave the -c out"),
+])
+def test_a_config_file_that_is_not_a_mapping_of_each_key_once_is_named_with_its_line(text, expected, tmp_path, capsys,
+                                                                                     no_model_loading):
+    """jsonargparse named neither the file nor the line ("error: while parsing a flow sequence", "Unexpected
+    config: - a") and let a repeated key's last value win without a word (issue 57's fuzz)."""
+    broken = tmp_path / "more.yaml"
+    broken.write_text(text)
+    code, err = run_main(["fit", "-c", str(TINY_YAML), "-c", str(broken)], capsys)
+    assert code == 2
+    assert_one_line_error(err, f"-c {broken}: {expected}")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model.init_args.teacher_mode=frozen"],
+     "model.init_args.teacher_mode 'frozen' is not a teacher mode; choose one of live, base, ema"),
+    (["--trainer.logger.class_path=Foo"],
+     "trainer.logger: no class 'Foo'; give a class path such as lightning.pytorch.loggers.TensorBoardLogger"),
+])
+def test_a_bad_name_is_refused_before_the_model_loads_with_an_example_of_its_own_kind(args, expected, capsys,
+                                                                                     no_model_loading):
+    """LOPD's teacher_mode was checked only once the student had loaded (a run started); a logger's bad
+    class_path was given a LightningModule as the example."""
+    code, err = run_main(["fit", "-c", str(TINY_YAML), *args], capsys)
+    assert code in (1, 2)
+    assert_one_line_error(err, expected)

@@ -51,8 +51,8 @@ from typing import Any
 
 from lopd_lightning.cli.errors import CLIError, import_class
 
-__all__ = ["check_ckpt_path", "check_data_config", "check_fit_config", "check_folder", "check_generation_backend",
-           "check_launcher", "check_output_folders", "check_run_config", "check_strategy", "check_trainer_options"]
+__all__ = ["check_ckpt_path", "check_config_files", "check_data_config", "check_fit_config", "check_folder", "check_generation_backend",
+           "check_launcher", "check_output_folders", "check_run_config", "check_strategy", "check_trainer_options", "config_files"]
 
 
 def _get(node: Any, key: str) -> Any:
@@ -169,6 +169,69 @@ def check_output_folders(config: Any) -> None:
     save_dir = _get(_get(model, "init_args"), "save_dir")
     if isinstance(save_dir, (str, os.PathLike)):
         check_folder("model.init_args.save_dir", save_dir)
+
+
+def config_files(args: list[str]) -> list[str]:
+    """The files given with ``-c``/``--config`` on the command line ``args``, in order."""
+    files = []
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args):
+            files.append(args[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
+
+
+def check_config_files(args: list[str]) -> None:
+    """Refuse a ``-c`` file of ``args`` that is not a YAML mapping with each key once, naming the file and
+    the line: jsonargparse parses the file's text and names neither (``while parsing a flow sequence``), reads
+    a list or a scalar as ``Unexpected config``, and lets a repeated key's last value win without a word.
+    A file that is not there is left to the parser (it names it).
+
+    Raises:
+        CLIError: ``-c FILE: not valid YAML (line L, column C: ...)``, ``... is empty``, ``... is a list, not a
+            mapping``, ``... repeats the key K (lines A and B)``; status 2.
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise _RepeatedKey(key, seen[key], line)
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    for name in config_files(args):
+        try:
+            text = Path(name).read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            value = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        except _RepeatedKey as repeated:
+            raise CLIError(f"-c {name}: repeats the key {repeated.key!r} (lines {repeated.first} and "
+                           f"{repeated.second}; YAML would keep the last one); give each key once", 2) from None
+        except yaml.YAMLError as bad:
+            mark = getattr(bad, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            problem = getattr(bad, "problem", None) or str(bad).split("\n", 1)[0]
+            raise CLIError(f"-c {name}: not valid YAML ({where}{problem}); fix the file", 2) from None
+        if value is None:
+            raise CLIError(f"-c {name}: the file is empty; give a YAML mapping (model:, data:, trainer:...) "
+                           "or leave the -c out", 2)
+        if not isinstance(value, dict):
+            raise CLIError(f"-c {name}: a YAML {type(value).__name__}, not a mapping; a config maps keys "
+                           "(model:, data:, trainer:...) to values", 2)
+
+
+class _RepeatedKey(Exception):
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
 
 
 def check_run_config(config: Any, subcommand: str | None) -> None:

@@ -118,6 +118,12 @@ def _class_path_message(key: str, class_path: str, reason: str) -> str:
     return f"{key}: no class {class_path!r} ({' '.join(reason.split())}){hint or '; give module.Class of an importable class'}"
 
 
+#: the last part of a key that takes a class -> a class path to give as the example
+_CLASS_EXAMPLES = {"model": "lopd_lightning.modules.LOPDModule", "data": "lopd_lightning.data.OnPolicyDataModule",
+                   "logger": "lightning.pytorch.loggers.TensorBoardLogger",
+                   "callbacks": "lightning.pytorch.callbacks.ModelCheckpoint"}
+
+
 def _known_classes(section: str) -> list[str]:
     if section == "model":
         import lopd_lightning.modules as modules
@@ -191,8 +197,9 @@ def parse_error_message(error: BaseException, parser: Any, subparsers: dict[str,
     m = re.search(r"Expected a dot import path string: (\S+)", inner)
     if m:
         section = path[0] if path else "model"
+        example = _CLASS_EXAMPLES.get(section.split(".")[-1], "module.Class of an importable class")
         return (f"{section}: no class {m.group(1)!r}; give a class path such as "
-                f"lopd_lightning.modules.LOPDModule{did_you_mean(m.group(1), _known_classes(section), quote=True)}")
+                f"{example}{did_you_mean(m.group(1), _known_classes(section), quote=True)}")
     if key == "config":
         return f"-c/--config: {_plain(inner)}"
     return f"{key}: {_plain(inner)}" if key else _plain(inner)

@@ -27,7 +27,7 @@ import argparse
 import re
 from typing import Any
 
-from lopd_lightning.cli.checks import check_run_config
+from lopd_lightning.cli.checks import check_config_files, check_run_config
 from lopd_lightning.cli.errors import CLIError, interpolation_error_message, parse_error_message
 from lopd_lightning.hints import did_you_mean
 
@@ -136,6 +136,7 @@ def lightning_cli(args: list[str], *, run: bool = True, instantiate: bool = True
         def parse_arguments(self, parser, args) -> None:
             # `args` is always the exact list main() took from sys.argv (less --debug) or one a command
             # built; LightningCLI's warning about passing both `args` and a command line does not apply
+            check_config_files(args)
             try:
                 self.config = parser.parse_args(relative_interpolations(args))
             except argparse.ArgumentError as error:

@@ -272,7 +272,7 @@ class LOPDModule(OnPolicyModule):
             warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size,
             warm_start_reconstruction_noise=warm_start_reconstruction_noise,
             warm_start_lr_schedule=warm_start_lr_schedule, latent_probe_every_n_steps=latent_probe_every_n_steps,
-            composer_kl_mean=composer_kl_mean, composer_clip_joint=composer_clip_joint,
+            composer_kl_mean=composer_kl_mean, composer_clip_joint=composer_clip_joint, teacher_mode=teacher_mode,
         )
         framing_prefix, framing_suffix = resolve_framing(context_framing)
         super().__init__(model, **kwargs)

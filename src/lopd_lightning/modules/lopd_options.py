@@ -11,6 +11,7 @@ from lopd_lightning.composer.objective import MARGIN_WEIGHTINGS
 from lopd_lightning.hints import choose_one_of
 from lopd_lightning.losses.dual import DualAscent
 from lopd_lightning.memory.module_bank import check_bank_options
+from lopd_lightning.teacher.weights import TEACHER_MODES
 
 __all__ = ["COMPOSER_KL_MEANS", "check_lopd_options"]
 
@@ -24,7 +25,7 @@ def check_lopd_options(
     margin_weighting: str, composer_architecture: str, composer_path: str | None, composer_output_gain: float | str,
     warm_start_weights: tuple[float, float], warm_start_lr: float, warm_start_batch_size: int,
     warm_start_reconstruction_noise: float, warm_start_lr_schedule: str, latent_probe_every_n_steps: int,
-    composer_kl_mean: str = "token", composer_clip_joint: float | None = None,
+    composer_kl_mean: str = "token", composer_clip_joint: float | None = None, teacher_mode: str = "live",
 ) -> None:
     """Refuse the options that are wrong whatever the model, naming the config key (before any weight loads).
 
@@ -33,7 +34,8 @@ def check_lopd_options(
             an unknown embedder, a missing or too small bank, a ``distill_chunk_size`` that is not null or an
             int >= 1, a composer LoRA that the shared backbone cannot honour, a negative
             ``latent_probe_every_n_steps``, a ``composer_kl_mean`` other than token or rollout, a
-            ``composer_clip_joint`` that is not null or a number > 0, or a composer or pretraining option
+            ``composer_clip_joint`` that is not null or a number > 0, a ``teacher_mode`` other than live, base or
+            ema, or a composer or pretraining option
             :func:`~lopd_lightning.composer.model.check_composer_options` refuses.
         FileNotFoundError: ``bank_path`` holds no bank, or ``composer_path`` no composer.
     """
@@ -44,6 +46,9 @@ def check_lopd_options(
                            warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size,
                            warm_start_reconstruction_noise=warm_start_reconstruction_noise,
                            warm_start_lr_schedule=warm_start_lr_schedule)
+    if teacher_mode not in TEACHER_MODES:
+        raise ValueError(f"model.init_args.teacher_mode {teacher_mode!r} is not a teacher mode; "
+                         f"{choose_one_of(teacher_mode, TEACHER_MODES)}")
     if composer_kl_mean not in COMPOSER_KL_MEANS:
         raise ValueError(f"model.init_args.composer_kl_mean {composer_kl_mean!r} is not a mean; "
                          f"{choose_one_of(composer_kl_mean, COMPOSER_KL_MEANS)}")

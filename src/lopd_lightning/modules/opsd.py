@@ -240,8 +240,8 @@ class OPSDModule(SelfDistillationModule):
 
 
 def check_privileged_context(privileged_context: str, bank_path: str | None, embedder: str) -> None:
-    """Refuse, in one line naming the config key, an unknown ``privileged_context`` and, for ``"retrieved"``, no
-    ``bank_path``, an unknown ``embedder``, or a bank that is missing or empty (its ``meta.json``; no model needed).
+    """Refuse, in one line naming the config key, an unknown ``privileged_context`` or ``embedder`` and, for
+    ``"retrieved"``, no ``bank_path`` or a bank that is missing or empty (its ``meta.json``; no model needed).
 
     Raises:
         ValueError: as above. FileNotFoundError: ``bank_path`` holds no bank.
@@ -249,13 +249,13 @@ def check_privileged_context(privileged_context: str, bank_path: str | None, emb
     if privileged_context not in PRIVILEGED_CONTEXTS:
         raise ValueError(f"model.init_args.privileged_context {privileged_context!r} is not a context; "
                          f"{choose_one_of(privileged_context, PRIVILEGED_CONTEXTS)}")
+    check_embedder(embedder)  # checked whatever the context: a misspelt name is a mistake either way
     if privileged_context != "retrieved":
         return
     build = "build one with `lopd build-memory -c CONFIG --from-references` and set model.init_args.bank_path to its folder"
     if not bank_path:
         raise ValueError(f"model.init_args.privileged_context 'retrieved' needs a bank to retrieve from and "
                          f"model.init_args.bank_path is null; {build}")
-    check_embedder(embedder)
     meta = Path(bank_path) / "meta.json"
     if not meta.exists():
         raise FileNotFoundError(f"model.init_args.bank_path {bank_path!r} holds no experience bank "

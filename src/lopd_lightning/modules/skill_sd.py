@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lopd_lightning.hints import choose_one_of
 from lopd_lightning.lm import unpack
 from lopd_lightning.losses import k3_kl, masked_mean, token_logps
 from lopd_lightning.modules.grpo import GRPOModule, GRPOStepInputs
@@ -56,7 +57,7 @@ from lopd_lightning.rollout import RolloutBatch, encode_prompt
 from lopd_lightning.rollout.chat import eos_token_ids
 from lopd_lightning.sharding import generate_options
 from lopd_lightning.tasks import Example, Task
-from lopd_lightning.teacher import SelfTeacher
+from lopd_lightning.teacher import TEACHER_MODES, SelfTeacher
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +208,9 @@ class SkillSDModule(GRPOModule):
         ucb_c: float = math.sqrt(2),
         **kwargs: Any,
     ):
-        if teacher_mode not in ("live", "base", "ema"):
-            raise ValueError(f"teacher_mode must be 'live', 'base' or 'ema', got {teacher_mode!r}")
+        if teacher_mode not in TEACHER_MODES:
+            raise ValueError(f"model.init_args.teacher_mode {teacher_mode!r} is not a teacher mode; "
+                             f"{choose_one_of(teacher_mode, TEACHER_MODES)}")
         if not sdl_coef >= 0:
             raise ValueError(f"sdl_coef must be >= 0, got {sdl_coef}")
         for key, value, low in (("max_skills", max_skills, 1), ("skill_refresh_every", skill_refresh_every, 0),

@@ -36,13 +36,14 @@ from lopd_lightning.teacher.splice import (
     frame_text,
     resolve_framing,
 )
-from lopd_lightning.teacher.weights import TeacherMode, TeacherWeights
+from lopd_lightning.teacher.weights import TEACHER_MODES, TeacherMode, TeacherWeights
 
 __all__ = [
     "DEFAULT_FRAMING_PREFIX",
     "DEFAULT_FRAMING_SUFFIX",
     "FRAMINGS",
     "SelfTeacher",
+    "TEACHER_MODES",
     "TeacherInputs",
     "TeacherMode",
     "TeacherPrefix",

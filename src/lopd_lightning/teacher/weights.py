@@ -37,8 +37,10 @@ from lopd_lightning.teacher.prefix_cache import has_dropout
 log = logging.getLogger(__name__)
 
 TeacherMode = Literal["live", "base", "ema"]
+#: the values of :data:`TeacherMode`, in its order
+TEACHER_MODES: tuple[str, ...] = ("live", "base", "ema")
 
-__all__ = ["TeacherMode", "TeacherWeights"]
+__all__ = ["TEACHER_MODES", "TeacherMode", "TeacherWeights"]
 
 
 @contextmanager
@@ -84,7 +86,7 @@ class TeacherWeights(nn.Module):
     def __init__(self, backbone: PeftModel, *, mode: TeacherMode = "live", ema_rate: float = 0.05,
                  deterministic: bool = True, checkpoint_layers: bool = False) -> None:
         super().__init__()
-        if mode not in ("live", "base", "ema"):
+        if mode not in TEACHER_MODES:
             raise ValueError(f"mode must be 'live', 'base' or 'ema', got {mode!r}")
         if not 0.0 <= ema_rate <= 1.0:
             raise ValueError(f"ema_rate must be in [0, 1], got {ema_rate}")
