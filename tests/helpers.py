@@ -4,6 +4,7 @@ tests."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import sys
@@ -92,3 +93,42 @@ def assert_one_line_error(err: str, expected: str) -> None:
     assert sum(line.startswith("error:") for line in lines) == 1, err
     for noise in ("Traceback", "usage:", "Given value", "Does not validate", "Subtypes", "full_key"):
         assert noise not in err, err
+
+
+class FullDiskFile:
+    """A file on a disk with ``room`` bytes left: a write past it writes what fits, then raises ENOSPC."""
+
+    def __init__(self, f, room: int):
+        self._f, self._room = f, room
+
+    def write(self, data):
+        if len(data) > self._room:
+            self._f.write(data[: self._room])
+            self._room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+        return False
+
+
+def fill_disk(monkeypatch, room: int) -> None:
+    """From now on every file ``lopd_lightning.io`` writes (checkpoints, summaries, results, the bank) has
+    ``room`` bytes of disk left (:class:`FullDiskFile`)."""
+    import lopd_lightning.io as lio
+
+    real = lio._temporary_beside
+
+    def temporary_beside(path, mode, encoding):
+        f, tmp = real(path, mode, encoding)
+        return FullDiskFile(f, room), tmp
+
+    monkeypatch.setattr(lio, "_temporary_beside", temporary_beside)

@@ -24,7 +24,7 @@ from lopd_lightning.models import load_student, tiny_model, tiny_tokenizer
 from lopd_lightning.modules import GRPOModule, LOPDModule, OPSDModule, SDPOModule
 from lopd_lightning.teacher import SelfTeacher
 from lopd_lightning.tasks.toy import ToyTask
-from helpers import ParityToy
+from helpers import ParityToy, fill_disk
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 TINY_LOPD = dict(lora=LORA, group_size=2, max_new_tokens=8, num_latents=4, num_experiences=2,
@@ -194,25 +194,14 @@ def test_privileged_context_is_cut_before_the_students_tokens():
 
 # ------------------------------------------------------------------------------------------ faults
 class DiskFullOnStep(L.Callback):
-    """From ``step`` on, every checkpoint write fills the disk halfway through (ENOSPC)."""
+    """From ``step`` on, every checkpoint write fills the disk a few bytes in (ENOSPC)."""
 
     def __init__(self, step: int, monkeypatch):
         self.step, self.monkeypatch = step, monkeypatch
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step != self.step:
-            return
-        import errno
-
-        from fsspec.implementations.local import LocalFileOpener
-
-        original = LocalFileOpener.write
-
-        def write(opener, data):
-            original(opener, data[: len(data) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        self.monkeypatch.setattr(LocalFileOpener, "write", write)
+        if trainer.global_step == self.step:
+            fill_disk(self.monkeypatch, 64)
 
 
 def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):

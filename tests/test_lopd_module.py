@@ -242,7 +242,8 @@ def test_zero_learning_rate_freezes_one_side_only(tmp_path, bank_dir, frozen_sid
 def test_beta_follows_projected_dual_ascent(tmp_path, bank_dir, margin, beta_init, case):
     """beta_{t+1} = max(0, beta_t + eta (m - Delta_t)), Delta_t the logged train/margin_delta."""
     eta = 0.5
-    module = make_module(bank_dir, margin=margin, beta_init=beta_init, dual_lr=eta)
+    module = make_module(bank_dir, margin=max(margin, 0.0), beta_init=beta_init, dual_lr=eta)
+    module.margin = margin  # m in effect; below 0 (refused as an option) only to drive beta into the clamp
     rec = Recorder()
     make_trainer(tmp_path, max_steps=2, callbacks=[rec]).fit(module, make_dm())
     assert len(rec.steps) == 2

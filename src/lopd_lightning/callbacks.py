@@ -164,10 +164,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or ("://" in text and not text.startswith("file://")):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
+        import io
+
         import torch
 
+        buffer = io.BytesIO()  # serialised first, as Lightning's writer does: a full disk is then the OSError
+        torch.save(checkpoint, buffer)  # of the file's write (torch's zip writer reports it as a RuntimeError)
         with atomic_write(Path(text.removeprefix("file://")), "wb") as f:
-            torch.save(checkpoint, f)
+            f.write(buffer.getbuffer())
 
 
 def step_description(trainer: Trainer) -> str:

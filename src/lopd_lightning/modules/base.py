@@ -150,10 +150,9 @@ class OnPolicyModule(EvaluationMixin, ObservabilityMixin, OptimizationMixin):
 
     Raises:
         ValueError: ``group_size`` < 1, ``temperature`` <= 0 (with vLLM: above 2, which vLLM refuses), a negative
-            logging option, an option of this class or a subclass out of its range
-            (:data:`~lopd_lightning.modules.ranges.OPTION_RANGES`: ``max_new_tokens`` < 1, ``top_p`` outside
-            (0, 1], a negative ``grad_clip``...), a bad LoRA setting or a vLLM engine dtype that cannot hold the student's merged weights
-            (before the weights load: :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`).
+            logging option, an option out of its range (``modules.ranges.OPTION_RANGES``, a subclass's too), a
+            bad LoRA setting or a vLLM engine dtype that cannot hold the student's merged weights (before the
+            weights load: :func:`~lopd_lightning.rollout.vllm_backend.check_engine_dtype`).
 
     Nothing is logged or written for Lightning's sanity-check validation (``num_sanity_val_steps``). The
     k-th training step (the k-th optimiser step, 1-based) and the validation that runs after it are both
