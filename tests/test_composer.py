@@ -185,7 +185,7 @@ def test_parameter_groups_and_separate_clipping():
     optimizer.step()
 
 
-@pytest.mark.parametrize("architecture", ["memory_tokens", "perceiver"])
+@pytest.mark.parametrize("architecture", ["memory_tokens", "perceiver", "pointer"])
 def test_embedding_scaled_output_gain(architecture):
     backbone, composer = make(output_gain="embedding", architecture=architecture)
     rms = backbone.get_input_embeddings().weight.pow(2).mean().sqrt()
@@ -228,7 +228,7 @@ def test_memory_tokens_append_to_places_memory_after_each_row():
         MemoryTokens(4, num_latents=2, init_embeddings=torch.randn(10, 5))
 
 
-@pytest.mark.parametrize("architecture", ["memory_tokens", "perceiver"])
+@pytest.mark.parametrize("architecture", ["memory_tokens", "perceiver", "pointer"])
 def test_save_and_load_restore_the_same_latents(tmp_path, architecture):
     backbone, composer = make(architecture=architecture)
     before = composer.compose(EXPERIENCES).latents.detach()

@@ -3,7 +3,8 @@ training (docs/METHOD.md 3 and 5).
 
 * :mod:`.model`: :class:`LatentComposer` (LoRA encoder Enc_psi + a compressor Comp_chi), its parameter groups
   and clip norms, saving and loading.
-* :mod:`.compressors`: the compressors, :class:`MemoryTokens` (default) and the paper's :class:`PerceiverResampler`.
+* :mod:`.compressors`: the compressors, :class:`MemoryTokens` (default), the paper's :class:`PerceiverResampler`
+  and the pointer :class:`TokenPointer`.
 * :mod:`.losses`: :func:`latent_nll` (L_init and the reconstruction term L_rec), :func:`latent_spread`.
 * :mod:`.objective`: the composer's objective in LOPD, :func:`composer_objective` = L_distill + beta (m - Delta)
   + lambda :func:`anchor_loss`, with the privileged margin Delta (:func:`privileged_margin`, :func:`margin_delta`
@@ -13,7 +14,7 @@ training (docs/METHOD.md 3 and 5).
 * :mod:`.probe`: whether the latents carry each row's experience, measured during training.
 """
 
-from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler
+from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler, TokenPointer
 from lopd_lightning.composer.losses import latent_nll, latent_spread, pretraining_objective
 from lopd_lightning.composer.model import (
     ARCHITECTURES,
@@ -45,6 +46,7 @@ __all__ = [
     "MARGIN_WEIGHTINGS",
     "MemoryTokens",
     "PerceiverResampler",
+    "TokenPointer",
     "anchor_loss",
     "clip_composer_grads",
     "composer_objective",

@@ -4,6 +4,9 @@
   to the encoder's input, read out at its last layer (docs/METHOD.md section 3, "Deviation").
 * :class:`PerceiverResampler` (``perceiver``, the paper's): K learned queries over the encoder's last hidden
   states, one block applied ``depth`` times.
+* :class:`TokenPointer` (``pointer``): K soft pointers into the experience's own tokens; each latent is a mixture
+  of the experience's input token embeddings (plus a gated abstractive residual), so the frozen teacher can read
+  it from the first step (docs/METHOD.md section 3, "The pointer compressor").
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MemoryTokens", "PerceiverResampler"]
+__all__ = ["MemoryTokens", "PerceiverResampler", "TokenPointer"]
 
 
 class _ResamplerBlock(nn.Module):
@@ -195,3 +198,90 @@ class MemoryTokens(nn.Module):
     def forward(self, memory_hidden: Tensor) -> Tensor:
         """(N, K, d) last hidden states at the memory positions -> (N, K, d) latents, in chi's dtype."""
         return self.norm_out(self.proj(memory_hidden.to(self.proj.weight.dtype)))
+
+
+class TokenPointer(nn.Module):
+    """Pointer compressor Comp_chi: K latents, each a soft pointer into the experience's own token embeddings.
+
+    For an experience of ``L`` real tokens with input embeddings ``e_t`` and encoder last hidden states ``h_t``
+    (the backbone under the composer LoRA), latent k has a home position ``tau_k = min(max(L - K, 0) + k, L - 1)``
+    (the last K tokens: the end of the trajectory, where its calls are) and is
+
+        a_k = softmax_t( (W_q h_{tau_k}) . h_t / sqrt(d) - beta * |t - tau_k| )      over the L real tokens
+        c_k = sum_t a_kt e_t + tanh(g) * LayerNorm(proj(h_{tau_k}))
+
+    with ``beta = softplus(rho)``. ``W_q`` and ``g`` start at 0 and ``beta`` at ``sharpness`` (4: the home token
+    carries ~96% of the weight), so the first latents are close to the embeddings of the experience's last K
+    tokens: the frozen teacher reads them as (nearly) that text from the first step, and training moves the
+    pointers (W_q, beta) and opens the abstractive residual (g, proj). Latents of a pointer that copies stay in
+    the span of the experience's own token embeddings, the space the teacher was trained to read; the
+    memory-token readout (:class:`MemoryTokens`) starts in the output space of the last layer instead. A
+    pointer-generator's copy distribution (See et al., ACL 2017) over input embeddings, with positional homes.
+    This project's design, not the paper's (docs/METHOD.md section 3).
+
+    Args:
+        d_model: d, the backbone's hidden size.
+        num_latents: K.
+        sharpness: the initial beta (> 0), in nats per token of distance from the home position.
+        output_gain: initial gain of the residual's LayerNorm (the token embeddings' RMS).
+
+    Raises:
+        ValueError: ``d_model`` or ``num_latents`` is not positive, or ``sharpness`` is not > 0.
+    """
+
+    def __init__(self, d_model: int, *, num_latents: int, sharpness: float = 4.0, output_gain: float = 1.0) -> None:
+        super().__init__()
+        if min(d_model, num_latents) <= 0:
+            raise ValueError("d_model and num_latents must be positive")
+        if not sharpness > 0:
+            raise ValueError(f"sharpness must be > 0, got {sharpness}")
+        self.d_model = d_model
+        self.num_latents = num_latents
+        self.query = nn.Linear(d_model, d_model, bias=False)
+        # softplus^-1(sharpness), stable for large values
+        self.sharpness_raw = nn.Parameter(torch.tensor(float(sharpness + math.log(-math.expm1(-sharpness)))))
+        self.gate = nn.Parameter(torch.zeros(()))
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm_out = nn.LayerNorm(d_model)
+        with torch.no_grad():
+            self.query.weight.zero_()
+            self.proj.weight.copy_(torch.eye(d_model))
+            self.proj.bias.zero_()
+            self.norm_out.weight.fill_(output_gain)
+
+    def homes(self, mask: Tensor) -> Tensor:
+        """(N, T) {0, 1} right-padded mask -> (N, K) long home positions ``tau_k`` (the last K real tokens)."""
+        lengths = mask.long().sum(dim=1).clamp(min=1)  # [N]
+        k = torch.arange(self.num_latents, device=mask.device)[None, :]  # [1, K]
+        start = (lengths - self.num_latents).clamp(min=0)[:, None]
+        return torch.minimum(start + k, (lengths - 1)[:, None])
+
+    def pointers(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        """The (N, K, T) float pointer weights a_k over the row's tokens (rows sum to 1; 0 on padding)."""
+        hidden = hidden.to(self.query.weight.dtype)
+        mask = mask.bool()
+        n, t, d = hidden.shape
+        homes = self.homes(mask)  # [N, K]
+        home_hidden = hidden.gather(1, homes[..., None].expand(n, self.num_latents, d))  # [N, K, d]
+        scores = torch.einsum("nkd,ntd->nkt", self.query(home_hidden), hidden) / math.sqrt(d)
+        distance = (torch.arange(t, device=hidden.device)[None, None, :] - homes[..., None]).abs()
+        scores = scores - F.softplus(self.sharpness_raw) * distance.to(scores.dtype)
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        return scores.softmax(dim=-1)
+
+    def forward(self, hidden: Tensor, mask: Tensor, token_embeds: Tensor) -> Tensor:
+        """Point.
+
+        Args:
+            hidden: (N, T, d) float, the encoder's last hidden states.
+            mask: (N, T) {0, 1}, 1 on real tokens (right padding; at least one per row).
+            token_embeds: (N, T, d) float, the experience's input token embeddings (constants).
+
+        Returns:
+            (N, K, d) float latents in the compressor's dtype.
+        """
+        weights = self.pointers(hidden, mask)  # [N, K, T]
+        copied = torch.einsum("nkt,ntd->nkd", weights, token_embeds.to(weights.dtype))
+        homes = self.homes(mask.bool())
+        home_hidden = hidden.to(weights.dtype).gather(1, homes[..., None].expand(-1, -1, self.d_model))
+        return copied + torch.tanh(self.gate) * self.norm_out(self.proj(home_hidden))

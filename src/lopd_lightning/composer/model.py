@@ -12,6 +12,9 @@ compressors Comp_chi turn one experience into K latent tokens (``architecture``)
   docs/METHOD.md section 3, "Deviation" gives the measurement that made it the default.
 - ``"perceiver"`` (the paper's): the encoder's last hidden states H_j (T_j x d) go through a Perceiver
   resampler (:class:`PerceiverResampler`): K learned queries, a shared block applied ``depth`` times.
+- ``"pointer"`` (this project's): K soft pointers into the experience's own tokens (:class:`TokenPointer`):
+  each latent is a mixture of the experience's input token embeddings, started at its last K tokens, plus a
+  gated residual of the encoder's hidden state, so the frozen teacher reads the latents from the first step.
 
 So J experiences give J*K latents of the backbone's hidden size d. ``hidden_states[-1]`` of the model
 output is, in transformers 5, the output of the final norm (the vectors the LM head reads).
@@ -42,7 +45,7 @@ from peft import PeftModel
 from torch import Tensor, nn
 
 from lopd_lightning.adapters import COMPOSER, composer_lora_parameters, use_adapter
-from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler
+from lopd_lightning.composer.compressors import MemoryTokens, PerceiverResampler, TokenPointer
 from lopd_lightning.sharding import plain
 from lopd_lightning.text import encode_data
 
@@ -62,7 +65,7 @@ __all__ = [
 ]
 
 #: the compressors a composer may use (``LatentComposer(architecture=...)``)
-ARCHITECTURES = ("memory_tokens", "perceiver")
+ARCHITECTURES = ("memory_tokens", "perceiver", "pointer")
 
 #: Clip norms of docs/METHOD.md section 5 (composer cold start): 30 for the compressor, 3 for the LoRA.
 COMPRESSOR_CLIP = 30.0
@@ -126,8 +129,8 @@ class LatentComposer(nn.Module):
             without registration (see the module docstring), never copied.
         tokenizer: the backbone's tokenizer (its pad id pads; its special tokens are added as for any
             text, e.g. a BOS for Llama tokenizers, the EOS for ByT5).
-        architecture: ``"memory_tokens"`` (:class:`MemoryTokens`, the default) or ``"perceiver"``
-            (:class:`PerceiverResampler`, the paper's).
+        architecture: ``"memory_tokens"`` (:class:`MemoryTokens`, the default), ``"perceiver"``
+            (:class:`PerceiverResampler`, the paper's) or ``"pointer"`` (:class:`TokenPointer`).
         num_latents: K per experience (the paper: 32).
         depth: Perceiver depth, weights shared (8; the perceiver only).
         num_heads: Perceiver heads; the backbone's ``num_attention_heads`` when None (head width from the
@@ -179,6 +182,9 @@ class LatentComposer(nn.Module):
         if architecture == "memory_tokens":
             self.compressor: nn.Module = MemoryTokens(d, num_latents=num_latents, init_embeddings=embeddings,
                                                       output_gain=gain)
+            return
+        if architecture == "pointer":
+            self.compressor = TokenPointer(d, num_latents=num_latents, output_gain=gain)
             return
         heads = num_heads if num_heads is not None else config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) if num_heads is None else None
@@ -275,7 +281,7 @@ class LatentComposer(nn.Module):
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Enc_psi: the backbone under the composer LoRA over (N, T) right-padded ids and mask, its last hidden
-        states: (N, T, d) at every position (``"perceiver"``), or (N, K, d) at the K memory positions appended
+        states: (N, T, d) at every position (``"perceiver"``, ``"pointer"``), or (N, K, d) at the K memory positions appended
         after each row's tokens (``"memory_tokens"``, :meth:`MemoryTokens.append_to`).
 
         Only psi (and the memory embeddings) can receive gradients from this pass
@@ -308,6 +314,9 @@ class LatentComposer(nn.Module):
         hidden = self.encode(input_ids, attention_mask)
         if self.architecture == "memory_tokens":
             return self.compressor(hidden)
+        if self.architecture == "pointer":
+            token_embeds = self.backbone.get_input_embeddings()(input_ids).detach()  # constants, as the teacher's
+            return self.compressor(hidden, attention_mask, token_embeds)
         return self.compressor(hidden, attention_mask)
 
     def forward(
