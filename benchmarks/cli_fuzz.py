@@ -331,7 +331,7 @@ CHOICES: tuple[tuple[str, tuple[str, ...] | None, tuple[str, ...]], ...] = (
     ("model.init_args.embedder", ("lopd", "opsd"), ("minilm", "backbone", "hashing")),
     ("model.init_args.context_framing", ("lopd", "opsd"), ("short", "from_scratch")),
     ("model.init_args.margin_weighting", ("lopd",), ("paper", "balanced")),
-    ("model.init_args.composer_architecture", ("lopd",), ("memory_tokens", "perceiver")),
+    ("model.init_args.composer_architecture", ("lopd",), ("memory_tokens", "perceiver", "pointer")),
     ("model.init_args.composer_kl_mean", ("lopd",), ("token", "rollout")),
     ("model.init_args.warm_start_lr_schedule", ("lopd",), ("constant", "cosine")),
     ("model.init_args.privileged_context", ("opsd",), ("reference", "retrieved")),

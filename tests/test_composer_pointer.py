@@ -114,3 +114,15 @@ def test_a_composer_with_pointers_carries_each_experience():
         tail = embeddings(batch.input_ids[row, 0, n - 4:n])
         torch.testing.assert_close(out.latents[row].detach(), tail.detach(), atol=1e-5, rtol=0)
     assert not torch.allclose(out.latents[0], out.latents[1])
+
+
+def test_no_scalar_parameters_and_scalar_ones_still_load():
+    """FSDP2's fully_shard refuses 0-dim parameters: the pointer's two scalars are (1,) tensors; a composer saved
+    while they were 0-dim loads into them."""
+    pointer = TokenPointer(D, num_latents=2)
+    assert all(p.dim() >= 1 for p in pointer.parameters())
+    state = {k: (v.reshape(()) if k in ("sharpness_raw", "gate") else v) for k, v in pointer.state_dict().items()}
+    state["gate"] = torch.tensor(0.25)
+    fresh = TokenPointer(D, num_latents=2)
+    fresh.load_state_dict(state)
+    assert fresh.gate.shape == (1,) and float(fresh.gate) == 0.25

@@ -238,9 +238,9 @@ class TokenPointer(nn.Module):
         self.d_model = d_model
         self.num_latents = num_latents
         self.query = nn.Linear(d_model, d_model, bias=False)
-        # softplus^-1(sharpness), stable for large values
-        self.sharpness_raw = nn.Parameter(torch.tensor(float(sharpness + math.log(-math.expm1(-sharpness)))))
-        self.gate = nn.Parameter(torch.zeros(()))
+        # softplus^-1(sharpness), stable for large values; shape (1,), not a scalar: FSDP2 shards no 0-dim parameter
+        self.sharpness_raw = nn.Parameter(torch.tensor([sharpness + math.log(-math.expm1(-sharpness))]))
+        self.gate = nn.Parameter(torch.zeros(1))
         self.proj = nn.Linear(d_model, d_model)
         self.norm_out = nn.LayerNorm(d_model)
         with torch.no_grad():
@@ -248,6 +248,14 @@ class TokenPointer(nn.Module):
             self.proj.weight.copy_(torch.eye(d_model))
             self.proj.bias.zero_()
             self.norm_out.weight.fill_(output_gain)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # composers saved before these two parameters had shape (1,) held them as scalars
+        for name in ("sharpness_raw", "gate"):
+            value = state_dict.get(prefix + name)
+            if value is not None and value.dim() == 0:
+                state_dict[prefix + name] = value.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def homes(self, mask: Tensor) -> Tensor:
         """(N, T) {0, 1} right-padded mask -> (N, K) long home positions ``tau_k`` (the last K real tokens)."""

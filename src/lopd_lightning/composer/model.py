@@ -315,7 +315,8 @@ class LatentComposer(nn.Module):
         if self.architecture == "memory_tokens":
             return self.compressor(hidden)
         if self.architecture == "pointer":
-            token_embeds = self.backbone.get_input_embeddings()(input_ids).detach()  # constants, as the teacher's
+            with use_adapter(self.backbone, self.adapter_name, grads="adapter"):  # as the memory tokens' lookup
+                token_embeds = self.backbone.get_input_embeddings()(input_ids).detach()  # constants
             return self.compressor(hidden, attention_mask, token_embeds)
         return self.compressor(hidden, attention_mask)
 
