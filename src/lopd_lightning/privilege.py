@@ -58,6 +58,7 @@ __all__ = ["PrivilegeCheck", "PrivilegeReport", "RequestContext", "check_privile
 
 #: the config keys an LOPD run whose teacher is not privileged should look at (the warning names them)
 LOPD_KEYS = (
+    "model.init_args.composer_architecture (pointer: latents the frozen teacher reads from the start)",
     "model.init_args.allow_self_retrieval",
     "model.init_args.composer_path (its pretraining: warm_start_self_retrieval, warm_start_steps)",
     "model.init_args.context_framing",
