@@ -266,6 +266,10 @@ class TokenPointer(nn.Module):
 
     def pointers(self, hidden: Tensor, mask: Tensor) -> Tensor:
         """The (N, K, T) float pointer weights a_k over the row's tokens (rows sum to 1; 0 on padding)."""
+        return self._point(hidden, mask)[0]
+
+    def _point(self, hidden: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(pointer weights (N, K, T), the home positions' hidden states h_tau (N, K, d)), in the compressor's dtype."""
         hidden = hidden.to(self.query.weight.dtype)
         mask = mask.bool()
         n, t, d = hidden.shape
@@ -275,7 +279,7 @@ class TokenPointer(nn.Module):
         distance = (torch.arange(t, device=hidden.device)[None, None, :] - homes[..., None]).abs()
         scores = scores - F.softplus(self.sharpness_raw) * distance.to(scores.dtype)
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-        return scores.softmax(dim=-1)
+        return scores.softmax(dim=-1), home_hidden
 
     def forward(self, hidden: Tensor, mask: Tensor, token_embeds: Tensor) -> Tensor:
         """Point.
@@ -288,8 +292,6 @@ class TokenPointer(nn.Module):
         Returns:
             (N, K, d) float latents in the compressor's dtype.
         """
-        weights = self.pointers(hidden, mask)  # [N, K, T]
+        weights, home_hidden = self._point(hidden, mask)  # [N, K, T], [N, K, d]
         copied = torch.einsum("nkt,ntd->nkd", weights, token_embeds.to(weights.dtype))
-        homes = self.homes(mask.bool())
-        home_hidden = hidden.to(weights.dtype).gather(1, homes[..., None].expand(-1, -1, self.d_model))
         return copied + torch.tanh(self.gate) * self.norm_out(self.proj(home_hidden))

@@ -281,8 +281,8 @@ class LatentComposer(nn.Module):
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Enc_psi: the backbone under the composer LoRA over (N, T) right-padded ids and mask, its last hidden
-        states: (N, T, d) at every position (``"perceiver"``, ``"pointer"``), or (N, K, d) at the K memory positions appended
-        after each row's tokens (``"memory_tokens"``, :meth:`MemoryTokens.append_to`).
+        states: (N, T, d) at every position (``"perceiver"``, ``"pointer"``), or (N, K, d) at the K memory positions
+        appended after each row's tokens (``"memory_tokens"``, :meth:`MemoryTokens.append_to`).
 
         Only psi (and the memory embeddings) can receive gradients from this pass
         (``use_adapter(..., grads="adapter")``): the base weights (frozen, or trainable for a full-parameter
